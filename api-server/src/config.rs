@@ -1,0 +1,270 @@
+//! Configuration, read once from the environment at start-up into typed structs. Every variable
+//! is documented with its default in the README's configuration table.
+
+use std::{fmt, net::SocketAddr, str::FromStr, time::Duration};
+
+/// A value that must never reach a log line or an error message.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret(String);
+
+impl Secret {
+    pub fn new(value: impl Into<String>) -> Secret {
+        Secret(value.into())
+    }
+
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Secret(****)")
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct Config {
+    pub database: DatabaseConfig,
+    pub grpc_listen_addr: SocketAddr,
+    pub stripe: StripeConfig,
+    pub idempotency: IdempotencyConfig,
+    pub price: Price,
+    /// The completer's credential: lets its holder call CreateRide on behalf of any user. Unset
+    /// disables on-behalf-of calls entirely.
+    pub internal_api_token: Option<Secret>,
+}
+
+#[derive(Clone, Debug)]
+pub struct DatabaseConfig {
+    /// May carry a password, hence secret.
+    pub url: Secret,
+    pub pool_size: u32,
+    /// How long a request waits for a pooled connection before it fails with UNAVAILABLE.
+    pub pool_timeout: Duration,
+}
+
+#[derive(Clone, Debug)]
+pub struct StripeConfig {
+    pub api_base: String,
+    pub secret_key: Secret,
+    pub timeout: Duration,
+}
+
+#[derive(Clone, Copy, Debug)]
+pub struct IdempotencyConfig {
+    /// A lock older than this is considered abandoned and may be taken over.
+    pub lock_timeout: Duration,
+    /// How long a key lives before the reaper retires it.
+    pub key_ttl: Duration,
+}
+
+/// The price of a ride, in the currency's smallest unit.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Price {
+    pub amount: i64,
+    pub currency: String,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("{name} is not valid: {reason}")]
+    Invalid { name: &'static str, reason: String },
+}
+
+pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/rocket_rides";
+pub const DEFAULT_GRPC_LISTEN_ADDR: &str = "127.0.0.1:50051";
+pub const DEFAULT_STRIPE_API_BASE: &str = "http://127.0.0.1:12111";
+/// Only meaningful against fake-stripe, which accepts any `sk_test_` key.
+pub const DEFAULT_STRIPE_SECRET_KEY: &str = "sk_test_rocket_rides_development";
+
+impl Config {
+    pub fn from_env() -> Result<Config, ConfigError> {
+        Config::from_lookup(|name| std::env::var(name).ok())
+    }
+
+    /// Reads configuration through `lookup`, so tests can configure without touching the process
+    /// environment.
+    pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Config, ConfigError> {
+        let vars = Vars(&lookup);
+        let price = Price {
+            amount: vars.parse("RIDE_PRICE_AMOUNT", 2000_i64)?,
+            currency: vars.string("RIDE_PRICE_CURRENCY", "usd"),
+        };
+        if price.amount <= 0 {
+            return Err(ConfigError::Invalid {
+                name: "RIDE_PRICE_AMOUNT",
+                reason: "must be a positive number of cents".into(),
+            });
+        }
+        if price.currency.len() != 3 || !price.currency.bytes().all(|b| b.is_ascii_lowercase()) {
+            return Err(ConfigError::Invalid {
+                name: "RIDE_PRICE_CURRENCY",
+                reason: "must be a lower-case ISO 4217 code such as usd".into(),
+            });
+        }
+        let config = Config {
+            database: DatabaseConfig {
+                url: Secret::new(vars.string("DATABASE_URL", DEFAULT_DATABASE_URL)),
+                pool_size: vars.parse("DATABASE_POOL_SIZE", 16_u32)?,
+                pool_timeout: Duration::from_millis(vars.parse("DATABASE_POOL_TIMEOUT_MS", 5000)?),
+            },
+            grpc_listen_addr: vars.parse(
+                "GRPC_LISTEN_ADDR",
+                SocketAddr::from(([127, 0, 0, 1], 50051)),
+            )?,
+            stripe: StripeConfig {
+                api_base: vars
+                    .string("STRIPE_API_BASE", DEFAULT_STRIPE_API_BASE)
+                    .trim_end_matches('/')
+                    .to_owned(),
+                secret_key: Secret::new(
+                    vars.string("STRIPE_SECRET_KEY", DEFAULT_STRIPE_SECRET_KEY),
+                ),
+                timeout: Duration::from_millis(vars.parse("STRIPE_TIMEOUT_MS", 30_000)?),
+            },
+            idempotency: IdempotencyConfig {
+                lock_timeout: Duration::from_secs(vars.parse("IDEMPOTENCY_LOCK_TIMEOUT_SECS", 90)?),
+                key_ttl: Duration::from_secs(
+                    vars.parse::<u32>("IDEMPOTENCY_KEY_TTL_HOURS", 72)?
+                        .max(1)
+                        .into(),
+                ) * 3600,
+            },
+            price,
+            internal_api_token: lookup("INTERNAL_API_TOKEN")
+                .filter(|token| !token.is_empty())
+                .map(Secret::new),
+        };
+        if config
+            .internal_api_token
+            .as_ref()
+            .is_some_and(|token| token.expose().len() < 32)
+        {
+            return Err(ConfigError::Invalid {
+                name: "INTERNAL_API_TOKEN",
+                reason: "must be at least 32 characters".into(),
+            });
+        }
+        if config.database.pool_size == 0 {
+            return Err(ConfigError::Invalid {
+                name: "DATABASE_POOL_SIZE",
+                reason: "must be at least 1".into(),
+            });
+        }
+        // The lock must outlive a charge that is still waiting on the provider, or a second
+        // attempt could take the key over while the first is mid-charge.
+        if config.idempotency.lock_timeout <= config.stripe.timeout {
+            return Err(ConfigError::Invalid {
+                name: "IDEMPOTENCY_LOCK_TIMEOUT_SECS",
+                reason: "must be longer than STRIPE_TIMEOUT_MS".into(),
+            });
+        }
+        Ok(config)
+    }
+}
+
+struct Vars<'a>(&'a dyn Fn(&str) -> Option<String>);
+
+impl Vars<'_> {
+    fn string(&self, name: &str, default: &str) -> String {
+        (self.0)(name)
+            .filter(|value| !value.is_empty())
+            .unwrap_or_else(|| default.to_owned())
+    }
+
+    fn parse<T>(&self, name: &'static str, default: T) -> Result<T, ConfigError>
+    where
+        T: FromStr,
+        T::Err: fmt::Display,
+    {
+        match (self.0)(name).filter(|value| !value.is_empty()) {
+            None => Ok(default),
+            Some(raw) => raw
+                .trim()
+                .parse()
+                .map_err(|error: T::Err| ConfigError::Invalid {
+                    name,
+                    reason: error.to_string(),
+                }),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use super::*;
+
+    fn config(vars: &[(&str, &str)]) -> Result<Config, ConfigError> {
+        let vars: HashMap<String, String> = vars
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        Config::from_lookup(|name| vars.get(name).cloned())
+    }
+
+    #[test]
+    fn defaults_match_the_readme() {
+        let config = config(&[]).unwrap();
+        assert_eq!(
+            config.grpc_listen_addr.to_string(),
+            DEFAULT_GRPC_LISTEN_ADDR
+        );
+        assert_eq!(config.database.url.expose(), DEFAULT_DATABASE_URL);
+        assert_eq!(config.database.pool_size, 16);
+        assert_eq!(config.stripe.timeout, Duration::from_secs(30));
+        assert_eq!(config.stripe.api_base, DEFAULT_STRIPE_API_BASE);
+        assert_eq!(config.idempotency.lock_timeout, Duration::from_secs(90));
+        assert_eq!(config.idempotency.key_ttl, Duration::from_secs(72 * 3600));
+        assert_eq!(
+            config.price,
+            Price {
+                amount: 2000,
+                currency: "usd".into()
+            }
+        );
+    }
+
+    #[test]
+    fn rejects_bad_values_by_name() {
+        for (vars, name) in [
+            (vec![("DATABASE_POOL_SIZE", "many")], "DATABASE_POOL_SIZE"),
+            (vec![("DATABASE_POOL_SIZE", "0")], "DATABASE_POOL_SIZE"),
+            (vec![("RIDE_PRICE_AMOUNT", "-5")], "RIDE_PRICE_AMOUNT"),
+            (vec![("RIDE_PRICE_CURRENCY", "USD")], "RIDE_PRICE_CURRENCY"),
+            (vec![("GRPC_LISTEN_ADDR", "nowhere")], "GRPC_LISTEN_ADDR"),
+            (vec![("INTERNAL_API_TOKEN", "short")], "INTERNAL_API_TOKEN"),
+            (
+                vec![
+                    ("IDEMPOTENCY_LOCK_TIMEOUT_SECS", "10"),
+                    ("STRIPE_TIMEOUT_MS", "30000"),
+                ],
+                "IDEMPOTENCY_LOCK_TIMEOUT_SECS",
+            ),
+        ] {
+            match config(&vars) {
+                Err(ConfigError::Invalid { name: got, .. }) => assert_eq!(got, name),
+                Ok(_) => panic!("{vars:?} was accepted"),
+            }
+        }
+    }
+
+    #[test]
+    fn secrets_stay_out_of_debug_output() {
+        let config = config(&[
+            ("STRIPE_SECRET_KEY", "sk_live_very_secret"),
+            ("DATABASE_URL", "postgres://u:hunter2@db/x"),
+            (
+                "INTERNAL_API_TOKEN",
+                "internal-token-that-is-long-enough-0123",
+            ),
+        ])
+        .unwrap();
+        let printed = format!("{config:?}");
+        assert!(!printed.contains("very_secret"));
+        assert!(!printed.contains("hunter2"));
+        assert!(!printed.contains("long-enough"));
+    }
+}

@@ -1,0 +1,218 @@
+//! The gRPC transport: reads metadata (credentials, idempotency key), converts requests into
+//! domain values with `TryFrom`, calls `crate::rides`, and maps every domain result to a response
+//! or a `Status` in one exhaustive match. Nothing here decides business outcomes.
+
+mod status;
+
+use std::{
+    net::{IpAddr, Ipv4Addr},
+    sync::Arc,
+};
+
+use proto::v1::{
+    CreateRideRequest, CreateRideResponse, GetRideRequest, Ride, ride_service_server::RideService,
+};
+use schema::models::User;
+use tokio_util::task::TaskTracker;
+use tonic::{
+    Request, Response, Status,
+    metadata::{MetadataMap, MetadataValue},
+};
+
+use crate::{
+    App, auth,
+    config::Secret,
+    idempotency::IdempotencyKey,
+    rides::{CreateRideReply, FieldViolation, Outcome, RideParams, RideRequest, RideView, Rides},
+};
+
+pub use status::{ERROR_DOMAIN, reason};
+
+pub const IDEMPOTENCY_KEY_HEADER: &str = "idempotency-key";
+/// With the internal credential only: the id of the user the call is made for.
+pub const ON_BEHALF_OF_HEADER: &str = "on-behalf-of-user";
+pub const REPLAYED_HEADER: &str = "idempotent-replayed";
+pub const EXPIRES_AT_HEADER: &str = "idempotency-key-expires-at";
+
+/// The `rides.v1.RideService` implementation.
+pub struct RideApi {
+    rides: Arc<Rides>,
+    internal_api_token: Option<Secret>,
+    /// CreateRide runs in tasks tracked here, so that shutdown can wait for them.
+    tasks: TaskTracker,
+}
+
+impl RideApi {
+    pub fn new(app: App, tasks: TaskTracker) -> RideApi {
+        RideApi {
+            rides: app.rides,
+            internal_api_token: app.internal_api_token,
+            tasks,
+        }
+    }
+
+    /// The caller's user: the owner of a user token, or, for the internal credential, the user
+    /// named in `on-behalf-of-user`.
+    async fn authenticate(&self, metadata: &MetadataMap) -> Result<User, Status> {
+        let header = metadata
+            .get("authorization")
+            .ok_or_else(status::missing_credentials)?;
+        let token = header
+            .to_str()
+            .ok()
+            .and_then(auth::bearer_token)
+            .ok_or_else(status::invalid_credentials)?;
+        let on_behalf_of = metadata.get(ON_BEHALF_OF_HEADER);
+        let is_internal = self
+            .internal_api_token
+            .as_ref()
+            .is_some_and(|internal| auth::is_internal_token(token, internal.expose()));
+        let user = match (is_internal, on_behalf_of) {
+            (false, None) => auth::authenticate(self.rides.pool(), token).await,
+            (false, Some(_)) => return Err(status::on_behalf_of_not_allowed()),
+            (true, None) => return Err(status::on_behalf_of_required()),
+            (true, Some(user_id)) => {
+                let user_id = user_id
+                    .to_str()
+                    .ok()
+                    .and_then(|id| id.parse::<i64>().ok())
+                    .ok_or_else(status::on_behalf_of_required)?;
+                auth::user_by_id(self.rides.pool(), user_id).await
+            }
+        };
+        user.map_err(status::store_error)?
+            .ok_or_else(status::invalid_credentials)
+    }
+}
+
+impl TryFrom<CreateRideRequest> for RideParams {
+    type Error = Vec<FieldViolation>;
+
+    fn try_from(request: CreateRideRequest) -> Result<RideParams, Self::Error> {
+        RideParams::new(
+            request.origin_lat,
+            request.origin_lon,
+            request.target_lat,
+            request.target_lon,
+        )
+    }
+}
+
+impl From<RideView> for Ride {
+    fn from(ride: RideView) -> Ride {
+        Ride {
+            id: ride.id,
+            origin_lat: ride.origin_lat,
+            origin_lon: ride.origin_lon,
+            target_lat: ride.target_lat,
+            target_lon: ride.target_lon,
+            charge_id: ride.charge_id.unwrap_or_default(),
+            amount: ride.amount,
+            currency: ride.currency,
+            created_at: Some(prost_types::Timestamp {
+                seconds: ride.created_at.timestamp(),
+                // Always below 2e9, so the conversion cannot fail.
+                nanos: i32::try_from(ride.created_at.timestamp_subsec_nanos()).unwrap_or(0),
+            }),
+        }
+    }
+}
+
+fn idempotency_key(metadata: &MetadataMap) -> Result<IdempotencyKey, Status> {
+    let raw = metadata
+        .get(IDEMPOTENCY_KEY_HEADER)
+        .ok_or_else(|| status::invalid_key("the idempotency-key metadata is required"))?;
+    let raw = raw
+        .to_str()
+        .map_err(|_| status::invalid_key("the idempotency-key must be visible ASCII"))?;
+    IdempotencyKey::parse(raw).map_err(|error| status::invalid_key(&error.to_string()))
+}
+
+#[tonic::async_trait]
+impl RideService for RideApi {
+    async fn create_ride(
+        &self,
+        request: Request<CreateRideRequest>,
+    ) -> Result<Response<CreateRideResponse>, Status> {
+        let fresh = |mut status: Status| {
+            status
+                .metadata_mut()
+                .insert(REPLAYED_HEADER, MetadataValue::from_static("false"));
+            status
+        };
+        let user = self.authenticate(request.metadata()).await.map_err(fresh)?;
+        let key = idempotency_key(request.metadata()).map_err(fresh)?;
+        let origin_ip = request
+            .remote_addr()
+            .map_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED), |addr| addr.ip());
+        let params = RideParams::try_from(request.into_inner())
+            .map_err(|violations| fresh(status::invalid_params(&violations)))?;
+        let ride_request = RideRequest {
+            user,
+            params,
+            origin_ip,
+        };
+        let rides = Arc::clone(&self.rides);
+        // Detached from the request: a client that hangs up must not cut a phase or a charge in
+        // half. The attempt runs to its end and unlocks the key.
+        let reply = self
+            .tasks
+            .spawn(async move { rides.create_ride(&key, &ride_request).await })
+            .await
+            .map_err(|error| {
+                tracing::error!(%error, "CreateRide task failed");
+                fresh(status::internal())
+            })?;
+        into_response(reply)
+    }
+
+    async fn get_ride(&self, request: Request<GetRideRequest>) -> Result<Response<Ride>, Status> {
+        let user = self.authenticate(request.metadata()).await?;
+        let ride_id = request.into_inner().id;
+        self.rides
+            .get_ride(user.id, ride_id)
+            .await
+            .map_err(status::store_error)?
+            .map(|ride| Response::new(Ride::from(ride)))
+            .ok_or_else(status::ride_not_found)
+    }
+}
+
+/// The one place a CreateRide result becomes a gRPC answer, for fresh and replayed outcomes alike.
+fn into_response(reply: CreateRideReply) -> Result<Response<CreateRideResponse>, Status> {
+    let stamp = |metadata: &mut MetadataMap| {
+        metadata.insert(
+            REPLAYED_HEADER,
+            MetadataValue::from_static(if reply.replayed { "true" } else { "false" }),
+        );
+        if let Some(expires_at) = reply.key_expires_at
+            && let Ok(value) = expires_at
+                .to_rfc3339_opts(chrono::SecondsFormat::Millis, true)
+                .parse()
+        {
+            metadata.insert(EXPIRES_AT_HEADER, value);
+        }
+    };
+    let result = match reply.result {
+        Ok(Outcome::RideCreated { ride, message }) => Ok(CreateRideResponse {
+            ride: Some(Ride::from(ride)),
+            message,
+        }),
+        Ok(Outcome::CardDeclined {
+            message,
+            decline_code,
+        }) => Err(status::card_declined(&message, decline_code.as_deref())),
+        Err(error) => Err(status::create_ride_error(error)),
+    };
+    match result {
+        Ok(body) => {
+            let mut response = Response::new(body);
+            stamp(response.metadata_mut());
+            Ok(response)
+        }
+        Err(mut status) => {
+            stamp(status.metadata_mut());
+            Err(status)
+        }
+    }
+}

@@ -1,0 +1,195 @@
+//! Every error this API returns, with its `google.rpc.ErrorInfo` reason. Clients branch on the
+//! reason, so the reasons are part of the contract (listed in the README).
+
+use std::{collections::HashMap, time::Duration};
+
+use tonic::{Code, Status};
+use tonic_types::{ErrorDetails, StatusExt};
+
+use crate::{
+    idempotency::StoreError,
+    rides::{CreateRideError, FieldViolation},
+};
+
+pub const ERROR_DOMAIN: &str = "rides.rocketrides.io";
+
+/// `ErrorInfo.reason` values.
+pub mod reason {
+    pub const MISSING_CREDENTIALS: &str = "MISSING_CREDENTIALS";
+    pub const INVALID_CREDENTIALS: &str = "INVALID_CREDENTIALS";
+    pub const ON_BEHALF_OF_NOT_ALLOWED: &str = "ON_BEHALF_OF_NOT_ALLOWED";
+    pub const ON_BEHALF_OF_REQUIRED: &str = "ON_BEHALF_OF_REQUIRED";
+    pub const INVALID_IDEMPOTENCY_KEY: &str = "INVALID_IDEMPOTENCY_KEY";
+    pub const INVALID_RIDE_PARAMETERS: &str = "INVALID_RIDE_PARAMETERS";
+    pub const IDEMPOTENCY_KEY_REUSED: &str = "IDEMPOTENCY_KEY_REUSED";
+    pub const IDEMPOTENCY_KEY_IN_USE: &str = "IDEMPOTENCY_KEY_IN_USE";
+    pub const IDEMPOTENCY_KEY_LOCK_LOST: &str = "IDEMPOTENCY_KEY_LOCK_LOST";
+    pub const CONCURRENCY_CONFLICT: &str = "CONCURRENCY_CONFLICT";
+    pub const CARD_DECLINED: &str = "CARD_DECLINED";
+    pub const PAYMENT_PROVIDER_UNAVAILABLE: &str = "PAYMENT_PROVIDER_UNAVAILABLE";
+    pub const DATABASE_UNAVAILABLE: &str = "DATABASE_UNAVAILABLE";
+    pub const RIDE_NOT_FOUND: &str = "RIDE_NOT_FOUND";
+    pub const INTERNAL: &str = "INTERNAL";
+}
+
+const RETRY_SOON: Duration = Duration::from_secs(1);
+const RETRY_PROVIDER: Duration = Duration::from_secs(2);
+
+fn error_info(reason: &str, metadata: HashMap<String, String>) -> ErrorDetails {
+    ErrorDetails::with_error_info(reason, ERROR_DOMAIN, metadata)
+}
+
+fn simple(code: Code, message: &str, reason: &str) -> Status {
+    Status::with_error_details(code, message, error_info(reason, HashMap::new()))
+}
+
+fn retryable(code: Code, message: &str, reason: &str, after: Duration) -> Status {
+    let mut details = error_info(reason, HashMap::new());
+    details.set_retry_info(Some(after));
+    Status::with_error_details(code, message, details)
+}
+
+pub fn missing_credentials() -> Status {
+    simple(
+        Code::Unauthenticated,
+        "authorization metadata with a Bearer token is required",
+        reason::MISSING_CREDENTIALS,
+    )
+}
+
+pub fn invalid_credentials() -> Status {
+    simple(
+        Code::Unauthenticated,
+        "the Bearer token is not valid",
+        reason::INVALID_CREDENTIALS,
+    )
+}
+
+pub fn on_behalf_of_not_allowed() -> Status {
+    simple(
+        Code::PermissionDenied,
+        "only the internal credential may act on behalf of a user",
+        reason::ON_BEHALF_OF_NOT_ALLOWED,
+    )
+}
+
+pub fn on_behalf_of_required() -> Status {
+    simple(
+        Code::Unauthenticated,
+        "the internal credential requires on-behalf-of-user metadata with a user id",
+        reason::ON_BEHALF_OF_REQUIRED,
+    )
+}
+
+pub fn invalid_key(description: &str) -> Status {
+    let mut details = error_info(reason::INVALID_IDEMPOTENCY_KEY, HashMap::new());
+    details.add_bad_request_violation("idempotency-key", description);
+    Status::with_error_details(
+        Code::InvalidArgument,
+        format!("invalid idempotency-key metadata: {description}"),
+        details,
+    )
+}
+
+pub fn invalid_params(violations: &[FieldViolation]) -> Status {
+    let mut details = error_info(reason::INVALID_RIDE_PARAMETERS, HashMap::new());
+    for violation in violations {
+        details.add_bad_request_violation(violation.field, &violation.description);
+    }
+    let summary = violations
+        .iter()
+        .map(|violation| violation.description.as_str())
+        .collect::<Vec<_>>()
+        .join("; ");
+    Status::with_error_details(Code::InvalidArgument, summary, details)
+}
+
+pub fn card_declined(message: &str, decline_code: Option<&str>) -> Status {
+    // At most one metadata entry: the details are encoded from a map, and a replay must encode
+    // to the same bytes as the first answer.
+    let metadata = decline_code
+        .map(|code| HashMap::from([("decline_code".to_owned(), code.to_owned())]))
+        .unwrap_or_default();
+    Status::with_error_details(
+        Code::FailedPrecondition,
+        message,
+        error_info(reason::CARD_DECLINED, metadata),
+    )
+}
+
+pub fn ride_not_found() -> Status {
+    simple(Code::NotFound, "ride not found", reason::RIDE_NOT_FOUND)
+}
+
+pub fn internal() -> Status {
+    simple(Code::Internal, "internal error", reason::INTERNAL)
+}
+
+pub fn store_error(error: StoreError) -> Status {
+    create_ride_error(error.into())
+}
+
+pub fn create_ride_error(error: CreateRideError) -> Status {
+    match error {
+        CreateRideError::KeyReused => simple(
+            Code::FailedPrecondition,
+            "this idempotency key was already used with different parameters",
+            reason::IDEMPOTENCY_KEY_REUSED,
+        ),
+        CreateRideError::KeyInUse => retryable(
+            Code::Aborted,
+            "another request with this idempotency key is in progress",
+            reason::IDEMPOTENCY_KEY_IN_USE,
+            RETRY_SOON,
+        ),
+        CreateRideError::LockLost => retryable(
+            Code::Aborted,
+            "another attempt took over this idempotency key; retry to see its outcome",
+            reason::IDEMPOTENCY_KEY_LOCK_LOST,
+            RETRY_SOON,
+        ),
+        CreateRideError::Contended(error) => {
+            tracing::warn!(error = %error_chain(&error), "giving up on a contended request");
+            retryable(
+                Code::Aborted,
+                "the request conflicted with concurrent requests",
+                reason::CONCURRENCY_CONFLICT,
+                RETRY_SOON,
+            )
+        }
+        CreateRideError::DatabaseUnavailable(error) => {
+            tracing::error!(error = %error_chain(&error), "database unavailable");
+            retryable(
+                Code::Unavailable,
+                "the service is temporarily unavailable",
+                reason::DATABASE_UNAVAILABLE,
+                RETRY_SOON,
+            )
+        }
+        CreateRideError::ProviderUnavailable(error) => {
+            tracing::warn!(error = %error_chain(&error), "payment provider unavailable");
+            retryable(
+                Code::Unavailable,
+                "the payment provider is temporarily unavailable; retry with the same idempotency key",
+                reason::PAYMENT_PROVIDER_UNAVAILABLE,
+                RETRY_PROVIDER,
+            )
+        }
+        CreateRideError::Internal(error) => {
+            tracing::error!(error = %error_chain(error.as_ref()), "internal error");
+            internal()
+        }
+    }
+}
+
+/// `error: cause: cause…`, so a log line keeps the whole chain.
+fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}

@@ -1,0 +1,384 @@
+//! The idempotency engine: claiming a key, running atomic phases that are fenced by the claim,
+//! retrying transient database conflicts, and releasing a key. It knows nothing of rides or of
+//! gRPC; `crate::rides` drives it through the CreateRide phases.
+//!
+//! # Isolation level
+//! Every transaction here runs at READ COMMITTED. What must be serialised is all the work done
+//! for one key, and that is done explicitly: each phase first takes the key row's lock
+//! (`SELECT … FOR NO KEY UPDATE`) and checks its fencing token in the same transaction, so two
+//! attempts on one key run their phases strictly one after the other, and an attempt whose lock
+//! was taken over finds its token gone and commits nothing. Work on different keys shares no rows
+//! that need to be read consistently, so SERIALIZABLE would only add false conflicts (the seed's
+//! design loses most of its throughput to them under concurrency). The schema backs this up with
+//! constraints (one ride per key, one key per user and key string, a closed set of recovery
+//! points). Serialization failures and deadlocks can still surface (for instance from a future
+//! migration or an operator's transaction), so phases retry them, bounded and with jitter.
+
+mod key;
+
+use std::{future::Future, time::Duration};
+
+use chrono::{DateTime, Utc};
+use diesel::{
+    ExpressionMethods, OptionalExtension, QueryDsl, SelectableHelper,
+    result::{DatabaseErrorKind, Error as DieselError},
+};
+use diesel_async::{AsyncPgConnection, RunQueryDsl};
+use rand::Rng;
+use schema::{
+    Pool, PoolError, RecoveryPoint,
+    models::{IdempotencyKey as KeyRow, NewIdempotencyKey},
+    schema::idempotency_keys,
+};
+use scoped_futures::ScopedBoxFuture;
+use uuid::Uuid;
+
+pub use key::{IdempotencyKey, InvalidKey, MAX_LEN, MIN_LEN};
+
+/// What identifies a request beyond its key: a key reused for anything else is refused.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RequestSignature {
+    pub method: &'static str,
+    pub path: &'static str,
+    pub params: serde_json::Value,
+}
+
+/// Proof that this attempt owns a key. Every phase checks `token` against the row in its own
+/// transaction; the holder of an older token can no longer commit.
+#[derive(Clone, Debug)]
+pub struct Lease {
+    pub key_id: i64,
+    pub user_id: i64,
+    pub token: Uuid,
+    pub recovery_point: RecoveryPoint,
+}
+
+/// A final outcome stored on a finished key, replayed as it was first answered.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StoredResponse {
+    pub code: i32,
+    pub body: serde_json::Value,
+}
+
+/// What the claim decided, in the order of precedence the design requires.
+#[derive(Debug)]
+pub enum Claim {
+    /// The key was reused with different parameters.
+    Mismatch,
+    /// The key is finished: replay its stored outcome.
+    Replay(StoredResponse),
+    /// Another attempt holds a live lock on the key.
+    InUse,
+    /// This attempt owns the key (new, unlocked, or taken over from an expired lock) and resumes
+    /// at `lease.recovery_point`.
+    Execute(Lease),
+}
+
+#[derive(Debug)]
+pub struct Claimed {
+    pub claim: Claim,
+    /// When the key was first created; it expires a fixed time after that.
+    pub key_created_at: DateTime<Utc>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("this attempt no longer holds the idempotency key's lock")]
+    LockLost,
+    #[error("gave up after {attempts} attempts that hit serialization failures or deadlocks")]
+    Contended {
+        attempts: u32,
+        #[source]
+        source: DieselError,
+    },
+    #[error("no database connection became available")]
+    Unavailable(#[source] PoolError),
+    #[error("the stored outcome of a finished key is unreadable")]
+    CorruptStoredResponse,
+    #[error("database error")]
+    Database(#[from] DieselError),
+}
+
+/// How often and how patiently a transaction that hit a serialization failure or deadlock is
+/// run again.
+#[derive(Clone, Copy, Debug)]
+pub struct RetryPolicy {
+    pub max_attempts: u32,
+    pub base_delay: Duration,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        RetryPolicy {
+            max_attempts: 6,
+            base_delay: Duration::from_millis(5),
+        }
+    }
+}
+
+/// True for errors that say "run the whole transaction again": SQLSTATE 40001 and 40P01.
+pub fn is_transient(error: &DieselError) -> bool {
+    match error {
+        DieselError::DatabaseError(DatabaseErrorKind::SerializationFailure, _) => true,
+        // diesel has no kind for 40P01; its message is fixed by PostgreSQL.
+        DieselError::DatabaseError(_, info) => info.message().starts_with("deadlock detected"),
+        _ => false,
+    }
+}
+
+/// Runs `run` (one whole transaction) until it succeeds, fails for a reason other than a
+/// serialization failure or deadlock, or `policy` is exhausted. Backoff is exponential with full
+/// jitter so that the transactions that collided do not collide again.
+pub async fn retry_transient<T, F, Fut>(policy: RetryPolicy, mut run: F) -> Result<T, StoreError>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, StoreError>>,
+{
+    let mut attempt = 1;
+    loop {
+        match run().await {
+            Err(StoreError::Database(error)) if is_transient(&error) => {
+                if attempt >= policy.max_attempts {
+                    return Err(StoreError::Contended {
+                        attempts: attempt,
+                        source: error,
+                    });
+                }
+                let ceiling = policy.base_delay.saturating_mul(1 << attempt.min(10));
+                let delay = rand::rng().random_range(Duration::ZERO..=ceiling);
+                tracing::debug!(attempt, ?delay, "retrying a transaction after a conflict");
+                tokio::time::sleep(delay).await;
+                attempt += 1;
+            }
+            other => return other,
+        }
+    }
+}
+
+/// Claims `key` for `user_id`: inserts it, or locks and inspects the existing row, in one
+/// READ COMMITTED transaction. `INSERT … ON CONFLICT DO NOTHING` waits for a concurrent inserter
+/// of the same key to finish, and the `SELECT … FOR UPDATE` that follows serialises the
+/// inspection with every other attempt on the key.
+pub async fn claim(
+    pool: &Pool,
+    policy: RetryPolicy,
+    user_id: i64,
+    key: &IdempotencyKey,
+    request: &RequestSignature,
+    lock_timeout: Duration,
+) -> Result<Claimed, StoreError> {
+    let lock_timeout = chrono::Duration::from_std(lock_timeout).unwrap_or(chrono::Duration::MAX);
+    loop {
+        let claimed = retry_transient(policy, || async {
+            let mut conn = pool.get().await.map_err(StoreError::Unavailable)?;
+            conn.build_transaction()
+                .read_committed()
+                .run(async |conn| claim_in(conn, user_id, key, request, lock_timeout).await)
+                .await
+        })
+        .await?;
+        // None: the row we conflicted with was deleted (reaped) before we could lock it. The
+        // next round inserts it afresh.
+        if let Some(claimed) = claimed {
+            return Ok(claimed);
+        }
+    }
+}
+
+async fn claim_in(
+    conn: &mut AsyncPgConnection,
+    user_id: i64,
+    key: &IdempotencyKey,
+    request: &RequestSignature,
+    lock_timeout: chrono::Duration,
+) -> Result<Option<Claimed>, StoreError> {
+    let token = Uuid::new_v4();
+    let inserted = diesel::insert_into(idempotency_keys::table)
+        .values((
+            NewIdempotencyKey {
+                idempotency_key: key.as_str(),
+                lock_token: token,
+                request_method: request.method,
+                request_path: request.path,
+                request_params: &request.params,
+                recovery_point: RecoveryPoint::Started,
+                user_id,
+            },
+            idempotency_keys::locked_at.eq(diesel::dsl::now),
+        ))
+        .on_conflict((idempotency_keys::user_id, idempotency_keys::idempotency_key))
+        .do_nothing()
+        .returning((idempotency_keys::id, idempotency_keys::created_at))
+        .get_result::<(i64, DateTime<Utc>)>(conn)
+        .await
+        .optional()?;
+    if let Some((key_id, created_at)) = inserted {
+        return Ok(Some(Claimed {
+            claim: Claim::Execute(Lease {
+                key_id,
+                user_id,
+                token,
+                recovery_point: RecoveryPoint::Started,
+            }),
+            key_created_at: created_at,
+        }));
+    }
+
+    let existing = idempotency_keys::table
+        .filter(idempotency_keys::user_id.eq(user_id))
+        .filter(idempotency_keys::idempotency_key.eq(key.as_str()))
+        .for_update()
+        .select((
+            KeyRow::as_select(),
+            diesel::dsl::sql::<diesel::sql_types::Timestamptz>("now()"),
+        ))
+        .first::<(KeyRow, DateTime<Utc>)>(conn)
+        .await
+        .optional()?;
+    let Some((row, now)) = existing else {
+        return Ok(None);
+    };
+    let claim = if row.request_method != request.method
+        || row.request_path != request.path
+        || row.request_params != request.params
+    {
+        Claim::Mismatch
+    } else if row.recovery_point == RecoveryPoint::Finished {
+        match (row.response_code, row.response_body) {
+            (Some(code), Some(body)) => Claim::Replay(StoredResponse { code, body }),
+            _ => return Err(StoreError::CorruptStoredResponse),
+        }
+    } else if row
+        .locked_at
+        .is_some_and(|locked_at| locked_at > now - lock_timeout)
+    {
+        Claim::InUse
+    } else {
+        diesel::update(idempotency_keys::table.find(row.id))
+            .set((
+                idempotency_keys::locked_at.eq(diesel::dsl::now),
+                idempotency_keys::lock_token.eq(token),
+                idempotency_keys::last_run_at.eq(diesel::dsl::now),
+            ))
+            .execute(conn)
+            .await?;
+        Claim::Execute(Lease {
+            key_id: row.id,
+            user_id,
+            token,
+            recovery_point: row.recovery_point,
+        })
+    };
+    Ok(Some(Claimed {
+        claim,
+        key_created_at: row.created_at,
+    }))
+}
+
+/// Runs one atomic phase: a READ COMMITTED transaction that first proves `lease` still owns the
+/// key (taking the key row's lock for the rest of the transaction), then runs `work`. Transient
+/// conflicts re-run the whole phase. `work` must be safe to run again from the start, which it is
+/// because a failed attempt's transaction was rolled back.
+pub async fn atomic_phase<'a, T, F>(
+    pool: &Pool,
+    policy: RetryPolicy,
+    lease: &'a Lease,
+    work: F,
+) -> Result<T, StoreError>
+where
+    T: Send + 'a,
+    F: for<'c> Fn(&'c mut AsyncPgConnection) -> ScopedBoxFuture<'a, 'c, Result<T, StoreError>>
+        + Send
+        + Sync
+        + 'a,
+{
+    let work = &work;
+    retry_transient(policy, || async move {
+        let mut conn = pool.get().await.map_err(StoreError::Unavailable)?;
+        conn.build_transaction()
+            .read_committed()
+            .run(async |conn| {
+                fence(conn, lease).await?;
+                work(conn).await
+            })
+            .await
+    })
+    .await
+}
+
+/// Locks the key row and checks the fencing token. Must be the first statement of a phase.
+async fn fence(conn: &mut AsyncPgConnection, lease: &Lease) -> Result<(), StoreError> {
+    idempotency_keys::table
+        .filter(idempotency_keys::id.eq(lease.key_id))
+        .filter(idempotency_keys::lock_token.eq(lease.token))
+        .select(idempotency_keys::id)
+        .for_no_key_update()
+        .first::<i64>(conn)
+        .await
+        .optional()?
+        .map(|_| ())
+        .ok_or(StoreError::LockLost)
+}
+
+/// Moves the key to `point`. Call inside an atomic phase, after the phase's own writes.
+pub async fn set_recovery_point(
+    conn: &mut AsyncPgConnection,
+    lease: &Lease,
+    point: RecoveryPoint,
+) -> Result<(), StoreError> {
+    let updated = diesel::update(idempotency_keys::table)
+        .filter(idempotency_keys::id.eq(lease.key_id))
+        .filter(idempotency_keys::lock_token.eq(lease.token))
+        .set(idempotency_keys::recovery_point.eq(point))
+        .execute(conn)
+        .await?;
+    if updated == 1 {
+        Ok(())
+    } else {
+        Err(StoreError::LockLost)
+    }
+}
+
+/// Stores the final outcome, marks the key finished and unlocks it. Call inside an atomic phase.
+pub async fn finish(
+    conn: &mut AsyncPgConnection,
+    lease: &Lease,
+    response: &StoredResponse,
+) -> Result<(), StoreError> {
+    let updated = diesel::update(idempotency_keys::table)
+        .filter(idempotency_keys::id.eq(lease.key_id))
+        .filter(idempotency_keys::lock_token.eq(lease.token))
+        .set((
+            idempotency_keys::recovery_point.eq(RecoveryPoint::Finished),
+            idempotency_keys::response_code.eq(response.code),
+            idempotency_keys::response_body.eq(&response.body),
+            idempotency_keys::locked_at.eq(None::<DateTime<Utc>>),
+            idempotency_keys::lock_token.eq(None::<Uuid>),
+        ))
+        .execute(conn)
+        .await?;
+    if updated == 1 {
+        Ok(())
+    } else {
+        Err(StoreError::LockLost)
+    }
+}
+
+/// Unlocks a key this attempt still owns so that a retry may continue at once, without waiting
+/// for the lock to expire. Releasing a lease that was taken over changes nothing.
+pub async fn release(pool: &Pool, policy: RetryPolicy, lease: &Lease) -> Result<bool, StoreError> {
+    retry_transient(policy, || async {
+        let mut conn = pool.get().await.map_err(StoreError::Unavailable)?;
+        let updated = diesel::update(idempotency_keys::table)
+            .filter(idempotency_keys::id.eq(lease.key_id))
+            .filter(idempotency_keys::lock_token.eq(lease.token))
+            .set((
+                idempotency_keys::locked_at.eq(None::<DateTime<Utc>>),
+                idempotency_keys::lock_token.eq(None::<Uuid>),
+            ))
+            .execute(&mut conn)
+            .await?;
+        Ok(updated == 1)
+    })
+    .await
+}

@@ -1,0 +1,49 @@
+//! The Rocket Rides payments API server.
+//!
+//! Layout, from the outside in:
+//! - [`server`]: assembles tonic with health and reflection, and drains on shutdown.
+//! - [`grpc`]: the transport. Metadata and messages in, `Status` and responses out.
+//! - [`rides`]: CreateRide as a state machine over recovery points (the domain).
+//! - [`idempotency`]: the engine underneath: key claims, fenced atomic phases, retries.
+//! - [`payments`]: the Stripe client and its error classification.
+//! - [`auth`]: API tokens, stored as digests.
+//! - [`config`]: typed configuration, read once from the environment.
+
+pub mod auth;
+pub mod config;
+pub mod grpc;
+pub mod idempotency;
+pub mod payments;
+pub mod rides;
+pub mod server;
+#[cfg(feature = "testing")]
+pub mod testing;
+
+use std::sync::Arc;
+
+use config::{Config, Secret};
+use payments::StripeClient;
+use rides::Rides;
+
+/// Everything a serving process shares between requests.
+#[derive(Clone)]
+pub struct App {
+    pub rides: Arc<Rides>,
+    pub internal_api_token: Option<Secret>,
+}
+
+impl App {
+    /// Builds the service from configuration. No connection is opened yet.
+    pub fn from_config(config: &Config) -> Result<App, reqwest::Error> {
+        let pool = schema::build_pool(
+            config.database.url.expose(),
+            config.database.pool_size,
+            config.database.pool_timeout,
+        );
+        let stripe = StripeClient::new(&config.stripe)?;
+        Ok(App {
+            rides: Rides::new(pool, stripe, config.price.clone(), config.idempotency),
+            internal_api_token: config.internal_api_token.clone(),
+        })
+    }
+}

@@ -1,0 +1,584 @@
+//! CreateRide as a state machine over recovery points. Each arm is one atomic phase, or the
+//! charge (a foreign state mutation, made with no transaction open and no pooled connection held)
+//! followed by the atomic phase that records its result:
+//!
+//! ```text
+//! claim ──► started ──tx──► ride_created ──charge──tx──► charge_created ──tx──► finished
+//!                                           └─decline──tx──────────────────────────┘
+//! ```
+//!
+//! A retry with the same key re-enters the loop at the key's recovery point; a finished key
+//! replays the outcome stored by the last phase. This module decides *what* happens; the
+//! idempotency engine (`crate::idempotency`) guarantees it happens once, and the gRPC layer
+//! (`crate::grpc`) turns the result into a response.
+
+use std::{net::IpAddr, sync::Arc, time::Duration};
+
+use chrono::{DateTime, Utc};
+use diesel::{ExpressionMethods, OptionalExtension, QueryDsl, SelectableHelper};
+use diesel_async::RunQueryDsl;
+use ipnet::IpNet;
+use schema::{
+    Pool, RecoveryPoint, SEND_RIDE_RECEIPT_JOB,
+    models::{NewAuditRecord, NewRide, NewStagedJob, Ride, User},
+    schema::{audit_records, rides, staged_jobs},
+};
+use scoped_futures::ScopedFutureExt;
+use serde::{Deserialize, Serialize};
+
+use crate::{
+    config::{IdempotencyConfig, Price},
+    idempotency::{
+        self, Claim, IdempotencyKey, Lease, RequestSignature, RetryPolicy, StoreError,
+        StoredResponse,
+    },
+    payments::{ChargeError, ChargeRequest, StripeClient},
+};
+
+pub const CREATE_RIDE_METHOD: &str = "POST";
+pub const CREATE_RIDE_PATH: &str = "/rides.v1.RideService/CreateRide";
+pub const PAYMENT_ACCEPTED: &str = "Payment accepted. Your pilot is on their way!";
+
+/// Stored response codes are gRPC status codes, because the stored outcome is replayed as the
+/// same gRPC answer.
+const CODE_OK: i32 = 0;
+const CODE_FAILED_PRECONDITION: i32 = 9;
+
+/// A ride request whose coordinates are finite and in range.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RideParams {
+    pub origin_lat: f64,
+    pub origin_lon: f64,
+    pub target_lat: f64,
+    pub target_lon: f64,
+}
+
+/// One field that failed validation.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FieldViolation {
+    pub field: &'static str,
+    pub description: String,
+}
+
+impl RideParams {
+    /// Validates raw coordinates, reporting every bad field at once.
+    pub fn new(
+        origin_lat: Option<f64>,
+        origin_lon: Option<f64>,
+        target_lat: Option<f64>,
+        target_lon: Option<f64>,
+    ) -> Result<RideParams, Vec<FieldViolation>> {
+        let mut violations = Vec::new();
+        let mut check = |field: &'static str, value: Option<f64>, limit: f64| match value {
+            None => {
+                violations.push(FieldViolation {
+                    field,
+                    description: format!("{field} is required"),
+                });
+                0.0
+            }
+            Some(value) if !value.is_finite() => {
+                violations.push(FieldViolation {
+                    field,
+                    description: format!("{field} must be a finite number"),
+                });
+                0.0
+            }
+            Some(value) if !(-limit..=limit).contains(&value) => {
+                violations.push(FieldViolation {
+                    field,
+                    description: format!("{field} must be between -{limit} and {limit}"),
+                });
+                0.0
+            }
+            // -0.0 and 0.0 are the same place; storing one spelling keeps retries comparable.
+            Some(value) => value + 0.0,
+        };
+        let params = RideParams {
+            origin_lat: check("origin_lat", origin_lat, 90.0),
+            origin_lon: check("origin_lon", origin_lon, 180.0),
+            target_lat: check("target_lat", target_lat, 90.0),
+            target_lon: check("target_lon", target_lon, 180.0),
+        };
+        if violations.is_empty() {
+            Ok(params)
+        } else {
+            Err(violations)
+        }
+    }
+
+    /// What the key is bound to: a retry must present the same.
+    pub fn signature(&self) -> RequestSignature {
+        RequestSignature {
+            method: CREATE_RIDE_METHOD,
+            path: CREATE_RIDE_PATH,
+            params: serde_json::json!({
+                "origin_lat": self.origin_lat,
+                "origin_lon": self.origin_lon,
+                "target_lat": self.target_lat,
+                "target_lon": self.target_lon,
+            }),
+        }
+    }
+}
+
+/// A ride as the API shows it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RideView {
+    pub id: i64,
+    pub origin_lat: f64,
+    pub origin_lon: f64,
+    pub target_lat: f64,
+    pub target_lon: f64,
+    pub charge_id: Option<String>,
+    pub amount: i64,
+    pub currency: String,
+    pub created_at: DateTime<Utc>,
+}
+
+impl From<Ride> for RideView {
+    fn from(ride: Ride) -> RideView {
+        RideView {
+            id: ride.id,
+            origin_lat: ride.origin_lat,
+            origin_lon: ride.origin_lon,
+            target_lat: ride.target_lat,
+            target_lon: ride.target_lon,
+            charge_id: ride.stripe_charge_id,
+            amount: ride.amount,
+            currency: ride.currency,
+            created_at: ride.created_at,
+        }
+    }
+}
+
+/// A final outcome: stored on the key by the phase that reaches it, and replayed from there.
+/// Fresh answers are built from the same stored value, so a replay is identical to the original.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "outcome", rename_all = "snake_case")]
+pub enum Outcome {
+    RideCreated {
+        ride: RideView,
+        message: String,
+    },
+    CardDeclined {
+        message: String,
+        decline_code: Option<String>,
+    },
+}
+
+impl Outcome {
+    fn to_stored(&self) -> Result<StoredResponse, StoreError> {
+        let code = match self {
+            Outcome::RideCreated { .. } => CODE_OK,
+            Outcome::CardDeclined { .. } => CODE_FAILED_PRECONDITION,
+        };
+        let body = serde_json::to_value(self).map_err(|_| StoreError::CorruptStoredResponse)?;
+        Ok(StoredResponse { code, body })
+    }
+
+    fn from_stored(stored: StoredResponse) -> Result<Outcome, StoreError> {
+        serde_json::from_value(stored.body).map_err(|_| StoreError::CorruptStoredResponse)
+    }
+}
+
+/// Why a CreateRide attempt ended without a final outcome.
+#[derive(Debug, thiserror::Error)]
+pub enum CreateRideError {
+    #[error("the idempotency key was used with different parameters")]
+    KeyReused,
+    #[error("another request with this idempotency key is in progress")]
+    KeyInUse,
+    #[error("another attempt took over this idempotency key")]
+    LockLost,
+    #[error("the request kept conflicting with concurrent requests")]
+    Contended(#[source] StoreError),
+    #[error("the database is unavailable")]
+    DatabaseUnavailable(#[source] StoreError),
+    #[error("the payment provider is unavailable")]
+    ProviderUnavailable(#[source] ChargeError),
+    #[error("internal error")]
+    Internal(#[source] Box<dyn std::error::Error + Send + Sync>),
+}
+
+impl From<StoreError> for CreateRideError {
+    fn from(error: StoreError) -> CreateRideError {
+        match error {
+            StoreError::LockLost => CreateRideError::LockLost,
+            error @ StoreError::Contended { .. } => CreateRideError::Contended(error),
+            error @ StoreError::Unavailable(_) => CreateRideError::DatabaseUnavailable(error),
+            error @ (StoreError::CorruptStoredResponse | StoreError::Database(_)) => {
+                CreateRideError::Internal(Box::new(error))
+            }
+        }
+    }
+}
+
+/// What a CreateRide call answered.
+#[derive(Debug)]
+pub struct CreateRideReply {
+    /// When the key will be reaped; absent only if the key could not be read at all.
+    pub key_expires_at: Option<DateTime<Utc>>,
+    pub replayed: bool,
+    pub result: Result<Outcome, CreateRideError>,
+}
+
+/// The result of running one phase.
+#[derive(Debug)]
+pub enum Step {
+    /// The key moved on to `lease.recovery_point`; run the next phase.
+    Advanced,
+    /// The key is finished with this outcome.
+    Finished(Outcome),
+}
+
+/// Who asked, from where, for what.
+#[derive(Clone, Debug)]
+pub struct RideRequest {
+    pub user: User,
+    pub params: RideParams,
+    pub origin_ip: IpAddr,
+}
+
+/// The ride service's domain logic, shared by every request.
+pub struct Rides {
+    pool: Pool,
+    stripe: StripeClient,
+    price: Price,
+    idempotency: IdempotencyConfig,
+    retry: RetryPolicy,
+}
+
+impl Rides {
+    pub fn new(
+        pool: Pool,
+        stripe: StripeClient,
+        price: Price,
+        idempotency: IdempotencyConfig,
+    ) -> Arc<Rides> {
+        Arc::new(Rides {
+            pool,
+            stripe,
+            price,
+            idempotency,
+            retry: RetryPolicy::default(),
+        })
+    }
+
+    pub fn pool(&self) -> &Pool {
+        &self.pool
+    }
+
+    /// Runs CreateRide to a final outcome or an error, claiming the key first. On any error that
+    /// leaves the key unfinished the key is unlocked, so a retry resumes at once.
+    pub async fn create_ride(
+        &self,
+        key: &IdempotencyKey,
+        request: &RideRequest,
+    ) -> CreateRideReply {
+        let claimed = match idempotency::claim(
+            &self.pool,
+            self.retry,
+            request.user.id,
+            key,
+            &request.params.signature(),
+            self.idempotency.lock_timeout,
+        )
+        .await
+        {
+            Ok(claimed) => claimed,
+            Err(error) => {
+                return CreateRideReply {
+                    key_expires_at: None,
+                    replayed: false,
+                    result: Err(error.into()),
+                };
+            }
+        };
+        let key_expires_at = chrono::Duration::from_std(self.idempotency.key_ttl)
+            .ok()
+            .and_then(|ttl| claimed.key_created_at.checked_add_signed(ttl));
+        let (replayed, result) = match claimed.claim {
+            Claim::Mismatch => (false, Err(CreateRideError::KeyReused)),
+            Claim::InUse => (false, Err(CreateRideError::KeyInUse)),
+            Claim::Replay(stored) => (true, Outcome::from_stored(stored).map_err(Into::into)),
+            Claim::Execute(mut lease) => (false, self.run(&mut lease, request).await),
+        };
+        CreateRideReply {
+            key_expires_at,
+            replayed,
+            result,
+        }
+    }
+
+    /// Drives a claimed key to a final outcome.
+    async fn run(
+        &self,
+        lease: &mut Lease,
+        request: &RideRequest,
+    ) -> Result<Outcome, CreateRideError> {
+        let result = async {
+            loop {
+                if let Step::Finished(outcome) = self.step(lease, request).await? {
+                    return Ok(outcome);
+                }
+            }
+        }
+        .await;
+        if let Err(error) = &result
+            && !matches!(error, CreateRideError::LockLost)
+            && let Err(release_error) = idempotency::release(&self.pool, self.retry, lease).await
+        {
+            // The lock expires by itself; a retry just waits for it.
+            tracing::warn!(error = %release_error, key_id = lease.key_id, "could not unlock key");
+        }
+        result
+    }
+
+    /// Runs the phase for `lease.recovery_point` and advances the lease. Public so that tests
+    /// can stop an attempt between phases, as a crash would.
+    pub async fn step(
+        &self,
+        lease: &mut Lease,
+        request: &RideRequest,
+    ) -> Result<Step, CreateRideError> {
+        let point = lease.recovery_point;
+        let step = match point {
+            RecoveryPoint::Started => {
+                self.create_ride_record(lease, request).await?;
+                lease.recovery_point = RecoveryPoint::RideCreated;
+                Step::Advanced
+            }
+            RecoveryPoint::RideCreated => match self.charge(lease, request).await? {
+                Some(outcome) => Step::Finished(outcome),
+                None => {
+                    lease.recovery_point = RecoveryPoint::ChargeCreated;
+                    Step::Advanced
+                }
+            },
+            RecoveryPoint::ChargeCreated => Step::Finished(self.stage_receipt(lease).await?),
+            RecoveryPoint::Finished => {
+                return Err(CreateRideError::Internal(
+                    "a finished key cannot be run again".into(),
+                ));
+            }
+        };
+        tracing::debug!(key_id = lease.key_id, from = %point, to = %lease.recovery_point, "phase committed");
+        Ok(step)
+    }
+
+    /// Phase `started`: the ride and its audit record.
+    async fn create_ride_record(
+        &self,
+        lease: &Lease,
+        request: &RideRequest,
+    ) -> Result<(), StoreError> {
+        let params = request.params;
+        let price = &self.price;
+        let origin_ip = IpNet::from(request.origin_ip);
+        idempotency::atomic_phase(&self.pool, self.retry, lease, |conn| {
+            async move {
+                let ride: Ride = diesel::insert_into(rides::table)
+                    .values(NewRide {
+                        idempotency_key_id: lease.key_id,
+                        origin_lat: params.origin_lat,
+                        origin_lon: params.origin_lon,
+                        target_lat: params.target_lat,
+                        target_lon: params.target_lon,
+                        amount: price.amount,
+                        currency: &price.currency,
+                        user_id: lease.user_id,
+                    })
+                    .returning(Ride::as_returning())
+                    .get_result(conn)
+                    .await?;
+                let data = serde_json::to_value(params).unwrap_or_default();
+                diesel::insert_into(audit_records::table)
+                    .values(NewAuditRecord {
+                        action: "ride.created",
+                        data: &data,
+                        origin_ip,
+                        resource_id: ride.id,
+                        resource_type: "ride",
+                        user_id: lease.user_id,
+                    })
+                    .execute(conn)
+                    .await?;
+                idempotency::set_recovery_point(conn, lease, RecoveryPoint::RideCreated).await
+            }
+            .scope_boxed()
+        })
+        .await
+    }
+
+    /// Phase `ride_created`: the charge, then its result in one transaction. Returns the final
+    /// outcome if the card was declined.
+    async fn charge(
+        &self,
+        lease: &Lease,
+        request: &RideRequest,
+    ) -> Result<Option<Outcome>, CreateRideError> {
+        let ride = self.ride_for_key(lease.key_id).await?;
+        let charge = ChargeRequest {
+            amount: ride.amount,
+            currency: ride.currency.clone(),
+            customer: request.user.stripe_customer_id.clone(),
+            payment_method: request.user.stripe_payment_method_id.clone(),
+            description: format!("Rocket Rides ride {}", ride.id),
+            metadata: vec![
+                ("ride_id", ride.id.to_string()),
+                ("user_id", ride.user_id.to_string()),
+                ("idempotency_key_id", lease.key_id.to_string()),
+            ],
+            // Derived from the key row, so every attempt at this ride, by any api-server or the
+            // completer, presents the same key to the provider.
+            idempotency_key: format!("rocket-rides-{}", lease.key_id),
+        };
+        // No transaction is open and no connection is held here: the call may take seconds.
+        match self.stripe.create_payment_intent(&charge).await {
+            Ok(intent) => {
+                let ride_id = ride.id;
+                let intent_id = intent.id.as_str();
+                idempotency::atomic_phase(&self.pool, self.retry, lease, |conn| {
+                    async move {
+                        diesel::update(rides::table.find(ride_id))
+                            .set(rides::stripe_charge_id.eq(intent_id))
+                            .execute(conn)
+                            .await?;
+                        idempotency::set_recovery_point(conn, lease, RecoveryPoint::ChargeCreated)
+                            .await
+                    }
+                    .scope_boxed()
+                })
+                .await?;
+                Ok(None)
+            }
+            Err(ChargeError::Declined {
+                message,
+                decline_code,
+                ..
+            }) => {
+                let outcome = Outcome::CardDeclined {
+                    message,
+                    decline_code,
+                };
+                let stored = outcome.to_stored()?;
+                idempotency::atomic_phase(&self.pool, self.retry, lease, |conn| {
+                    let stored = &stored;
+                    async move { idempotency::finish(conn, lease, stored).await }.scope_boxed()
+                })
+                .await?;
+                Ok(Some(outcome))
+            }
+            Err(error @ ChargeError::Unavailable { .. }) => {
+                Err(CreateRideError::ProviderUnavailable(error))
+            }
+            Err(error @ ChargeError::Rejected { .. }) => {
+                Err(CreateRideError::Internal(Box::new(error)))
+            }
+        }
+    }
+
+    /// Phase `charge_created`: the receipt job and the stored response, then finished.
+    async fn stage_receipt(&self, lease: &Lease) -> Result<Outcome, StoreError> {
+        idempotency::atomic_phase(&self.pool, self.retry, lease, |conn| {
+            async move {
+                let ride: Ride = rides::table
+                    .filter(rides::idempotency_key_id.eq(lease.key_id))
+                    .select(Ride::as_select())
+                    .first(conn)
+                    .await?;
+                let job_args = serde_json::json!({
+                    "ride_id": ride.id,
+                    "user_id": ride.user_id,
+                    "amount": ride.amount,
+                    "currency": ride.currency,
+                    "charge_id": ride.stripe_charge_id,
+                    "created_at": ride.created_at,
+                });
+                diesel::insert_into(staged_jobs::table)
+                    .values(NewStagedJob {
+                        job_name: SEND_RIDE_RECEIPT_JOB,
+                        job_args: &job_args,
+                        trace_context: &serde_json::json!({}),
+                    })
+                    .execute(conn)
+                    .await?;
+                let outcome = Outcome::RideCreated {
+                    ride: RideView::from(ride),
+                    message: PAYMENT_ACCEPTED.to_owned(),
+                };
+                idempotency::finish(conn, lease, &outcome.to_stored()?).await?;
+                Ok(outcome)
+            }
+            .scope_boxed()
+        })
+        .await
+    }
+
+    async fn ride_for_key(&self, key_id: i64) -> Result<Ride, CreateRideError> {
+        let mut conn = self.pool.get().await.map_err(|error| {
+            CreateRideError::DatabaseUnavailable(StoreError::Unavailable(error))
+        })?;
+        rides::table
+            .filter(rides::idempotency_key_id.eq(key_id))
+            .select(Ride::as_select())
+            .first(&mut conn)
+            .await
+            .map_err(|error| CreateRideError::Internal(Box::new(error)))
+    }
+
+    /// One of `user_id`'s own rides; `None` for anyone else's or an unknown id.
+    pub async fn get_ride(
+        &self,
+        user_id: i64,
+        ride_id: i64,
+    ) -> Result<Option<RideView>, StoreError> {
+        let mut conn = self.pool.get().await.map_err(StoreError::Unavailable)?;
+        let ride = rides::table
+            .filter(rides::id.eq(ride_id))
+            .filter(rides::user_id.eq(user_id))
+            .select(Ride::as_select())
+            .first(&mut conn)
+            .await
+            .optional()?;
+        Ok(ride.map(RideView::from))
+    }
+
+    /// How long a client should wait before retrying a key that is in use.
+    pub fn in_use_retry_delay(&self) -> Duration {
+        Duration::from_secs(1)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn validation_names_every_bad_field() {
+        let violations =
+            RideParams::new(None, Some(f64::NAN), Some(90.5), Some(-180.0)).unwrap_err();
+        let fields: Vec<_> = violations.iter().map(|v| v.field).collect();
+        assert_eq!(fields, ["origin_lat", "origin_lon", "target_lat"]);
+        assert!(RideParams::new(Some(f64::INFINITY), Some(0.0), Some(0.0), Some(0.0)).is_err());
+        assert!(RideParams::new(Some(-90.0), Some(180.0), Some(90.0), Some(-180.0)).is_ok());
+    }
+
+    #[test]
+    fn negative_zero_is_stored_as_zero() {
+        let params = RideParams::new(Some(-0.0), Some(0.0), Some(1.0), Some(1.0)).unwrap();
+        assert!(params.origin_lat.is_sign_positive());
+    }
+
+    #[test]
+    fn outcomes_round_trip_through_storage() {
+        let outcome = Outcome::CardDeclined {
+            message: "Your card was declined.".into(),
+            decline_code: Some("generic_decline".into()),
+        };
+        let stored = outcome.to_stored().unwrap();
+        assert_eq!(stored.code, CODE_FAILED_PRECONDITION);
+        assert_eq!(Outcome::from_stored(stored).unwrap(), outcome);
+    }
+}

@@ -1,0 +1,25 @@
+//! The Rocket Rides database: Diesel schema, models, the connection pool and the embedded
+//! migrations. Every process (api-server, workers, tests) reaches PostgreSQL through this crate,
+//! so the schema has exactly one Rust definition.
+//!
+//! Layout:
+//! - [`schema`]: table definitions as `diesel print-schema` writes them.
+//! - [`models`]: a read struct and an insert struct per table.
+//! - [`RecoveryPoint`]: the closed set of phases a key moves through, stored as TEXT.
+//! - [`pool`]: the bb8 pool of diesel-async connections (pure Rust, no libpq).
+//! - [`migrations`]: `migrations/` embedded in the binary and applied over an async connection.
+//! - `testing` (feature `testing`): one database per test, cloned from a migrated template.
+
+pub mod migrations;
+pub mod models;
+pub mod pool;
+mod recovery_point;
+pub mod schema;
+#[cfg(feature = "testing")]
+pub mod testing;
+
+pub use pool::{DbConn, Pool, PoolError, build_pool};
+pub use recovery_point::{RecoveryPoint, UnknownRecoveryPoint};
+
+/// Job name of the receipt staged when a ride is paid for.
+pub const SEND_RIDE_RECEIPT_JOB: &str = "send_ride_receipt";

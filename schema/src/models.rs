@@ -1,0 +1,135 @@
+//! A read struct and an insert struct per table, as crates.io does: reads select every column,
+//! inserts name only what the caller decides (ids and defaults come from the database).
+
+use chrono::{DateTime, Utc};
+use diesel::prelude::*;
+use ipnet::IpNet;
+use uuid::Uuid;
+
+use crate::{
+    RecoveryPoint,
+    schema::{audit_records, idempotency_keys, rides, staged_jobs, users},
+};
+
+#[derive(Clone, Debug, Queryable, Selectable, Identifiable)]
+#[diesel(table_name = users, check_for_backend(diesel::pg::Pg))]
+pub struct User {
+    pub id: i64,
+    pub created_at: DateTime<Utc>,
+    pub email: String,
+    pub stripe_customer_id: String,
+    pub stripe_payment_method_id: String,
+    pub api_token_digest: Vec<u8>,
+}
+
+#[derive(Debug, Insertable)]
+#[diesel(table_name = users)]
+pub struct NewUser<'a> {
+    pub email: &'a str,
+    pub stripe_customer_id: &'a str,
+    pub stripe_payment_method_id: &'a str,
+    pub api_token_digest: &'a [u8],
+}
+
+#[derive(Clone, Debug, Queryable, Selectable, Identifiable)]
+#[diesel(table_name = idempotency_keys, check_for_backend(diesel::pg::Pg))]
+pub struct IdempotencyKey {
+    pub id: i64,
+    pub created_at: DateTime<Utc>,
+    pub idempotency_key: String,
+    pub last_run_at: DateTime<Utc>,
+    pub locked_at: Option<DateTime<Utc>>,
+    pub lock_token: Option<Uuid>,
+    pub request_method: String,
+    pub request_path: String,
+    pub request_params: serde_json::Value,
+    pub response_code: Option<i32>,
+    pub response_body: Option<serde_json::Value>,
+    pub recovery_point: RecoveryPoint,
+    pub user_id: i64,
+}
+
+#[derive(Debug, Insertable)]
+#[diesel(table_name = idempotency_keys)]
+pub struct NewIdempotencyKey<'a> {
+    pub idempotency_key: &'a str,
+    /// `locked_at` and `last_run_at` are set from the database clock by the claim, so that lock
+    /// expiry never depends on which api-server's clock wrote them.
+    pub lock_token: Uuid,
+    pub request_method: &'a str,
+    pub request_path: &'a str,
+    pub request_params: &'a serde_json::Value,
+    pub recovery_point: RecoveryPoint,
+    pub user_id: i64,
+}
+
+#[derive(Clone, Debug, PartialEq, Queryable, Selectable, Identifiable)]
+#[diesel(table_name = rides, check_for_backend(diesel::pg::Pg))]
+pub struct Ride {
+    pub id: i64,
+    pub created_at: DateTime<Utc>,
+    pub idempotency_key_id: Option<i64>,
+    pub origin_lat: f64,
+    pub origin_lon: f64,
+    pub target_lat: f64,
+    pub target_lon: f64,
+    pub amount: i64,
+    pub currency: String,
+    pub stripe_charge_id: Option<String>,
+    pub user_id: i64,
+}
+
+#[derive(Debug, Insertable)]
+#[diesel(table_name = rides)]
+pub struct NewRide<'a> {
+    pub idempotency_key_id: i64,
+    pub origin_lat: f64,
+    pub origin_lon: f64,
+    pub target_lat: f64,
+    pub target_lon: f64,
+    pub amount: i64,
+    pub currency: &'a str,
+    pub user_id: i64,
+}
+
+#[derive(Clone, Debug, Queryable, Selectable, Identifiable)]
+#[diesel(table_name = audit_records, check_for_backend(diesel::pg::Pg))]
+pub struct AuditRecord {
+    pub id: i64,
+    pub action: String,
+    pub created_at: DateTime<Utc>,
+    pub data: serde_json::Value,
+    pub origin_ip: IpNet,
+    pub resource_id: i64,
+    pub resource_type: String,
+    pub user_id: i64,
+}
+
+#[derive(Debug, Insertable)]
+#[diesel(table_name = audit_records)]
+pub struct NewAuditRecord<'a> {
+    pub action: &'a str,
+    pub data: &'a serde_json::Value,
+    pub origin_ip: IpNet,
+    pub resource_id: i64,
+    pub resource_type: &'a str,
+    pub user_id: i64,
+}
+
+#[derive(Clone, Debug, Queryable, Selectable, Identifiable)]
+#[diesel(table_name = staged_jobs, check_for_backend(diesel::pg::Pg))]
+pub struct StagedJob {
+    pub id: i64,
+    pub created_at: DateTime<Utc>,
+    pub job_name: String,
+    pub job_args: serde_json::Value,
+    pub trace_context: serde_json::Value,
+}
+
+#[derive(Debug, Insertable)]
+#[diesel(table_name = staged_jobs)]
+pub struct NewStagedJob<'a> {
+    pub job_name: &'a str,
+    pub job_args: &'a serde_json::Value,
+    pub trace_context: &'a serde_json::Value,
+}

@@ -1,0 +1,83 @@
+// @generated in the shape `diesel print-schema` writes; keep it in step with `migrations/`.
+// (The `schema_matches_migrations` test fails when they drift.)
+
+diesel::table! {
+    audit_records (id) {
+        id -> Int8,
+        action -> Text,
+        created_at -> Timestamptz,
+        data -> Jsonb,
+        origin_ip -> Cidr,
+        resource_id -> Int8,
+        resource_type -> Text,
+        user_id -> Int8,
+    }
+}
+
+diesel::table! {
+    idempotency_keys (id) {
+        id -> Int8,
+        created_at -> Timestamptz,
+        idempotency_key -> Text,
+        last_run_at -> Timestamptz,
+        locked_at -> Nullable<Timestamptz>,
+        lock_token -> Nullable<Uuid>,
+        request_method -> Text,
+        request_path -> Text,
+        request_params -> Jsonb,
+        response_code -> Nullable<Int4>,
+        response_body -> Nullable<Jsonb>,
+        recovery_point -> Text,
+        user_id -> Int8,
+    }
+}
+
+diesel::table! {
+    rides (id) {
+        id -> Int8,
+        created_at -> Timestamptz,
+        idempotency_key_id -> Nullable<Int8>,
+        origin_lat -> Float8,
+        origin_lon -> Float8,
+        target_lat -> Float8,
+        target_lon -> Float8,
+        amount -> Int8,
+        currency -> Text,
+        stripe_charge_id -> Nullable<Text>,
+        user_id -> Int8,
+    }
+}
+
+diesel::table! {
+    staged_jobs (id) {
+        id -> Int8,
+        created_at -> Timestamptz,
+        job_name -> Text,
+        job_args -> Jsonb,
+        trace_context -> Jsonb,
+    }
+}
+
+diesel::table! {
+    users (id) {
+        id -> Int8,
+        created_at -> Timestamptz,
+        email -> Text,
+        stripe_customer_id -> Text,
+        stripe_payment_method_id -> Text,
+        api_token_digest -> Bytea,
+    }
+}
+
+diesel::joinable!(audit_records -> users (user_id));
+diesel::joinable!(idempotency_keys -> users (user_id));
+diesel::joinable!(rides -> idempotency_keys (idempotency_key_id));
+diesel::joinable!(rides -> users (user_id));
+
+diesel::allow_tables_to_appear_in_same_query!(
+    audit_records,
+    idempotency_keys,
+    rides,
+    staged_jobs,
+    users,
+);
