@@ -46,6 +46,12 @@ async fn main() -> anyhow::Result<()> {
     let config = Config::from_env().context("invalid configuration")?;
     match cli.command {
         Command::Migrate => {
+            if schema::migrations::create_database_if_missing(config.database.url.expose())
+                .await
+                .context("cannot create the database")?
+            {
+                println!("created the database");
+            }
             let applied = schema::migrations::run_pending(config.database.url.expose())
                 .await
                 .context("migration failed")?;

@@ -1,6 +1,6 @@
 //! `migrations/` embedded at compile time, applied over an async connection.
 
-use diesel_async::{AsyncConnection, AsyncMigrationHarness, AsyncPgConnection};
+use diesel_async::{AsyncConnection, AsyncMigrationHarness, AsyncPgConnection, RunQueryDsl};
 use diesel_migrations::{EmbeddedMigrations, MigrationHarness, embed_migrations};
 
 pub const MIGRATIONS: EmbeddedMigrations = embed_migrations!("../migrations");
@@ -13,6 +13,57 @@ pub enum MigrationError {
     Migrate(#[source] Box<dyn std::error::Error + Send + Sync>),
     #[error("the migration task stopped unexpectedly")]
     Join(#[source] tokio::task::JoinError),
+}
+
+/// Creates the database named in `database_url` if it does not exist yet, connecting to the
+/// server's `postgres` maintenance database to do so. Returns whether it created it.
+pub async fn create_database_if_missing(database_url: &str) -> Result<bool, MigrationError> {
+    match AsyncPgConnection::establish(database_url).await {
+        Ok(_) => return Ok(false),
+        // PostgreSQL's own wording (SQLSTATE 3D000); diesel does not expose the code here.
+        Err(error) if error.to_string().contains("does not exist") => {}
+        Err(error) => return Err(MigrationError::Connect(error)),
+    }
+    let Some((server, name)) = split_database_name(database_url) else {
+        return Err(MigrationError::Connect(
+            diesel::ConnectionError::InvalidConnectionUrl(
+                "the database URL names no database".into(),
+            ),
+        ));
+    };
+    let mut admin =
+        AsyncPgConnection::establish(&format!("{server}/postgres{}", query_of(database_url)))
+            .await
+            .map_err(MigrationError::Connect)?;
+    let quoted = name.replace('"', "\"\"");
+    match diesel::sql_query(format!("CREATE DATABASE \"{quoted}\""))
+        .execute(&mut admin)
+        .await
+    {
+        Ok(_) => Ok(true),
+        // Another process created it between our two connections.
+        Err(diesel::result::Error::DatabaseError(_, info))
+            if info.message().contains("already exists") =>
+        {
+            Ok(false)
+        }
+        Err(error) => Err(MigrationError::Migrate(Box::new(error))),
+    }
+}
+
+/// (`postgres://host:port`, `name`) from `postgres://host:port/name?options`.
+fn split_database_name(url: &str) -> Option<(&str, &str)> {
+    let without_query = url.split('?').next()?;
+    let authority_start = without_query.find("://")? + 3;
+    let slash = authority_start + without_query[authority_start..].find('/')?;
+    let name = &without_query[slash + 1..];
+    (!name.is_empty()).then_some((&without_query[..slash], name))
+}
+
+fn query_of(url: &str) -> String {
+    url.split_once('?')
+        .map(|(_, query)| format!("?{query}"))
+        .unwrap_or_default()
 }
 
 /// Applies every pending migration and returns the versions it applied. Safe to run from several
@@ -33,4 +84,20 @@ pub async fn run_pending(database_url: &str) -> Result<Vec<String>, MigrationErr
     })
     .await
     .map_err(MigrationError::Join)?
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn splits_the_database_name_off_a_url() {
+        assert_eq!(
+            split_database_name("postgres://u:p@h:5432/rides?sslmode=disable"),
+            Some(("postgres://u:p@h:5432", "rides"))
+        );
+        assert_eq!(split_database_name("postgres://h:5432/"), None);
+        assert_eq!(split_database_name("postgres://h:5432"), None);
+        assert_eq!(query_of("postgres://h/x?a=b"), "?a=b");
+    }
 }

@@ -133,3 +133,51 @@ pub struct NewStagedJob<'a> {
     pub job_args: &'a serde_json::Value,
     pub trace_context: &'a serde_json::Value,
 }
+
+/// Why a key was put in front of a human (`keys_needing_attention.reason`).
+pub const ATTENTION_COMPLETER_GAVE_UP: &str = "completer_gave_up";
+pub const ATTENTION_REAPED_UNFINISHED: &str = "reaped_unfinished";
+
+/// A key that automation could not finish. Kept after the key itself is reaped.
+#[derive(Clone, Debug, Queryable, Selectable, Identifiable)]
+#[diesel(table_name = crate::schema::keys_needing_attention, check_for_backend(diesel::pg::Pg))]
+pub struct KeyNeedingAttention {
+    pub id: i64,
+    pub recorded_at: DateTime<Utc>,
+    pub reason: String,
+    pub idempotency_key_id: i64,
+    pub user_id: i64,
+    pub idempotency_key: String,
+    pub recovery_point: RecoveryPoint,
+    pub request_params: serde_json::Value,
+    pub last_error: Option<String>,
+    pub resolved_at: Option<DateTime<Utc>>,
+}
+
+#[derive(Debug, Insertable)]
+#[diesel(table_name = crate::schema::keys_needing_attention)]
+pub struct NewKeyNeedingAttention<'a> {
+    pub reason: &'a str,
+    pub idempotency_key_id: i64,
+    pub user_id: i64,
+    pub idempotency_key: &'a str,
+    pub recovery_point: RecoveryPoint,
+    pub request_params: &'a serde_json::Value,
+    pub last_error: Option<&'a str>,
+}
+
+/// A receipt that was handed to the mail relay; at most one per ride.
+#[derive(Clone, Debug, Queryable, Selectable, Identifiable)]
+#[diesel(table_name = crate::schema::sent_receipts, primary_key(ride_id), check_for_backend(diesel::pg::Pg))]
+pub struct SentReceipt {
+    pub ride_id: i64,
+    pub message_id: String,
+    pub sent_at: DateTime<Utc>,
+}
+
+#[derive(Debug, Insertable)]
+#[diesel(table_name = crate::schema::sent_receipts)]
+pub struct NewSentReceipt<'a> {
+    pub ride_id: i64,
+    pub message_id: &'a str,
+}

@@ -29,6 +29,24 @@ diesel::table! {
         response_body -> Nullable<Jsonb>,
         recovery_point -> Text,
         user_id -> Int8,
+        completer_attempts -> Int4,
+        completer_next_attempt_at -> Nullable<Timestamptz>,
+        completer_gave_up_at -> Nullable<Timestamptz>,
+    }
+}
+
+diesel::table! {
+    keys_needing_attention (id) {
+        id -> Int8,
+        recorded_at -> Timestamptz,
+        reason -> Text,
+        idempotency_key_id -> Int8,
+        user_id -> Int8,
+        idempotency_key -> Text,
+        recovery_point -> Text,
+        request_params -> Jsonb,
+        last_error -> Nullable<Text>,
+        resolved_at -> Nullable<Timestamptz>,
     }
 }
 
@@ -45,6 +63,14 @@ diesel::table! {
         currency -> Text,
         stripe_charge_id -> Nullable<Text>,
         user_id -> Int8,
+    }
+}
+
+diesel::table! {
+    sent_receipts (ride_id) {
+        ride_id -> Int8,
+        message_id -> Text,
+        sent_at -> Timestamptz,
     }
 }
 
@@ -71,13 +97,17 @@ diesel::table! {
 
 diesel::joinable!(audit_records -> users (user_id));
 diesel::joinable!(idempotency_keys -> users (user_id));
+diesel::joinable!(keys_needing_attention -> users (user_id));
 diesel::joinable!(rides -> idempotency_keys (idempotency_key_id));
 diesel::joinable!(rides -> users (user_id));
+diesel::joinable!(sent_receipts -> rides (ride_id));
 
 diesel::allow_tables_to_appear_in_same_query!(
     audit_records,
     idempotency_keys,
+    keys_needing_attention,
     rides,
+    sent_receipts,
     staged_jobs,
     users,
 );

@@ -382,3 +382,65 @@ pub async fn release(pool: &Pool, policy: RetryPolicy, lease: &Lease) -> Result<
     })
     .await
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    use super::*;
+
+    fn database_error(kind: DatabaseErrorKind, message: &str) -> DieselError {
+        DieselError::DatabaseError(kind, Box::new(message.to_owned()))
+    }
+
+    #[test]
+    fn recognises_serialization_failures_and_deadlocks_only() {
+        assert!(is_transient(&database_error(
+            DatabaseErrorKind::SerializationFailure,
+            "could not serialize access"
+        )));
+        assert!(is_transient(&database_error(
+            DatabaseErrorKind::Unknown,
+            "deadlock detected"
+        )));
+        assert!(!is_transient(&database_error(
+            DatabaseErrorKind::UniqueViolation,
+            "duplicate key"
+        )));
+        assert!(!is_transient(&DieselError::NotFound));
+    }
+
+    #[tokio::test]
+    async fn gives_up_after_the_bounded_number_of_attempts() {
+        let attempts = AtomicU32::new(0);
+        let policy = RetryPolicy {
+            max_attempts: 3,
+            base_delay: Duration::from_millis(1),
+        };
+        let result: Result<(), _> = retry_transient(policy, || async {
+            attempts.fetch_add(1, Ordering::SeqCst);
+            Err(StoreError::Database(database_error(
+                DatabaseErrorKind::SerializationFailure,
+                "could not serialize access",
+            )))
+        })
+        .await;
+        assert!(matches!(
+            result,
+            Err(StoreError::Contended { attempts: 3, .. })
+        ));
+        assert_eq!(AtomicU32::load(&attempts, Ordering::SeqCst), 3);
+    }
+
+    #[tokio::test]
+    async fn does_not_retry_other_errors() {
+        let attempts = AtomicU32::new(0);
+        let result: Result<(), _> = retry_transient(RetryPolicy::default(), || async {
+            attempts.fetch_add(1, Ordering::SeqCst);
+            Err(StoreError::LockLost)
+        })
+        .await;
+        assert!(matches!(result, Err(StoreError::LockLost)));
+        assert_eq!(AtomicU32::load(&attempts, Ordering::SeqCst), 1);
+    }
+}
