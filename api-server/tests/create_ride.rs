@@ -431,6 +431,37 @@ async fn provider_errors_leave_the_key_resumable_and_a_retry_charges_once() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn an_unexpected_provider_error_is_internal_and_unlocks_the_key() {
+    // The provider refuses our API key (HTTP 401): a misconfiguration, not a decline.
+    let app = TestApp::spawn_with(
+        fake_stripe::Config {
+            api_key: Some("sk_test_somebody_else".into()),
+            ..Default::default()
+        },
+        &[],
+    )
+    .await;
+    let user = app.create_user(GOOD_CARD).await;
+    let key = new_key();
+
+    let status = app
+        .create_ride(&user, &key, ride_request())
+        .await
+        .unwrap_err();
+
+    assert_status(&status, Code::Internal, reason::INTERNAL);
+    assert!(
+        !status.message().contains("sk_test"),
+        "no secret in the answer"
+    );
+    let key_row = app.key_row(&user, &key).await.unwrap();
+    assert_eq!(key_row.recovery_point, RecoveryPoint::RideCreated);
+    assert!(key_row.locked_at.is_none() && key_row.lock_token.is_none());
+    assert!(key_row.response_code.is_none());
+    assert_eq!(app.stripe.succeeded_charges(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn a_charge_whose_response_was_lost_is_charged_once_in_total() {
     let app = TestApp::spawn().await;
     let user = app.create_user(GOOD_CARD).await;
