@@ -1,1 +1,34 @@
-//! The worker fleet (in progress).
+//! The Rocket Rides worker fleet: everything that happens after (or instead of) a CreateRide
+//! request finishing in-band.
+//!
+//! Layout:
+//! - [`config`]: typed configuration, read once from the environment.
+//! - [`topology`] and [`message`]: the RabbitMQ contract (exchange, queues, dead-lettering) and
+//!   the versioned receipt message other teams consume.
+//! - [`amqp`]: connecting to RabbitMQ with back-off.
+//! - [`enqueuer`]: the transactionally-staged job drain, `staged_jobs` → RabbitMQ.
+//! - [`receipts`]: the receipt worker, RabbitMQ → SMTP, deduplicated in `sent_receipts`.
+//! - [`mailer`]: receipt e-mails over SMTP (lettre).
+//! - [`mail_sink`]: a small SMTP server for development and tests.
+//! - [`completer`]: pushes abandoned idempotency keys to completion through the public API.
+//! - [`reaper`]: retires expired keys, recording unfinished ones for a human first.
+//! - [`shutdown`] and [`backoff`]: the plumbing every loop shares.
+//!
+//! Every worker has a `run_once` (one pass, returns a serialisable summary of counts) and a `run`
+//! loop that calls it until the shutdown token is cancelled.
+
+pub mod amqp;
+pub mod backoff;
+pub mod completer;
+pub mod config;
+pub mod enqueuer;
+pub mod mail_sink;
+pub mod mailer;
+pub mod message;
+pub mod reaper;
+pub mod receipts;
+pub mod redact;
+pub mod shutdown;
+pub mod topology;
+
+pub use tokio_util::sync::CancellationToken;

@@ -1,1 +1,136 @@
-fn main() {}
+//! `workers`: one binary for the whole fleet. Each subcommand runs a long-lived loop until
+//! SIGTERM/SIGINT, or one pass with `--once`, which prints a one-line JSON summary of counts to
+//! stdout and exits 0 (non-zero on failure). Logs go to stderr.
+
+use std::{net::SocketAddr, path::PathBuf, time::Duration};
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+use workers::{
+    amqp::AmqpSession, completer::Completer, config::Config, enqueuer::Enqueuer,
+    mail_sink::MailSink, mailer::Mailer, reaper::Reaper, receipts::ReceiptWorker, shutdown,
+    topology::Topology,
+};
+
+#[derive(Parser)]
+#[command(name = "workers", about = "Rocket Rides worker fleet")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Moves committed staged jobs to RabbitMQ.
+    Enqueuer(Once),
+    /// Mails ride receipts from the receipts queue.
+    Receipts(Once),
+    /// Pushes abandoned idempotency keys to completion through the API.
+    Completer(Once),
+    /// Deletes expired idempotency keys, recording unfinished ones for a human.
+    Reaper(Once),
+    /// A development SMTP server that stores every mail as an .eml file.
+    MailSink {
+        #[arg(long, default_value = "127.0.0.1:2525")]
+        listen: SocketAddr,
+        #[arg(long)]
+        dir: PathBuf,
+    },
+}
+
+#[derive(clap::Args)]
+struct Once {
+    /// Run a single pass, print its JSON summary and exit.
+    #[arg(long)]
+    once: bool,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .init();
+    let cli = Cli::parse();
+    let config = Config::from_env().context("invalid configuration")?;
+    let shutdown = shutdown::on_signals().context("cannot install signal handlers")?;
+    let pool = || {
+        schema::build_pool(
+            config.database_url.expose(),
+            config.database_pool_size,
+            Duration::from_secs(30),
+        )
+    };
+    let topology = Topology::from_prefix(&config.topology_prefix, config.receipt_delivery_limit);
+    let amqp_url = config.amqp_url.expose();
+    let summary = match cli.command {
+        Command::Enqueuer(Once { once }) => {
+            let mut enqueuer = Enqueuer::new(pool(), amqp_url, topology, config.enqueuer.clone());
+            if once {
+                serde_json::to_value(enqueuer.run_once().await.context("enqueuer pass failed")?)?
+            } else {
+                let enqueuer = enqueuer.with_listen_url(config.database_url.expose());
+                let total = enqueuer.run(shutdown).await;
+                tracing::info!(?total, "enqueuer stopped");
+                return Ok(());
+            }
+        }
+        Command::Receipts(Once { once }) => {
+            let mailer = Mailer::new(
+                &config.receipts.smtp_url,
+                &config.receipts.from,
+                config.receipts.smtp_timeout,
+            )?;
+            let worker =
+                ReceiptWorker::new(pool(), mailer, topology.clone(), config.receipts.clone());
+            if once {
+                let session = AmqpSession::open(amqp_url, &topology)
+                    .await
+                    .context("cannot reach RabbitMQ")?;
+                let summary = worker.run_once(&session.channel).await;
+                session.close().await;
+                serde_json::to_value(summary.context("receipts pass failed")?)?
+            } else {
+                let total = worker.run(amqp_url, shutdown).await;
+                tracing::info!(?total, "receipt worker stopped");
+                return Ok(());
+            }
+        }
+        Command::Completer(Once { once }) => {
+            let completer = Completer::new(pool(), config.completer.clone())?;
+            if once {
+                serde_json::to_value(
+                    completer
+                        .run_once()
+                        .await
+                        .context("completer pass failed")?,
+                )?
+            } else {
+                let total = completer.run(shutdown).await;
+                tracing::info!(?total, "completer stopped");
+                return Ok(());
+            }
+        }
+        Command::Reaper(Once { once }) => {
+            let reaper = Reaper::new(pool(), config.reaper.clone());
+            if once {
+                serde_json::to_value(reaper.run_once().await.context("reaper pass failed")?)?
+            } else {
+                let total = reaper.run(shutdown).await;
+                tracing::info!(?total, "reaper stopped");
+                return Ok(());
+            }
+        }
+        Command::MailSink { listen, dir } => {
+            let sink = MailSink::spawn(listen, Some(dir)).await?;
+            tracing::info!(addr = %sink.addr(), "mail sink listening");
+            sink.run_until(shutdown).await;
+            return Ok(());
+        }
+    };
+    println!("{summary}");
+    Ok(())
+}

@@ -1,0 +1,427 @@
+//! The completer: finds idempotency keys whose clients seem to have given up and pushes each
+//! through the public CreateRide path over gRPC, as the key's user, with the key's own
+//! idempotency key and parameters. It knows nothing of the phases: the api-server resumes from
+//! the key's recovery point, so a key at `charge_created` is never charged again.
+//!
+//! A key is a candidate when it is unfinished, not given up on, not locked (or its lock has
+//! expired), older than `min_age`, not run for `idle`, and due (`completer_next_attempt_at`).
+//! A batch is claimed atomically: `UPDATE … SET completer_next_attempt_at = now() + lease WHERE
+//! id IN (SELECT … FOR UPDATE SKIP LOCKED LIMIT n) RETURNING …`, so concurrent completers never
+//! work the same key. Failed attempts back off exponentially per key; after `max_attempts` the
+//! key is recorded in `keys_needing_attention` and left alone.
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use diesel::{
+    QueryableByName,
+    sql_types::{BigInt, Double, Integer, Jsonb, Text, Timestamptz},
+};
+use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
+use proto::v1::{CreateRideRequest, ride_service_client::RideServiceClient};
+use schema::{Pool, PoolError};
+use serde::Serialize;
+use tokio_util::sync::CancellationToken;
+use tonic::{Code, Request, Status, metadata::MetadataValue, transport::Channel};
+use tonic_types::StatusExt;
+
+use crate::{
+    backoff,
+    config::{CompleterConfig, ConfigError, Secret},
+    redact, shutdown,
+};
+
+const REASON_CARD_DECLINED: &str = "CARD_DECLINED";
+const REASON_KEY_IN_USE: &str = "IDEMPOTENCY_KEY_IN_USE";
+
+#[derive(Debug, thiserror::Error)]
+pub enum CompleteError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error("API_SERVER_URL is not a valid URL")]
+    ApiUrl(#[source] tonic::transport::Error),
+    #[error("no database connection available")]
+    Pool(#[from] PoolError),
+    #[error("database error")]
+    Database(#[from] diesel::result::Error),
+    #[error("the api-server refused the internal credential ({0:?}); check INTERNAL_API_TOKEN")]
+    Credential(Code),
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct CompleteSummary {
+    /// Keys claimed in this pass.
+    pub claimed: u64,
+    pub completed: u64,
+    /// Finished with a final card decline.
+    pub declined: u64,
+    /// Still failing; retried later with back-off.
+    pub still_failing: u64,
+    /// Someone else held the key; not counted as an attempt.
+    pub skipped_in_use: u64,
+    /// Attempts exhausted; recorded in `keys_needing_attention`.
+    pub gave_up: u64,
+}
+
+/// A claimed key.
+#[derive(Debug, QueryableByName)]
+pub struct ClaimedKey {
+    #[diesel(sql_type = BigInt)]
+    pub id: i64,
+    #[diesel(sql_type = BigInt)]
+    pub user_id: i64,
+    #[diesel(sql_type = Text)]
+    pub idempotency_key: String,
+    #[diesel(sql_type = Jsonb)]
+    pub request_params: serde_json::Value,
+    #[diesel(sql_type = Text)]
+    pub recovery_point: String,
+    #[diesel(sql_type = Integer)]
+    pub completer_attempts: i32,
+    #[diesel(sql_type = Timestamptz)]
+    pub created_at: DateTime<Utc>,
+}
+
+const CLAIM_BATCH: &str = "
+UPDATE idempotency_keys AS k
+SET completer_next_attempt_at = now() + make_interval(secs => $1)
+WHERE k.id IN (
+    SELECT id FROM idempotency_keys
+    WHERE recovery_point <> 'finished'
+      AND completer_gave_up_at IS NULL
+      AND created_at < now() - make_interval(secs => $2)
+      AND last_run_at < now() - make_interval(secs => $3)
+      AND (locked_at IS NULL OR locked_at < now() - make_interval(secs => $4))
+      AND (completer_next_attempt_at IS NULL OR completer_next_attempt_at <= now())
+    ORDER BY created_at, id
+    LIMIT $5
+    FOR UPDATE SKIP LOCKED
+)
+RETURNING k.id, k.user_id, k.idempotency_key, k.request_params, k.recovery_point,
+          k.completer_attempts, k.created_at";
+
+/// What the api-server said about one key.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Attempt {
+    Completed,
+    Declined,
+    InUse,
+    StillFailing(String),
+    /// The internal credential was refused: a configuration problem, not the key's.
+    CredentialRefused(Code),
+}
+
+/// Classifies a CreateRide result by status code and `ErrorInfo.reason`.
+pub fn classify(result: &Result<(), Status>) -> Attempt {
+    let status = match result {
+        Ok(()) => return Attempt::Completed,
+        Err(status) => status,
+    };
+    let reason = status
+        .get_error_details()
+        .error_info()
+        .map(|info| info.reason.clone())
+        .unwrap_or_default();
+    match (status.code(), reason.as_str()) {
+        (Code::FailedPrecondition, REASON_CARD_DECLINED) => Attempt::Declined,
+        (Code::Aborted, REASON_KEY_IN_USE) => Attempt::InUse,
+        (code @ (Code::Unauthenticated | Code::PermissionDenied), _) => {
+            Attempt::CredentialRefused(code)
+        }
+        (code, reason) => Attempt::StillFailing(format!("{code:?} {reason}: {}", status.message())),
+    }
+}
+
+pub struct Completer {
+    pool: Pool,
+    client: RideServiceClient<Channel>,
+    token: Secret,
+    config: CompleterConfig,
+}
+
+impl Completer {
+    pub fn new(pool: Pool, config: CompleterConfig) -> Result<Completer, CompleteError> {
+        let token = config.token()?.clone();
+        let channel = tonic::transport::Endpoint::from_shared(config.api_server_url.clone())
+            .map_err(CompleteError::ApiUrl)?
+            .timeout(config.rpc_timeout)
+            .connect_timeout(Duration::from_secs(10))
+            .connect_lazy();
+        Ok(Completer {
+            pool,
+            client: RideServiceClient::new(channel),
+            token,
+            config,
+        })
+    }
+
+    /// One pass over one claimed batch.
+    pub async fn run_once(&self) -> Result<CompleteSummary, CompleteError> {
+        let mut conn = self.pool.get().await?;
+        let mut keys: Vec<ClaimedKey> = diesel::sql_query(CLAIM_BATCH)
+            .bind::<Double, _>(self.config.lease.as_secs_f64())
+            .bind::<Double, _>(self.config.min_age.as_secs_f64())
+            .bind::<Double, _>(self.config.idle.as_secs_f64())
+            .bind::<Double, _>(self.config.lock_timeout.as_secs_f64())
+            .bind::<BigInt, _>(self.config.batch_size)
+            .load(&mut conn)
+            .await?;
+        drop(conn);
+        keys.sort_by_key(|key| (key.created_at, key.id));
+        let mut summary = CompleteSummary {
+            claimed: keys.len() as u64,
+            ..CompleteSummary::default()
+        };
+        for key in &keys {
+            let attempt = self.attempt(key).await;
+            tracing::info!(
+                key_id = key.id,
+                key = %redact::key(&key.idempotency_key),
+                recovery_point = key.recovery_point,
+                ?attempt,
+                "completer attempt"
+            );
+            match attempt {
+                Attempt::Completed => {
+                    summary.completed += 1;
+                    self.settle(key.id, Settle::Done).await?;
+                }
+                Attempt::Declined => {
+                    summary.declined += 1;
+                    self.settle(key.id, Settle::Done).await?;
+                }
+                Attempt::InUse => {
+                    summary.skipped_in_use += 1;
+                    self.settle(key.id, Settle::Release).await?;
+                }
+                Attempt::StillFailing(error) => {
+                    let attempts = key.completer_attempts.saturating_add(1);
+                    if attempts >= self.config.max_attempts {
+                        if self.give_up(key.id, &error).await? {
+                            summary.gave_up += 1;
+                        }
+                    } else {
+                        summary.still_failing += 1;
+                        let delay = backoff::exponential(
+                            self.config.backoff_base,
+                            u32::try_from(attempts - 1).unwrap_or(0),
+                            self.config.backoff_max,
+                        );
+                        self.settle(key.id, Settle::RetryIn(delay)).await?;
+                    }
+                }
+                Attempt::CredentialRefused(code) => {
+                    // Every key would fail the same way: stop the pass without spending any
+                    // key's attempts. The remaining claims lapse with their lease.
+                    self.settle(key.id, Settle::Release).await?;
+                    return Err(CompleteError::Credential(code));
+                }
+            }
+        }
+        Ok(summary)
+    }
+
+    pub async fn run(&self, shutdown_token: CancellationToken) -> CompleteSummary {
+        let mut total = CompleteSummary::default();
+        while !shutdown_token.is_cancelled() {
+            match self.run_once().await {
+                Ok(summary) => {
+                    total.claimed += summary.claimed;
+                    total.completed += summary.completed;
+                    total.declined += summary.declined;
+                    total.still_failing += summary.still_failing;
+                    total.skipped_in_use += summary.skipped_in_use;
+                    total.gave_up += summary.gave_up;
+                    if summary.claimed > 0 {
+                        tracing::info!(?summary, "completer pass");
+                        // A full batch suggests more are due: go again at once.
+                        if summary.claimed >= u64::try_from(self.config.batch_size).unwrap_or(0) {
+                            continue;
+                        }
+                    }
+                }
+                Err(error) => tracing::error!(%error, "completer pass failed"),
+            }
+            if !shutdown::sleep(&shutdown_token, self.config.interval).await {
+                break;
+            }
+        }
+        total
+    }
+
+    async fn attempt(&self, key: &ClaimedKey) -> Attempt {
+        let body = match request_from_params(&key.request_params) {
+            Some(body) => body,
+            None => return Attempt::StillFailing("request_params are not a ride request".into()),
+        };
+        let mut request = Request::new(body);
+        let metadata = request.metadata_mut();
+        let values = (
+            MetadataValue::try_from(format!("Bearer {}", self.token.expose())),
+            MetadataValue::try_from(key.user_id.to_string()),
+            MetadataValue::try_from(key.idempotency_key.as_str()),
+        );
+        match values {
+            (Ok(authorization), Ok(user), Ok(idempotency_key)) => {
+                metadata.insert("authorization", authorization);
+                metadata.insert("on-behalf-of-user", user);
+                metadata.insert("idempotency-key", idempotency_key);
+            }
+            _ => return Attempt::StillFailing("metadata is not valid ASCII".into()),
+        }
+        let mut client = self.client.clone();
+        classify(&client.create_ride(request).await.map(|_| ()))
+    }
+
+    async fn settle(&self, key_id: i64, settle: Settle) -> Result<(), CompleteError> {
+        let mut conn = self.pool.get().await?;
+        // Each variant binds the same two parameters so that one statement shape serves all.
+        let (sql, delay) = match settle {
+            Settle::Done => (
+                "UPDATE idempotency_keys SET completer_attempts = completer_attempts + 1, \
+                 completer_next_attempt_at = NULL WHERE id = $1 AND $2 >= 0",
+                Duration::ZERO,
+            ),
+            Settle::Release => (
+                "UPDATE idempotency_keys SET completer_next_attempt_at = NULL \
+                 WHERE id = $1 AND $2 >= 0",
+                Duration::ZERO,
+            ),
+            Settle::RetryIn(delay) => (
+                "UPDATE idempotency_keys SET completer_attempts = completer_attempts + 1, \
+                 completer_next_attempt_at = now() + make_interval(secs => $2) WHERE id = $1",
+                delay,
+            ),
+        };
+        diesel::sql_query(sql)
+            .bind::<BigInt, _>(key_id)
+            .bind::<Double, _>(delay.as_secs_f64())
+            .execute(&mut conn)
+            .await?;
+        Ok(())
+    }
+
+    /// Marks the key as given up and records it for a human, in one transaction. False if the
+    /// key finished or vanished meanwhile (nothing to hand over).
+    async fn give_up(&self, key_id: i64, error: &str) -> Result<bool, CompleteError> {
+        let mut conn = self.pool.get().await?;
+        let error: String = error.chars().take(2000).collect();
+        let given_up = conn
+            .transaction(async |conn| give_up_in(conn, key_id, &error).await)
+            .await?;
+        if given_up {
+            tracing::error!(key_id, "completer gave up on a key; recorded for a human");
+        }
+        Ok(given_up)
+    }
+}
+
+enum Settle {
+    /// The key is finished: count the attempt, drop the lease.
+    Done,
+    /// Not our turn: drop the lease without counting an attempt.
+    Release,
+    /// Count the attempt and try again after the delay.
+    RetryIn(Duration),
+}
+
+async fn give_up_in(
+    conn: &mut AsyncPgConnection,
+    key_id: i64,
+    error: &str,
+) -> Result<bool, diesel::result::Error> {
+    let updated = diesel::sql_query(
+        "UPDATE idempotency_keys SET completer_attempts = completer_attempts + 1, \
+         completer_gave_up_at = now(), completer_next_attempt_at = NULL \
+         WHERE id = $1 AND recovery_point <> 'finished' AND completer_gave_up_at IS NULL",
+    )
+    .bind::<BigInt, _>(key_id)
+    .execute(conn)
+    .await?;
+    if updated == 0 {
+        return Ok(false);
+    }
+    diesel::sql_query(
+        "INSERT INTO keys_needing_attention (reason, idempotency_key_id, user_id, \
+         idempotency_key, recovery_point, request_params, last_error) \
+         SELECT 'completer_gave_up', id, user_id, idempotency_key, recovery_point, \
+         request_params, $2 FROM idempotency_keys WHERE id = $1",
+    )
+    .bind::<BigInt, _>(key_id)
+    .bind::<Text, _>(error)
+    .execute(conn)
+    .await?;
+    Ok(true)
+}
+
+/// Rebuilds the request from the stored `request_params`. Missing fields stay missing: the
+/// api-server validates them exactly as it did the first time.
+pub fn request_from_params(params: &serde_json::Value) -> Option<CreateRideRequest> {
+    let object = params.as_object()?;
+    let field = |name: &str| object.get(name).and_then(serde_json::Value::as_f64);
+    Some(CreateRideRequest {
+        origin_lat: field("origin_lat"),
+        origin_lon: field("origin_lon"),
+        target_lat: field("target_lat"),
+        target_lon: field("target_lon"),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn classifies_outcomes() {
+        let with_reason = |code: Code, reason: &str| {
+            Err(Status::with_error_details(
+                code,
+                "x",
+                tonic_types::ErrorDetails::with_error_info(
+                    reason,
+                    "d",
+                    std::collections::HashMap::<String, String>::new(),
+                ),
+            ))
+        };
+        assert_eq!(classify(&Ok(())), Attempt::Completed);
+        assert_eq!(
+            classify(&with_reason(Code::FailedPrecondition, "CARD_DECLINED")),
+            Attempt::Declined
+        );
+        assert_eq!(
+            classify(&with_reason(Code::Aborted, "IDEMPOTENCY_KEY_IN_USE")),
+            Attempt::InUse
+        );
+        assert!(matches!(
+            classify(&with_reason(
+                Code::Unavailable,
+                "PAYMENT_PROVIDER_UNAVAILABLE"
+            )),
+            Attempt::StillFailing(_)
+        ));
+        assert!(matches!(
+            classify(&with_reason(Code::Aborted, "IDEMPOTENCY_KEY_LOCK_LOST")),
+            Attempt::StillFailing(_)
+        ));
+        assert!(matches!(
+            classify(&Err(Status::internal("boom"))),
+            Attempt::StillFailing(_)
+        ));
+        assert_eq!(
+            classify(&with_reason(Code::Unauthenticated, "INVALID_CREDENTIALS")),
+            Attempt::CredentialRefused(Code::Unauthenticated)
+        );
+    }
+
+    #[test]
+    fn rebuilds_requests() {
+        let request = request_from_params(&serde_json::json!({
+            "origin_lat": 1.5, "origin_lon": 2.0, "target_lat": -3.0, "target_lon": 4.25
+        }))
+        .unwrap();
+        assert_eq!(request.origin_lat, Some(1.5));
+        assert_eq!(request.target_lon, Some(4.25));
+        assert!(request_from_params(&serde_json::json!([1])).is_none());
+    }
+}

@@ -1,0 +1,246 @@
+//! Configuration, read once at start-up from the environment into typed structs. Every variable
+//! and its default is listed in `docs/workers.md`. Each worker takes only its own section, so
+//! tests build those sections directly.
+
+use std::{fmt, str::FromStr, time::Duration};
+
+/// A value that must never reach a log line or an error message (tokens, URLs with passwords).
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret(String);
+
+impl Secret {
+    pub fn new(value: impl Into<String>) -> Secret {
+        Secret(value.into())
+    }
+
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Secret(****)")
+    }
+}
+
+pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/rocket_rides";
+pub const DEFAULT_AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+pub const DEFAULT_SMTP_URL: &str = "smtp://127.0.0.1:2525";
+pub const DEFAULT_RECEIPT_FROM: &str = "Rocket Rides <receipts@rocketrides.test>";
+pub const DEFAULT_API_SERVER_URL: &str = "http://127.0.0.1:50051";
+pub const DEFAULT_TOPOLOGY_PREFIX: &str = "rides";
+
+#[derive(Clone, Debug)]
+pub struct Config {
+    pub database_url: Secret,
+    pub database_pool_size: u32,
+    pub amqp_url: Secret,
+    pub topology_prefix: String,
+    pub receipt_delivery_limit: u32,
+    pub enqueuer: EnqueuerConfig,
+    pub receipts: ReceiptsConfig,
+    pub completer: CompleterConfig,
+    pub reaper: ReaperConfig,
+}
+
+#[derive(Clone, Debug)]
+pub struct EnqueuerConfig {
+    /// Jobs selected (and locked) per transaction.
+    pub batch_size: i64,
+    /// The longest an idle enqueuer sleeps between polls (it wakes early on NOTIFY).
+    pub idle_max: Duration,
+    /// How long to wait for the broker to confirm a batch before treating it as lost.
+    pub confirm_timeout: Duration,
+}
+
+#[derive(Clone, Debug)]
+pub struct ReceiptsConfig {
+    pub smtp_url: String,
+    pub from: String,
+    pub smtp_timeout: Duration,
+    /// Unacknowledged deliveries in flight per worker.
+    pub prefetch: u16,
+    /// Delay before a temporarily failed delivery is requeued, doubled per redelivery.
+    pub retry_base_delay: Duration,
+    pub retry_max_delay: Duration,
+}
+
+#[derive(Clone, Debug)]
+pub struct CompleterConfig {
+    pub api_server_url: String,
+    pub internal_api_token: Option<Secret>,
+    pub min_age: Duration,
+    pub idle: Duration,
+    pub lock_timeout: Duration,
+    pub batch_size: i64,
+    pub backoff_base: Duration,
+    pub backoff_max: Duration,
+    pub max_attempts: i32,
+    /// How long a claimed key is reserved for the completer that claimed it.
+    pub lease: Duration,
+    pub rpc_timeout: Duration,
+    /// Pause between passes of the loop.
+    pub interval: Duration,
+}
+
+#[derive(Clone, Debug)]
+pub struct ReaperConfig {
+    pub key_ttl: Duration,
+    pub lock_timeout: Duration,
+    pub batch_size: i64,
+    pub interval: Duration,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("{name} is not valid: {reason}")]
+    Invalid { name: &'static str, reason: String },
+    #[error("{name} is required")]
+    Missing { name: &'static str },
+}
+
+struct Vars<'a>(&'a dyn Fn(&str) -> Option<String>);
+
+impl Vars<'_> {
+    fn string(&self, name: &str, default: &str) -> String {
+        (self.0)(name)
+            .filter(|value| !value.is_empty())
+            .unwrap_or_else(|| default.to_owned())
+    }
+
+    fn parse<T: FromStr>(&self, name: &'static str, default: T) -> Result<T, ConfigError>
+    where
+        T::Err: fmt::Display,
+    {
+        match (self.0)(name).filter(|value| !value.is_empty()) {
+            None => Ok(default),
+            Some(raw) => raw.parse().map_err(|error: T::Err| ConfigError::Invalid {
+                name,
+                reason: error.to_string(),
+            }),
+        }
+    }
+
+    fn positive<T: FromStr + PartialOrd + Default>(
+        &self,
+        name: &'static str,
+        default: T,
+    ) -> Result<T, ConfigError>
+    where
+        T::Err: fmt::Display,
+    {
+        let value = self.parse(name, default)?;
+        if value <= T::default() {
+            return Err(ConfigError::Invalid {
+                name,
+                reason: "must be greater than zero".into(),
+            });
+        }
+        Ok(value)
+    }
+
+    fn secs(&self, name: &'static str, default: u64) -> Result<Duration, ConfigError> {
+        Ok(Duration::from_secs(self.parse(name, default)?))
+    }
+
+    fn millis(&self, name: &'static str, default: u64) -> Result<Duration, ConfigError> {
+        Ok(Duration::from_millis(self.parse(name, default)?))
+    }
+}
+
+impl Config {
+    pub fn from_env() -> Result<Config, ConfigError> {
+        Config::from_lookup(|name| std::env::var(name).ok())
+    }
+
+    /// Reads configuration through `lookup`, so tests never touch the process environment.
+    pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Config, ConfigError> {
+        let vars = Vars(&lookup);
+        let lock_timeout = vars.secs("IDEMPOTENCY_LOCK_TIMEOUT_SECS", 90)?;
+        let internal_api_token = lookup("INTERNAL_API_TOKEN")
+            .filter(|token| !token.is_empty())
+            .map(Secret::new);
+        Ok(Config {
+            database_url: Secret::new(vars.string("DATABASE_URL", DEFAULT_DATABASE_URL)),
+            database_pool_size: vars.positive("DATABASE_POOL_SIZE", 20)?,
+            amqp_url: Secret::new(vars.string("AMQP_URL", DEFAULT_AMQP_URL)),
+            topology_prefix: vars.string("AMQP_TOPOLOGY_PREFIX", DEFAULT_TOPOLOGY_PREFIX),
+            receipt_delivery_limit: vars.positive("RECEIPTS_DELIVERY_LIMIT", 10)?,
+            enqueuer: EnqueuerConfig {
+                batch_size: vars.positive("ENQUEUER_BATCH_SIZE", 1000)?,
+                idle_max: vars.millis("ENQUEUER_IDLE_MAX_MS", 5000)?,
+                confirm_timeout: vars.millis("ENQUEUER_CONFIRM_TIMEOUT_MS", 30_000)?,
+            },
+            receipts: ReceiptsConfig {
+                smtp_url: vars.string("SMTP_URL", DEFAULT_SMTP_URL),
+                from: vars.string("RECEIPT_FROM", DEFAULT_RECEIPT_FROM),
+                smtp_timeout: vars.secs("SMTP_TIMEOUT_SECS", 30)?,
+                prefetch: vars.positive("RECEIPTS_PREFETCH", 16)?,
+                retry_base_delay: vars.millis("RECEIPTS_RETRY_BASE_MS", 5000)?,
+                retry_max_delay: vars.millis("RECEIPTS_RETRY_MAX_MS", 60_000)?,
+            },
+            completer: CompleterConfig {
+                api_server_url: vars.string("API_SERVER_URL", DEFAULT_API_SERVER_URL),
+                internal_api_token,
+                min_age: vars.secs("COMPLETER_MIN_AGE_SECS", 300)?,
+                idle: vars.secs("COMPLETER_IDLE_SECS", 60)?,
+                lock_timeout,
+                batch_size: vars.positive("COMPLETER_BATCH_SIZE", 100)?,
+                backoff_base: vars.secs("COMPLETER_BACKOFF_BASE_SECS", 60)?,
+                backoff_max: vars.secs("COMPLETER_BACKOFF_MAX_SECS", 3600)?,
+                max_attempts: vars.positive("COMPLETER_MAX_ATTEMPTS", 8)?,
+                lease: vars.secs("COMPLETER_LEASE_SECS", 300)?,
+                rpc_timeout: vars.secs("COMPLETER_RPC_TIMEOUT_SECS", 60)?,
+                interval: vars.secs("COMPLETER_INTERVAL_SECS", 30)?,
+            },
+            reaper: ReaperConfig {
+                key_ttl: Duration::from_secs(
+                    u64::from(vars.positive::<u32>("IDEMPOTENCY_KEY_TTL_HOURS", 72)?) * 3600,
+                ),
+                lock_timeout,
+                batch_size: vars.positive("REAPER_BATCH_SIZE", 1000)?,
+                interval: vars.secs("REAPER_INTERVAL_SECS", 600)?,
+            },
+        })
+    }
+}
+
+impl CompleterConfig {
+    /// The completer cannot act on anyone's behalf without the internal credential.
+    pub fn token(&self) -> Result<&Secret, ConfigError> {
+        self.internal_api_token
+            .as_ref()
+            .ok_or(ConfigError::Missing {
+                name: "INTERNAL_API_TOKEN",
+            })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults() {
+        let config = Config::from_lookup(|_| None).unwrap();
+        assert_eq!(config.enqueuer.batch_size, 1000);
+        assert_eq!(config.receipts.prefetch, 16);
+        assert_eq!(config.completer.batch_size, 100);
+        assert_eq!(config.completer.max_attempts, 8);
+        assert_eq!(config.completer.min_age, Duration::from_secs(300));
+        assert_eq!(config.reaper.key_ttl, Duration::from_secs(72 * 3600));
+        assert!(config.completer.token().is_err());
+        assert_eq!(config.receipts.smtp_url, DEFAULT_SMTP_URL);
+    }
+
+    #[test]
+    fn rejects_nonsense() {
+        let config =
+            Config::from_lookup(|name| (name == "ENQUEUER_BATCH_SIZE").then(|| "0".to_owned()));
+        assert!(config.is_err());
+        let config =
+            Config::from_lookup(|name| (name == "RECEIPTS_PREFETCH").then(|| "many".to_owned()));
+        assert!(config.is_err());
+    }
+}

@@ -1,0 +1,446 @@
+//! The transactionally-staged job drain: moves committed `staged_jobs` rows to RabbitMQ.
+//!
+//! One batch is one PostgreSQL transaction:
+//!
+//! 1. `SELECT … ORDER BY id LIMIT n FOR UPDATE SKIP LOCKED`: rows of uncommitted transactions are
+//!    invisible (a rolled-back job is never seen), and rows another enqueuer is publishing right
+//!    now are skipped, so several enqueuers share the work instead of queueing behind one
+//!    advisory lock and, in the normal case, never publish the same job twice.
+//! 2. Publish each job (persistent, `mandatory`, `message_id` = job id, trace context in the
+//!    headers) and wait for the broker's confirms.
+//! 3. `DELETE … WHERE id = ANY(confirmed ids)`, then commit.
+//!
+//! Only jobs the broker confirmed *and* routed to a queue are deleted: a returned (unroutable)
+//! or nacked message, or one whose confirm never came because the connection dropped, stays
+//! staged and is published again later. Unlike the reference implementation, which deletes
+//! `id <= max(id of the batch)` and so also deletes jobs committed with a lower id while the
+//! batch was in flight, nothing is ever deleted that was not published. If the commit itself
+//! fails after the broker confirmed, the jobs are published again: delivery is at-least-once
+//! and consumers deduplicate.
+
+use std::time::Duration;
+
+use diesel::{ExpressionMethods, QueryDsl, SelectableHelper};
+use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
+use futures_util::StreamExt;
+use lapin::{
+    BasicProperties, Channel, Confirmation,
+    options::{BasicPublishOptions, ConfirmSelectOptions},
+    types::{AMQPValue, FieldTable, LongString, ShortString},
+};
+use schema::{Pool, PoolError, SEND_RIDE_RECEIPT_JOB, models::StagedJob, schema::staged_jobs};
+use serde::Serialize;
+use tokio_util::sync::CancellationToken;
+
+use crate::{
+    amqp::AmqpSession,
+    backoff::Backoff,
+    config::EnqueuerConfig,
+    message::{ReceiptJobArgs, ReceiptMessage},
+    shutdown,
+    topology::{RECEIPT_ROUTING_KEY, Topology},
+};
+
+/// The PostgreSQL channel the `staged_jobs_notify` trigger notifies on commit.
+pub const NOTIFY_CHANNEL: &str = "staged_jobs";
+
+#[derive(Debug, thiserror::Error)]
+pub enum EnqueueError {
+    #[error("no database connection available")]
+    Pool(#[from] PoolError),
+    #[error("database error")]
+    Database(#[from] diesel::result::Error),
+    #[error("RabbitMQ error")]
+    Broker(#[from] lapin::Error),
+    #[error("the broker did not confirm the batch within {0:?}")]
+    ConfirmTimeout(Duration),
+}
+
+/// Counts of one pass (one or more batches).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct EnqueueSummary {
+    pub batches: u64,
+    /// Confirmed by the broker, routed, and deleted from `staged_jobs`.
+    pub published: u64,
+    /// Returned by the broker as unroutable; left staged.
+    pub returned: u64,
+    /// Negatively confirmed by the broker; left staged.
+    pub nacked: u64,
+}
+
+impl EnqueueSummary {
+    fn add(&mut self, other: &EnqueueSummary) {
+        self.batches += other.batches;
+        self.published += other.published;
+        self.returned += other.returned;
+        self.nacked += other.nacked;
+    }
+}
+
+/// What one batch did; `selected` tells whether the table may hold more.
+struct BatchOutcome {
+    selected: usize,
+    summary: EnqueueSummary,
+    /// A broker failure part-way: the confirmed part was still deleted and committed.
+    error: Option<EnqueueError>,
+}
+
+pub struct Enqueuer {
+    pool: Pool,
+    amqp_url: String,
+    topology: Topology,
+    config: EnqueuerConfig,
+    session: Option<AmqpSession>,
+    listen_url: Option<String>,
+}
+
+impl Enqueuer {
+    pub fn new(pool: Pool, amqp_url: &str, topology: Topology, config: EnqueuerConfig) -> Enqueuer {
+        Enqueuer {
+            pool,
+            amqp_url: amqp_url.to_owned(),
+            topology,
+            config,
+            session: None,
+            listen_url: None,
+        }
+    }
+
+    /// One pass: drains batches until the table is empty or a batch made no progress (every
+    /// job returned or nacked, which another batch right away would only repeat). A broker
+    /// failure ends the pass with an error after the confirmed part was committed; the next call
+    /// reconnects.
+    pub async fn run_once(&mut self) -> Result<EnqueueSummary, EnqueueError> {
+        let mut total = EnqueueSummary::default();
+        loop {
+            let outcome = self.drain_batch().await?;
+            total.add(&outcome.summary);
+            if let Some(error) = outcome.error {
+                tracing::warn!(published = total.published, "enqueuer pass interrupted");
+                return Err(error);
+            }
+            let limit = usize::try_from(self.config.batch_size).unwrap_or(usize::MAX);
+            if outcome.selected < limit || outcome.summary.published == 0 {
+                return Ok(total);
+            }
+        }
+    }
+
+    /// Runs passes until `shutdown` is cancelled. A pass in progress is finished first, so a
+    /// batch is never cut between publishing and deleting. An idle enqueuer backs off up to
+    /// `idle_max` and wakes early when a job is committed (LISTEN/NOTIFY).
+    pub async fn run(mut self, shutdown_token: CancellationToken) -> EnqueueSummary {
+        let mut total = EnqueueSummary::default();
+        let mut idle = Backoff::new(Duration::from_millis(50), self.config.idle_max);
+        let mut failing = Backoff::new(Duration::from_millis(200), Duration::from_secs(30));
+        let mut listener = Listener::new(self.listen_url.clone());
+        while !shutdown_token.is_cancelled() {
+            match self.run_once().await {
+                Ok(summary) => {
+                    failing.reset();
+                    total.add(&summary);
+                    if summary.published > 0 {
+                        tracing::info!(?summary, "enqueuer pass");
+                        idle.reset();
+                        continue;
+                    }
+                    let delay = idle.next_delay();
+                    listener.wait(&shutdown_token, delay).await;
+                }
+                Err(error) => {
+                    let delay = failing.next_delay();
+                    tracing::error!(error = %error_chain(&error), ?delay, "enqueuer pass failed, retrying");
+                    if let Some(session) = self.session.take() {
+                        session.close().await;
+                    }
+                    if !shutdown::sleep(&shutdown_token, delay).await {
+                        break;
+                    }
+                }
+            }
+        }
+        if let Some(session) = self.session.take() {
+            session.close().await;
+        }
+        total
+    }
+
+    /// Lets an idle loop wake on NOTIFY; needs its own connection, hence the URL (a pool
+    /// connection cannot be held for LISTEN).
+    pub fn with_listen_url(mut self, url: &str) -> Enqueuer {
+        self.listen_url = Some(url.to_owned());
+        self
+    }
+
+    async fn channel(&mut self) -> Result<Channel, EnqueueError> {
+        if let Some(session) = &self.session
+            && session.is_usable()
+        {
+            return Ok(session.channel.clone());
+        }
+        if let Some(stale) = self.session.take() {
+            stale.close().await;
+        }
+        let session = AmqpSession::open(&self.amqp_url, &self.topology).await?;
+        session
+            .channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await?;
+        let channel = session.channel.clone();
+        self.session = Some(session);
+        Ok(channel)
+    }
+
+    async fn drain_batch(&mut self) -> Result<BatchOutcome, EnqueueError> {
+        let channel = self.channel().await?;
+        let batch_size = self.config.batch_size;
+        let exchange = self.topology.exchange.clone();
+        let confirm_timeout = self.config.confirm_timeout;
+        let mut conn = self.pool.get().await?;
+        let outcome = conn
+            .transaction(async |conn| {
+                batch_in(conn, &channel, &exchange, batch_size, confirm_timeout).await
+            })
+            .await?;
+        if outcome.error.is_some()
+            && let Some(session) = self.session.take()
+        {
+            session.close().await;
+        }
+        Ok(outcome)
+    }
+}
+
+/// One batch inside its transaction: select and lock, publish, delete what was confirmed.
+async fn batch_in(
+    conn: &mut AsyncPgConnection,
+    channel: &Channel,
+    exchange: &str,
+    batch_size: i64,
+    confirm_timeout: Duration,
+) -> Result<BatchOutcome, EnqueueError> {
+    let jobs: Vec<StagedJob> = staged_jobs::table
+        .order(staged_jobs::id)
+        .limit(batch_size)
+        .for_update()
+        .skip_locked()
+        .select(StagedJob::as_select())
+        .load(conn)
+        .await?;
+    let selected = jobs.len();
+    if jobs.is_empty() {
+        return Ok(BatchOutcome {
+            selected,
+            summary: EnqueueSummary::default(),
+            error: None,
+        });
+    }
+    let published = publish_all(channel, exchange, &jobs, confirm_timeout).await;
+    if !published.confirmed.is_empty() {
+        diesel::delete(staged_jobs::table.filter(staged_jobs::id.eq_any(&published.confirmed)))
+            .execute(conn)
+            .await?;
+    }
+    Ok(BatchOutcome {
+        selected,
+        summary: EnqueueSummary {
+            batches: 1,
+            published: published.confirmed.len() as u64,
+            returned: published.returned,
+            nacked: published.nacked,
+        },
+        error: published.error,
+    })
+}
+
+struct Published {
+    confirmed: Vec<i64>,
+    returned: u64,
+    nacked: u64,
+    error: Option<EnqueueError>,
+}
+
+/// Publishes every job, then collects the confirms. Publishing all before awaiting any keeps
+/// the batch pipelined (one round trip, not one per job).
+async fn publish_all(
+    channel: &Channel,
+    exchange: &str,
+    jobs: &[StagedJob],
+    confirm_timeout: Duration,
+) -> Published {
+    let mut published = Published {
+        confirmed: Vec::with_capacity(jobs.len()),
+        returned: 0,
+        nacked: 0,
+        error: None,
+    };
+    let mut pending = Vec::with_capacity(jobs.len());
+    for job in jobs {
+        let (routing_key, body) = encode(job);
+        let result = channel
+            .basic_publish(
+                exchange.into(),
+                routing_key.as_str().into(),
+                BasicPublishOptions {
+                    mandatory: true,
+                    ..BasicPublishOptions::default()
+                },
+                &body,
+                properties(job),
+            )
+            .await;
+        match result {
+            Ok(confirm) => pending.push((job.id, confirm)),
+            Err(error) => {
+                published.error = Some(error.into());
+                break;
+            }
+        }
+    }
+    let deadline = tokio::time::Instant::now() + confirm_timeout;
+    for (job_id, confirm) in pending {
+        match tokio::time::timeout_at(deadline, confirm).await {
+            // Routed to at least one queue and accepted: the only case that deletes the job.
+            Ok(Ok(Confirmation::Ack(None))) => published.confirmed.push(job_id),
+            Ok(Ok(Confirmation::Ack(Some(returned)))) => {
+                published.returned += 1;
+                tracing::warn!(
+                    job_id,
+                    reply_code = returned.reply_code,
+                    reply_text = %returned.reply_text,
+                    "job returned as unroutable; it stays staged"
+                );
+            }
+            Ok(Ok(Confirmation::Nack(_))) => {
+                published.nacked += 1;
+                tracing::warn!(job_id, "broker refused job; it stays staged");
+            }
+            Ok(Ok(Confirmation::NotRequested)) => {
+                // Cannot happen on a confirm-mode channel; without a confirm nothing is known.
+                published.nacked += 1;
+                tracing::error!(job_id, "publish was not confirmed; it stays staged");
+            }
+            Ok(Err(error)) => {
+                if published.error.is_none() {
+                    published.error = Some(error.into());
+                }
+            }
+            Err(_) => {
+                if published.error.is_none() {
+                    published.error = Some(EnqueueError::ConfirmTimeout(confirm_timeout));
+                }
+            }
+        }
+    }
+    published
+}
+
+/// The routing key and body of a job. Receipt jobs become the versioned [`ReceiptMessage`].
+/// Receipt args that do not fit it are published as they are, so that the consumer rejects them
+/// into the dead-letter queue where a human sees them, instead of blocking the drain. Unknown
+/// job names are routed by name: with no queue bound they are returned and stay staged.
+fn encode(job: &StagedJob) -> (String, Vec<u8>) {
+    if job.job_name == SEND_RIDE_RECEIPT_JOB {
+        let body = serde_json::from_value::<ReceiptJobArgs>(job.job_args.clone())
+            .ok()
+            .map(ReceiptMessage::from_job_args)
+            .and_then(|message| message.encode().ok());
+        match body {
+            Some(body) => return (RECEIPT_ROUTING_KEY.to_owned(), body),
+            None => {
+                tracing::error!(
+                    job_id = job.id,
+                    "receipt job args do not fit the message contract"
+                );
+                return (
+                    RECEIPT_ROUTING_KEY.to_owned(),
+                    job.job_args.to_string().into_bytes(),
+                );
+            }
+        }
+    }
+    (job.job_name.clone(), job.job_args.to_string().into_bytes())
+}
+
+fn properties(job: &StagedJob) -> BasicProperties {
+    let mut headers = FieldTable::default();
+    headers.insert(
+        ShortString::from("x-job-name"),
+        AMQPValue::LongString(LongString::from(job.job_name.as_str())),
+    );
+    for name in ["traceparent", "tracestate"] {
+        if let Some(value) = job.trace_context.get(name).and_then(|v| v.as_str()) {
+            headers.insert(
+                ShortString::from(name),
+                AMQPValue::LongString(LongString::from(value)),
+            );
+        }
+    }
+    BasicProperties::default()
+        .with_delivery_mode(2)
+        .with_content_type("application/json".into())
+        .with_message_id(job.id.to_string().into())
+        .with_timestamp(u64::try_from(job.created_at.timestamp()).unwrap_or(0))
+        .with_headers(headers)
+}
+
+/// Waits for a NOTIFY on [`NOTIFY_CHANNEL`] or for the delay, whichever comes first. Without a
+/// URL, or when LISTEN fails, it simply sleeps: polling is the safety net.
+struct Listener {
+    url: Option<String>,
+    conn: Option<AsyncPgConnection>,
+}
+
+impl Listener {
+    fn new(url: Option<String>) -> Listener {
+        Listener { url, conn: None }
+    }
+
+    async fn wait(&mut self, shutdown_token: &CancellationToken, delay: Duration) {
+        if self.conn.is_none()
+            && let Some(url) = &self.url
+        {
+            match AsyncPgConnection::establish(url).await {
+                Ok(mut conn) => {
+                    match diesel::sql_query(format!("LISTEN {NOTIFY_CHANNEL}"))
+                        .execute(&mut conn)
+                        .await
+                    {
+                        Ok(_) => self.conn = Some(conn),
+                        Err(error) => tracing::debug!(%error, "LISTEN failed; polling"),
+                    }
+                }
+                Err(error) => tracing::debug!(%error, "cannot connect for LISTEN; polling"),
+            }
+        }
+        let Some(conn) = self.conn.as_mut() else {
+            shutdown::sleep(shutdown_token, delay).await;
+            return;
+        };
+        let mut lost = false;
+        {
+            let mut notifications = std::pin::pin!(conn.notifications_stream());
+            tokio::select! {
+                () = shutdown_token.cancelled() => {}
+                () = tokio::time::sleep(delay) => {}
+                next = notifications.next() => {
+                    lost = !matches!(next, Some(Ok(_)));
+                }
+            }
+        }
+        if lost {
+            self.conn = None;
+        }
+    }
+}
+
+fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}

@@ -1,0 +1,380 @@
+//! A small SMTP server for development and tests. It speaks what lettre needs (EHLO/HELO, MAIL
+//! FROM, RCPT TO, DATA with dot-unstuffing, RSET, NOOP, QUIT), keeps what it receives in memory,
+//! optionally writes each mail to `DIR/<n>.eml`, and can be told to answer the next N messages
+//! with a failure code (e.g. 451) to exercise retries. It accepts every address and never relays.
+
+use std::{
+    collections::VecDeque,
+    net::SocketAddr,
+    path::{Path, PathBuf},
+    sync::{Arc, Mutex, PoisonError},
+    time::Duration,
+};
+
+use tokio::{
+    io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader},
+    net::{TcpListener, TcpStream},
+    sync::Notify,
+};
+use tokio_util::sync::CancellationToken;
+
+/// Longest accepted command line and mail; both are generous for receipts.
+const MAX_LINE: usize = 4096;
+const MAX_MESSAGE: usize = 10 * 1024 * 1024;
+
+/// One accepted mail.
+#[derive(Clone, Debug)]
+pub struct ReceivedMail {
+    pub mail_from: String,
+    pub rcpt_to: Vec<String>,
+    /// The message as received, after dot-unstuffing, lines joined with CRLF.
+    pub data: String,
+}
+
+impl ReceivedMail {
+    /// The first header with this name (case-insensitive), unfolded.
+    pub fn header(&self, name: &str) -> Option<String> {
+        let head = self.data.split("\r\n\r\n").next().unwrap_or_default();
+        let mut found: Option<String> = None;
+        for line in head.split("\r\n") {
+            if line.starts_with([' ', '\t']) {
+                if let Some(value) = found.as_mut() {
+                    value.push(' ');
+                    value.push_str(line.trim());
+                }
+                continue;
+            }
+            if found.is_some() {
+                break;
+            }
+            if let Some((key, value)) = line.split_once(':')
+                && key.eq_ignore_ascii_case(name)
+            {
+                found = Some(value.trim().to_owned());
+            }
+        }
+        found
+    }
+
+    pub fn message_id(&self) -> Option<String> {
+        self.header("Message-ID")
+    }
+}
+
+#[derive(Default)]
+struct State {
+    mails: Mutex<Vec<ReceivedMail>>,
+    /// Reply codes for the next messages' end of DATA, front first.
+    failures: Mutex<VecDeque<u16>>,
+    received: Notify,
+}
+
+impl State {
+    fn mails(&self) -> std::sync::MutexGuard<'_, Vec<ReceivedMail>> {
+        self.mails.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn next_failure(&self) -> Option<u16> {
+        self.failures
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .pop_front()
+    }
+}
+
+/// A running sink. Dropping it stops accepting connections.
+pub struct MailSink {
+    addr: SocketAddr,
+    state: Arc<State>,
+    stop: CancellationToken,
+}
+
+impl MailSink {
+    /// Binds `listen` (port 0 picks a free port) and serves in a background task.
+    pub async fn spawn(listen: SocketAddr, dir: Option<PathBuf>) -> std::io::Result<MailSink> {
+        let listener = TcpListener::bind(listen).await?;
+        let addr = listener.local_addr()?;
+        if let Some(dir) = &dir {
+            tokio::fs::create_dir_all(dir).await?;
+        }
+        let state = Arc::new(State::default());
+        let stop = CancellationToken::new();
+        tokio::spawn(serve(listener, Arc::clone(&state), dir, stop.clone()));
+        Ok(MailSink { addr, state, stop })
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The URL to put in `SMTP_URL`.
+    pub fn smtp_url(&self) -> String {
+        format!("smtp://{}", self.addr)
+    }
+
+    /// Everything received so far, in order.
+    pub fn received(&self) -> Vec<ReceivedMail> {
+        self.state.mails().clone()
+    }
+
+    /// Answers the end of DATA of the next `count` messages with `code` (a 4xx is a temporary
+    /// failure, a 5xx a permanent one) and discards them.
+    pub fn fail_next(&self, count: usize, code: u16) {
+        let mut failures = self
+            .state
+            .failures
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        failures.extend(std::iter::repeat_n(code, count));
+    }
+
+    /// Waits until at least `count` mails arrived or `timeout` passed; returns what arrived.
+    pub async fn wait_for(&self, count: usize, timeout: Duration) -> Vec<ReceivedMail> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let notified = self.state.received.notified();
+            let mails = self.received();
+            if mails.len() >= count {
+                return mails;
+            }
+            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                return self.received();
+            }
+        }
+    }
+
+    /// Stops accepting connections.
+    pub fn stop(&self) {
+        self.stop.cancel();
+    }
+
+    /// Serves until `shutdown` is cancelled (the `mail-sink` subcommand).
+    pub async fn run_until(self, shutdown: CancellationToken) {
+        shutdown.cancelled().await;
+        self.stop();
+    }
+}
+
+impl Drop for MailSink {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+async fn serve(
+    listener: TcpListener,
+    state: Arc<State>,
+    dir: Option<PathBuf>,
+    stop: CancellationToken,
+) {
+    loop {
+        let accepted = tokio::select! {
+            () = stop.cancelled() => return,
+            accepted = listener.accept() => accepted,
+        };
+        match accepted {
+            Ok((stream, peer)) => {
+                let state = Arc::clone(&state);
+                let dir = dir.clone();
+                let stop = stop.clone();
+                tokio::spawn(async move {
+                    tokio::select! {
+                        () = stop.cancelled() => {}
+                        result = session(stream, &state, dir.as_deref()) => {
+                            if let Err(error) = result {
+                                tracing::debug!(%error, %peer, "mail sink session ended");
+                            }
+                        }
+                    }
+                });
+            }
+            Err(error) => {
+                tracing::warn!(%error, "mail sink cannot accept");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+}
+
+/// One SMTP conversation.
+async fn session(stream: TcpStream, state: &State, dir: Option<&Path>) -> std::io::Result<()> {
+    let (read, mut write) = stream.into_split();
+    let mut reader = BufReader::new(read);
+    write.write_all(b"220 mail-sink ESMTP ready\r\n").await?;
+    let mut mail_from: Option<String> = None;
+    let mut rcpt_to: Vec<String> = Vec::new();
+    let mut line = String::new();
+    loop {
+        line.clear();
+        let read = (&mut reader)
+            .take(MAX_LINE as u64)
+            .read_line(&mut line)
+            .await?;
+        if read == 0 {
+            return Ok(());
+        }
+        let command = line.trim_end_matches(['\r', '\n']);
+        let verb = command
+            .split_whitespace()
+            .next()
+            .unwrap_or_default()
+            .to_ascii_uppercase();
+        let reply: &[u8] = match verb.as_str() {
+            "EHLO" | "HELO" => {
+                mail_from = None;
+                rcpt_to.clear();
+                b"250 mail-sink\r\n"
+            }
+            "MAIL" => match address_after(command, "FROM:") {
+                Some(address) => {
+                    mail_from = Some(address);
+                    rcpt_to.clear();
+                    b"250 2.1.0 OK\r\n"
+                }
+                None => b"501 5.5.4 syntax: MAIL FROM:<address>\r\n",
+            },
+            "RCPT" => match (&mail_from, address_after(command, "TO:")) {
+                (None, _) => b"503 5.5.1 MAIL first\r\n",
+                (Some(_), Some(address)) => {
+                    rcpt_to.push(address);
+                    b"250 2.1.5 OK\r\n"
+                }
+                (Some(_), None) => b"501 5.5.4 syntax: RCPT TO:<address>\r\n",
+            },
+            "DATA" => {
+                let Some(from) = mail_from.take().filter(|_| !rcpt_to.is_empty()) else {
+                    write
+                        .write_all(b"503 5.5.1 MAIL and RCPT first\r\n")
+                        .await?;
+                    continue;
+                };
+                write.write_all(b"354 end with <CRLF>.<CRLF>\r\n").await?;
+                let data = read_data(&mut reader).await?;
+                let rcpts = std::mem::take(&mut rcpt_to);
+                match data {
+                    None => b"552 5.3.4 message too big\r\n",
+                    Some(data) => {
+                        if let Some(code) = state.next_failure() {
+                            let reply = format!("{code} injected failure, try again\r\n");
+                            write.write_all(reply.as_bytes()).await?;
+                            continue;
+                        }
+                        let mail = ReceivedMail {
+                            mail_from: from,
+                            rcpt_to: rcpts,
+                            data,
+                        };
+                        if let Some(dir) = dir {
+                            store(dir, &mail).await?;
+                        }
+                        state.mails().push(mail);
+                        state.received.notify_waiters();
+                        b"250 2.0.0 queued\r\n"
+                    }
+                }
+            }
+            "RSET" => {
+                mail_from = None;
+                rcpt_to.clear();
+                b"250 2.0.0 OK\r\n"
+            }
+            "NOOP" => b"250 2.0.0 OK\r\n",
+            "VRFY" => b"252 2.5.2 cannot verify\r\n",
+            "QUIT" => {
+                write.write_all(b"221 2.0.0 bye\r\n").await?;
+                return Ok(());
+            }
+            _ => b"502 5.5.2 command not implemented\r\n",
+        };
+        write.write_all(reply).await?;
+    }
+}
+
+/// Reads DATA up to the lone dot, undoing dot-stuffing. `None` if the message is too big (the
+/// rest is still consumed so the conversation stays in step).
+async fn read_data<R: tokio::io::AsyncBufRead + Unpin>(
+    reader: &mut R,
+) -> std::io::Result<Option<String>> {
+    let mut data = String::new();
+    let mut too_big = false;
+    let mut raw = Vec::new();
+    loop {
+        raw.clear();
+        let read = reader.read_until(b'\n', &mut raw).await?;
+        if read == 0 {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+        let line = String::from_utf8_lossy(&raw);
+        let line = line.trim_end_matches(['\r', '\n']);
+        if line == "." {
+            return Ok((!too_big).then_some(data));
+        }
+        let line = line.strip_prefix('.').unwrap_or(line);
+        if data.len() + line.len() > MAX_MESSAGE {
+            too_big = true;
+            continue;
+        }
+        if !data.is_empty() {
+            data.push_str("\r\n");
+        }
+        data.push_str(line);
+    }
+}
+
+/// `MAIL FROM:<a@b> BODY=8BITMIME` → `a@b`.
+fn address_after(command: &str, keyword: &str) -> Option<String> {
+    let upper = command.to_ascii_uppercase();
+    let start = upper.find(keyword)? + keyword.len();
+    let rest = command[start..].trim_start();
+    let rest = rest.strip_prefix('<')?;
+    let end = rest.find('>')?;
+    Some(rest[..end].to_owned())
+}
+
+/// Writes `<nanos>-<n>.eml` via a temporary name, so readers never see half a mail.
+async fn store(dir: &Path, mail: &ReceivedMail) -> std::io::Result<()> {
+    static SEQUENCE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = SEQUENCE.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let stamp = chrono::Utc::now().timestamp_nanos_opt().unwrap_or_default();
+    let name = format!("{stamp}-{n}.eml");
+    let temporary = dir.join(format!(".{name}.tmp"));
+    tokio::fs::write(&temporary, format!("{}\r\n", mail.data)).await?;
+    tokio::fs::rename(&temporary, dir.join(name)).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_addresses() {
+        assert_eq!(
+            address_after("MAIL FROM:<a@b.c> BODY=8BITMIME", "FROM:").as_deref(),
+            Some("a@b.c")
+        );
+        assert_eq!(
+            address_after("rcpt to: <x@y>", "TO:").as_deref(),
+            Some("x@y")
+        );
+        assert_eq!(address_after("MAIL FROM:a@b", "FROM:"), None);
+    }
+
+    #[tokio::test]
+    async fn unstuffs_dots() {
+        let input = b"Subject: x\r\n\r\n..leading dot\r\nplain\r\n.\r\n".to_vec();
+        let mut reader = BufReader::new(&input[..]);
+        let data = read_data(&mut reader).await.unwrap().unwrap();
+        assert_eq!(data, "Subject: x\r\n\r\n.leading dot\r\nplain");
+    }
+
+    #[test]
+    fn reads_headers() {
+        let mail = ReceivedMail {
+            mail_from: String::new(),
+            rcpt_to: vec![],
+            data: "Message-ID: <a@b>\r\nSubject: long\r\n  folded\r\n\r\nMessage-ID: body".into(),
+        };
+        assert_eq!(mail.message_id().as_deref(), Some("<a@b>"));
+        assert_eq!(mail.header("subject").as_deref(), Some("long folded"));
+    }
+}

@@ -1,0 +1,156 @@
+//! The RabbitMQ topology, declared idempotently by every worker at start (declaring an existing
+//! entity with the same arguments is a no-op; with different arguments the broker refuses, which
+//! is why changes to queue arguments go through policies, see `docs/workers.md`).
+//!
+//! ```text
+//! {prefix} (direct) ──ride.receipt──► {prefix}.receipts (quorum, delivery limit, DLX)
+//!                                         │ rejected / over the delivery limit
+//!                                         ▼
+//!                               {prefix}.dead-letter (fanout) ──► {prefix}.dead-letter (quorum)
+//! ```
+//!
+//! Every name derives from one prefix so that each test can own a private copy.
+
+use lapin::{
+    Channel, ExchangeKind,
+    options::{
+        ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions,
+        QueueDeleteOptions,
+    },
+    types::{AMQPValue, FieldTable, LongString, ShortString},
+};
+
+/// Routing key of [`crate::message::ReceiptMessage`].
+pub const RECEIPT_ROUTING_KEY: &str = "ride.receipt";
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Topology {
+    pub exchange: String,
+    pub receipts_queue: String,
+    pub dead_letter_exchange: String,
+    pub dead_letter_queue: String,
+    /// Deliveries of one message before the quorum queue dead-letters it.
+    pub delivery_limit: u32,
+}
+
+impl Topology {
+    pub fn from_prefix(prefix: &str, delivery_limit: u32) -> Topology {
+        Topology {
+            exchange: prefix.to_owned(),
+            receipts_queue: format!("{prefix}.receipts"),
+            dead_letter_exchange: format!("{prefix}.dead-letter"),
+            dead_letter_queue: format!("{prefix}.dead-letter"),
+            delivery_limit,
+        }
+    }
+
+    /// Declares exchanges, queues and bindings. Idempotent.
+    pub async fn declare(&self, channel: &Channel) -> lapin::Result<()> {
+        let durable = ExchangeDeclareOptions {
+            durable: true,
+            ..ExchangeDeclareOptions::default()
+        };
+        channel
+            .exchange_declare(
+                self.exchange.as_str().into(),
+                ExchangeKind::Direct,
+                durable,
+                FieldTable::default(),
+            )
+            .await?;
+        // Fanout: whatever the original routing key, a dead letter lands in the one queue.
+        channel
+            .exchange_declare(
+                self.dead_letter_exchange.as_str().into(),
+                ExchangeKind::Fanout,
+                durable,
+                FieldTable::default(),
+            )
+            .await?;
+        let queue_options = QueueDeclareOptions {
+            durable: true,
+            ..QueueDeclareOptions::default()
+        };
+        let mut dead_letter_args = FieldTable::default();
+        dead_letter_args.insert(short("x-queue-type"), long("quorum"));
+        channel
+            .queue_declare(
+                self.dead_letter_queue.as_str().into(),
+                queue_options,
+                dead_letter_args,
+            )
+            .await?;
+        channel
+            .queue_bind(
+                self.dead_letter_queue.as_str().into(),
+                self.dead_letter_exchange.as_str().into(),
+                "".into(),
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await?;
+        channel
+            .queue_declare(
+                self.receipts_queue.as_str().into(),
+                queue_options,
+                self.receipts_queue_arguments(),
+            )
+            .await?;
+        channel
+            .queue_bind(
+                self.receipts_queue.as_str().into(),
+                self.exchange.as_str().into(),
+                RECEIPT_ROUTING_KEY.into(),
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await?;
+        Ok(())
+    }
+
+    fn receipts_queue_arguments(&self) -> FieldTable {
+        let mut args = FieldTable::default();
+        // Replicated and durable: a broker node loss loses no receipt.
+        args.insert(short("x-queue-type"), long("quorum"));
+        // Bounded redelivery: a message that keeps failing ends in the dead-letter queue instead
+        // of cycling forever.
+        args.insert(
+            short("x-delivery-limit"),
+            AMQPValue::LongLongInt(i64::from(self.delivery_limit)),
+        );
+        args.insert(
+            short("x-dead-letter-exchange"),
+            long(&self.dead_letter_exchange),
+        );
+        // At-least-once dead-lettering: the message leaves this queue only once the dead-letter
+        // queue has confirmed it (the default, at-most-once, may drop it). It requires
+        // reject-publish overflow, which publishers see as a nack, and the enqueuer keeps
+        // nacked jobs staged.
+        args.insert(short("x-dead-letter-strategy"), long("at-least-once"));
+        args.insert(short("x-overflow"), long("reject-publish"));
+        args
+    }
+
+    /// Deletes everything [`Topology::declare`] created. For tests and teardown scripts.
+    pub async fn delete(&self, channel: &Channel) -> lapin::Result<()> {
+        for queue in [&self.receipts_queue, &self.dead_letter_queue] {
+            channel
+                .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
+                .await?;
+        }
+        for exchange in [&self.exchange, &self.dead_letter_exchange] {
+            channel
+                .exchange_delete(exchange.as_str().into(), ExchangeDeleteOptions::default())
+                .await?;
+        }
+        Ok(())
+    }
+}
+
+fn short(value: &str) -> ShortString {
+    value.into()
+}
+
+fn long(value: &str) -> AMQPValue {
+    AMQPValue::LongString(LongString::from(value))
+}

@@ -1,0 +1,386 @@
+//! Shared test fixtures: a private RabbitMQ topology, queue inspection, a severable TCP proxy,
+//! staging helpers, and a receipt worker wired to an in-test mail sink.
+
+use std::{
+    net::SocketAddr,
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicBool, AtomicI64, Ordering},
+    },
+    time::Duration,
+};
+
+use diesel_async::RunQueryDsl;
+use lapin::{
+    BasicProperties,
+    options::{BasicAckOptions, BasicGetOptions, BasicPublishOptions, QueueDeclareOptions},
+    types::FieldTable,
+};
+use schema::{Pool, SEND_RIDE_RECEIPT_JOB, models::NewStagedJob, schema::staged_jobs};
+use tokio::{
+    io::{AsyncReadExt, AsyncWriteExt},
+    net::{TcpListener, TcpStream},
+    task::AbortHandle,
+};
+use workers::{
+    amqp::AmqpSession,
+    config::{EnqueuerConfig, ReceiptsConfig},
+    enqueuer::Enqueuer,
+    mail_sink::MailSink,
+    mailer::Mailer,
+    receipts::ReceiptWorker,
+    topology::Topology,
+};
+
+pub const DEADLINE: Duration = Duration::from_secs(30);
+
+pub fn amqp_url() -> String {
+    std::env::var("TEST_AMQP_URL")
+        .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".to_owned())
+}
+
+/// A topology of its own for one test, deleted by `cleanup`.
+pub struct TestBroker {
+    pub topology: Topology,
+    pub session: AmqpSession,
+}
+
+/// A message taken off a queue.
+#[derive(Debug)]
+pub struct Taken {
+    pub message_id: String,
+    pub body: Vec<u8>,
+    pub properties: BasicProperties,
+}
+
+impl TestBroker {
+    pub async fn new() -> TestBroker {
+        TestBroker::with_delivery_limit(5).await
+    }
+
+    pub async fn with_delivery_limit(limit: u32) -> TestBroker {
+        let prefix = format!("test-{}", uuid::Uuid::new_v4().simple());
+        let topology = Topology::from_prefix(&prefix, limit);
+        let session = AmqpSession::open(&amqp_url(), &topology).await.unwrap();
+        TestBroker { topology, session }
+    }
+
+    /// Takes (and acks) every message currently in `queue`.
+    pub async fn take_all(&self, queue: &str) -> Vec<Taken> {
+        let mut taken = Vec::new();
+        while let Some(message) = self
+            .session
+            .channel
+            .basic_get(queue.into(), BasicGetOptions { no_ack: false })
+            .await
+            .unwrap()
+        {
+            let delivery = message.delivery;
+            delivery
+                .acker
+                .ack(BasicAckOptions::default())
+                .await
+                .unwrap();
+            taken.push(Taken {
+                message_id: delivery
+                    .properties
+                    .message_id()
+                    .as_ref()
+                    .map(|id| id.to_string())
+                    .unwrap_or_default(),
+                body: delivery.data,
+                properties: delivery.properties,
+            });
+        }
+        taken
+    }
+
+    pub async fn depth(&self, queue: &str) -> u32 {
+        self.session
+            .channel
+            .queue_declare(
+                queue.into(),
+                QueueDeclareOptions {
+                    passive: true,
+                    ..QueueDeclareOptions::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .unwrap()
+            .message_count()
+    }
+
+    /// Waits until `queue` holds at least `count` messages (dead-lettering is asynchronous).
+    pub async fn wait_for_depth(&self, queue: &str, count: u32) -> u32 {
+        let deadline = tokio::time::Instant::now() + DEADLINE;
+        loop {
+            let depth = self.depth(queue).await;
+            if depth >= count || tokio::time::Instant::now() > deadline {
+                return depth;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Publishes a raw body to the receipts routing key, as a foreign producer could.
+    pub async fn publish_raw(&self, message_id: &str, body: &[u8]) {
+        let confirm = self
+            .session
+            .channel
+            .basic_publish(
+                self.topology.exchange.as_str().into(),
+                workers::topology::RECEIPT_ROUTING_KEY.into(),
+                BasicPublishOptions::default(),
+                body,
+                BasicProperties::default()
+                    .with_delivery_mode(2)
+                    .with_message_id(message_id.into()),
+            )
+            .await
+            .unwrap();
+        drop(confirm);
+        // Not in confirm mode: a round trip on the channel orders the publish before later
+        // reads on the same channel.
+        self.depth(&self.topology.receipts_queue).await;
+    }
+
+    pub async fn cleanup(self) {
+        self.topology.delete(&self.session.channel).await.unwrap();
+        self.session.close().await;
+    }
+}
+
+pub fn enqueuer_config(batch_size: i64) -> EnqueuerConfig {
+    EnqueuerConfig {
+        batch_size,
+        idle_max: Duration::from_millis(100),
+        confirm_timeout: Duration::from_secs(20),
+    }
+}
+
+pub fn enqueuer(pool: &Pool, broker: &TestBroker, batch_size: i64) -> Enqueuer {
+    Enqueuer::new(
+        pool.clone(),
+        &amqp_url(),
+        broker.topology.clone(),
+        enqueuer_config(batch_size),
+    )
+}
+
+pub fn receipt_args(ride_id: i64) -> serde_json::Value {
+    serde_json::json!({
+        "ride_id": ride_id,
+        "user_id": 1,
+        "amount": 2000,
+        "currency": "usd",
+        "charge_id": format!("pi_{ride_id}"),
+        "created_at": "2026-11-21T09:00:00Z",
+    })
+}
+
+/// Stages `count` receipt jobs in one transaction; returns their ids.
+pub async fn stage_jobs(pool: &Pool, count: usize) -> Vec<i64> {
+    let mut conn = pool.get().await.unwrap();
+    let args: Vec<serde_json::Value> = (0..count).map(|i| receipt_args(i as i64 + 1)).collect();
+    let empty = serde_json::json!({});
+    let rows: Vec<NewStagedJob<'_>> = args
+        .iter()
+        .map(|job_args| NewStagedJob {
+            job_name: SEND_RIDE_RECEIPT_JOB,
+            job_args,
+            trace_context: &empty,
+        })
+        .collect();
+    let mut ids = Vec::new();
+    for chunk in rows.chunks(1000) {
+        let inserted: Vec<i64> = diesel::insert_into(staged_jobs::table)
+            .values(chunk)
+            .returning(staged_jobs::id)
+            .get_results(&mut conn)
+            .await
+            .unwrap();
+        ids.extend(inserted);
+    }
+    ids
+}
+
+pub async fn staged_ids(pool: &Pool) -> Vec<i64> {
+    use diesel::QueryDsl;
+    let mut conn = pool.get().await.unwrap();
+    staged_jobs::table
+        .select(staged_jobs::id)
+        .order(staged_jobs::id)
+        .load(&mut conn)
+        .await
+        .unwrap()
+}
+
+pub fn receipts_config(smtp_url: &str) -> ReceiptsConfig {
+    ReceiptsConfig {
+        smtp_url: smtp_url.to_owned(),
+        from: workers::config::DEFAULT_RECEIPT_FROM.to_owned(),
+        smtp_timeout: Duration::from_secs(10),
+        prefetch: 4,
+        retry_base_delay: Duration::from_millis(20),
+        retry_max_delay: Duration::from_millis(200),
+    }
+}
+
+pub async fn mail_sink() -> MailSink {
+    MailSink::spawn("127.0.0.1:0".parse().unwrap(), None)
+        .await
+        .unwrap()
+}
+
+pub fn receipt_worker(pool: &Pool, broker: &TestBroker, sink: &MailSink) -> Arc<ReceiptWorker> {
+    let config = receipts_config(&sink.smtp_url());
+    let mailer = Mailer::new(&config.smtp_url, &config.from, config.smtp_timeout).unwrap();
+    ReceiptWorker::new(pool.clone(), mailer, broker.topology.clone(), config)
+}
+
+/// A TCP proxy the test can sever (every connection dropped, new ones refused) and restore,
+/// standing in for a broker that goes away. Optionally severs by itself after forwarding a
+/// number of client bytes, to cut a connection in the middle of a drain deterministically.
+pub struct Proxy {
+    pub addr: SocketAddr,
+    severed: Arc<AtomicBool>,
+    budget: Arc<AtomicI64>,
+    connections: Arc<Mutex<Vec<AbortHandle>>>,
+    accept: AbortHandle,
+}
+
+impl Proxy {
+    pub async fn spawn(upstream: SocketAddr) -> Proxy {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let severed = Arc::new(AtomicBool::new(false));
+        let budget = Arc::new(AtomicI64::new(i64::MAX));
+        let connections: Arc<Mutex<Vec<AbortHandle>>> = Arc::default();
+        let accept = {
+            let (severed, budget, connections) =
+                (severed.clone(), budget.clone(), connections.clone());
+            tokio::spawn(async move {
+                loop {
+                    let Ok((client, _)) = listener.accept().await else {
+                        continue;
+                    };
+                    if AtomicBool::load(&severed, Ordering::SeqCst) {
+                        drop(client);
+                        continue;
+                    }
+                    let Ok(server) = TcpStream::connect(upstream).await else {
+                        continue;
+                    };
+                    let task = tokio::spawn(pipe(
+                        client,
+                        server,
+                        severed.clone(),
+                        budget.clone(),
+                        connections.clone(),
+                    ));
+                    connections.lock().unwrap().push(task.abort_handle());
+                }
+            })
+            .abort_handle()
+        };
+        Proxy {
+            addr,
+            severed,
+            budget,
+            connections,
+            accept,
+        }
+    }
+
+    pub fn amqp_url(&self) -> String {
+        format!("amqp://guest:guest@{}/%2f", self.addr)
+    }
+
+    /// Severs after `bytes` more bytes from the client have been forwarded.
+    pub fn sever_after(&self, bytes: i64) {
+        self.budget.store(bytes, Ordering::SeqCst);
+    }
+
+    pub fn restore(&self) {
+        self.budget.store(i64::MAX, Ordering::SeqCst);
+        self.severed.store(false, Ordering::SeqCst);
+    }
+
+    pub fn is_severed(&self) -> bool {
+        AtomicBool::load(&self.severed, Ordering::SeqCst)
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.accept.abort();
+        sever(&self.severed, &self.connections);
+    }
+}
+
+fn sever(severed: &AtomicBool, connections: &Mutex<Vec<AbortHandle>>) {
+    severed.store(true, Ordering::SeqCst);
+    for connection in connections.lock().unwrap().drain(..) {
+        connection.abort();
+    }
+}
+
+async fn pipe(
+    client: TcpStream,
+    server: TcpStream,
+    severed: Arc<AtomicBool>,
+    budget: Arc<AtomicI64>,
+    connections: Arc<Mutex<Vec<AbortHandle>>>,
+) {
+    let (mut client_read, mut client_write) = client.into_split();
+    let (mut server_read, mut server_write) = server.into_split();
+    let upstream = async {
+        let mut buffer = vec![0_u8; 16 * 1024];
+        loop {
+            let n = match client_read.read(&mut buffer).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => n,
+            };
+            let left = budget.fetch_sub(n as i64, Ordering::SeqCst) - n as i64;
+            if left < 0 {
+                // Forward nothing more: the connection dies mid-stream.
+                sever(&severed, &connections);
+                return;
+            }
+            if server_write.write_all(&buffer[..n]).await.is_err() {
+                return;
+            }
+        }
+    };
+    let downstream = async {
+        let _ = tokio::io::copy(&mut server_read, &mut client_write).await;
+    };
+    tokio::select! {
+        () = upstream => {}
+        () = downstream => {}
+    }
+}
+
+/// The RabbitMQ address behind `amqp_url()`, for the proxy.
+pub fn broker_addr() -> SocketAddr {
+    let url = amqp_url();
+    let authority = url
+        .trim_start_matches("amqp://")
+        .split('/')
+        .next()
+        .unwrap()
+        .rsplit('@')
+        .next()
+        .unwrap()
+        .to_owned();
+    let authority = if authority.contains(':') {
+        authority
+    } else {
+        format!("{authority}:5672")
+    };
+    std::net::ToSocketAddrs::to_socket_addrs(&authority)
+        .unwrap()
+        .next()
+        .unwrap()
+}

@@ -1,0 +1,11 @@
+//! Integration tests of the worker fleet against real PostgreSQL (one database per test) and
+//! real RabbitMQ (one uniquely prefixed topology per test). One binary, several modules: one
+//! link instead of one per file.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod common;
+mod completer;
+mod end_to_end;
+mod enqueuer;
+mod reaper;
+mod receipts;
