@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Brings the whole system up on this machine: PostgreSQL (started or installed when absent),
-# migrations, fake-stripe, the api-server, and a development user whose token and a ready-to-paste
-# grpcurl command are printed. Ctrl-C stops everything it started. Logs go to .run/logs/.
+# Brings the whole system up on this machine: PostgreSQL and RabbitMQ (started or installed when
+# absent), migrations, fake-stripe, the api-server, the four workers (enqueuer, receipts,
+# completer, reaper) and a mail sink that writes each receipt to .run/mail/, plus a development
+# user whose token and a ready-to-paste grpcurl command are printed. Ctrl-C stops everything it
+# started. Logs go to .run/logs/.
 set -euo pipefail
 # shellcheck source=deploy/local/lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
@@ -9,6 +11,7 @@ cd "$REPO_ROOT"
 
 ensure_cargo
 ensure_postgres
+ensure_rabbitmq
 
 export GRPC_LISTEN_ADDR="${GRPC_LISTEN_ADDR:-127.0.0.1:50051}"
 export FAKE_STRIPE_LISTEN="${FAKE_STRIPE_LISTEN:-127.0.0.1:12111}"
@@ -16,17 +19,21 @@ export STRIPE_API_BASE="${STRIPE_API_BASE:-http://$FAKE_STRIPE_LISTEN}"
 export STRIPE_SECRET_KEY="${STRIPE_SECRET_KEY:-sk_test_rocket_rides_development}"
 export INTERNAL_API_TOKEN="${INTERNAL_API_TOKEN:-internal-development-token-$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')}"
 export RUST_LOG="${RUST_LOG:-info}"
+export SMTP_LISTEN="${SMTP_LISTEN:-127.0.0.1:2525}"
+export SMTP_URL="${SMTP_URL:-smtp://$SMTP_LISTEN}"
+export API_SERVER_URL="${API_SERVER_URL:-http://$GRPC_LISTEN_ADDR}"
+MAIL_DIR="$REPO_ROOT/.run/mail"
 
-for addr in "$GRPC_LISTEN_ADDR" "$FAKE_STRIPE_LISTEN"; do
+for addr in "$GRPC_LISTEN_ADDR" "$FAKE_STRIPE_LISTEN" "$SMTP_LISTEN"; do
   if port_open "${addr%:*}" "${addr##*:}"; then
-    die "$addr is already in use: is another run.sh still running? (set GRPC_LISTEN_ADDR / FAKE_STRIPE_LISTEN to move)"
+    die "$addr is already in use: is another run.sh still running? (set GRPC_LISTEN_ADDR / FAKE_STRIPE_LISTEN / SMTP_LISTEN to move)"
   fi
 done
 
 log "building (first build takes a few minutes)"
-cargo build --locked --quiet --bin api-server --bin fake-stripe
+cargo build --locked --quiet --bin api-server --bin fake-stripe --bin workers
 bin="$REPO_ROOT/target/debug"
-mkdir -p .run/logs
+mkdir -p .run/logs "$MAIL_DIR"
 
 pids=()
 cleanup() {
@@ -46,8 +53,13 @@ log "migrating $(printf '%s' "$DATABASE_URL" | sed -E 's#//([^:/@]+):[^@]*@#//\1
 
 start fake-stripe "$bin/fake-stripe" --listen "$FAKE_STRIPE_LISTEN"
 wait_for_port "${FAKE_STRIPE_LISTEN%:*}" "${FAKE_STRIPE_LISTEN##*:}" fake-stripe 30
+start mail-sink "$bin/workers" mail-sink --listen "$SMTP_LISTEN" --dir "$MAIL_DIR"
+wait_for_port "${SMTP_LISTEN%:*}" "${SMTP_LISTEN##*:}" mail-sink 30
 start api-server "$bin/api-server" serve
 wait_for_port "${GRPC_LISTEN_ADDR%:*}" "${GRPC_LISTEN_ADDR##*:}" api-server 30
+for worker in enqueuer receipts completer reaper; do
+  start "$worker" "$bin/workers" "$worker"
+done
 
 stamp=$(date +%s)-$RANDOM
 token=$("$bin/api-server" users create --email "dev-$stamp@rocketrides.test" \
@@ -63,6 +75,8 @@ cat <<MSG
 Rocket Rides is up.
   gRPC api-server   $GRPC_LISTEN_ADDR   (reflection and grpc.health.v1 enabled)
   fake-stripe       $STRIPE_API_BASE    (payment intents: curl -H 'Authorization: Bearer $STRIPE_SECRET_KEY' $STRIPE_API_BASE/v1/payment_intents)
+  workers           enqueuer, receipts, completer, reaper → RabbitMQ on 127.0.0.1:5672
+  receipts          $MAIL_DIR/ (one .eml per mail, from the mail sink on $SMTP_LISTEN)
   logs              .run/logs/
 
 Development user token (shown once):
@@ -74,6 +88,8 @@ Create a ride (run it twice: the second answer is a replay, with idempotent-repl
     -H "idempotency-key: ride-\$(date +%Y%m%d)-0000000001" \\
     -d '{"origin_lat": 37.7749, "origin_lon": -122.4194, "target_lat": 37.3382, "target_lon": -121.8863}' \\
     $GRPC_LISTEN_ADDR rides.v1.RideService/CreateRide
+
+A second later its receipt is in $MAIL_DIR/:  ls $MAIL_DIR && cat $MAIL_DIR/*.eml
 
 Press Ctrl-C to stop.
 MSG
