@@ -168,7 +168,9 @@ pub enum Outcome {
 }
 
 impl Outcome {
-    fn to_stored(&self) -> Result<StoredResponse, StoreError> {
+    /// The stored form (response code and body) that a replay is rebuilt from. Anything that
+    /// finishes a key (the phases, an operator) must store exactly this.
+    pub fn to_stored(&self) -> Result<StoredResponse, StoreError> {
         let code = match self {
             Outcome::RideCreated { .. } => CODE_OK,
             Outcome::CardDeclined { .. } => CODE_FAILED_PRECONDITION,
@@ -177,7 +179,7 @@ impl Outcome {
         Ok(StoredResponse { code, body })
     }
 
-    fn from_stored(stored: StoredResponse) -> Result<Outcome, StoreError> {
+    pub fn from_stored(stored: StoredResponse) -> Result<Outcome, StoreError> {
         serde_json::from_value(stored.body).map_err(|_| StoreError::CorruptStoredResponse)
     }
 }
