@@ -4,7 +4,6 @@
 use anyhow::Context;
 use api_server::{App, auth, config::Config, server};
 use clap::{Parser, Subcommand};
-use tracing_subscriber::{EnvFilter, fmt, prelude::*};
 
 #[derive(Parser)]
 #[command(version, about = "Rocket Rides payments API server")]
@@ -41,8 +40,15 @@ enum UsersCommand {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    init_logging();
     let cli = Cli::parse();
+    let telemetry =
+        telemetry::Telemetry::init("rides-api-server").context("cannot set up telemetry")?;
+    let result = run(cli, &telemetry).await;
+    telemetry.shutdown();
+    result
+}
+
+async fn run(cli: Cli, telemetry: &telemetry::Telemetry) -> anyhow::Result<()> {
     let config = Config::from_env().context("invalid configuration")?;
     match cli.command {
         Command::Migrate => {
@@ -68,9 +74,26 @@ async fn main() -> anyhow::Result<()> {
                 .await
                 .with_context(|| format!("cannot listen on {}", config.grpc_listen_addr))?;
             tracing::info!(addr = %listener.local_addr()?, "api-server listening");
+            let (stop_metrics, metrics_stopped) = tokio::sync::oneshot::channel::<()>();
+            if let Some(addr) =
+                telemetry::metrics_addr(std::net::SocketAddr::from(([127, 0, 0, 1], 9464)))
+                    .context("invalid METRICS_LISTEN_ADDR")?
+            {
+                let metrics_listener = tokio::net::TcpListener::bind(addr)
+                    .await
+                    .with_context(|| format!("cannot serve metrics on {addr}"))?;
+                tokio::spawn(telemetry::serve_metrics(
+                    metrics_listener,
+                    telemetry.registry(),
+                    async move {
+                        let _ = metrics_stopped.await;
+                    },
+                ));
+            }
             server::serve(listener, app, shutdown_signal())
                 .await
                 .context("server failed")?;
+            let _ = stop_metrics.send(());
             tracing::info!("api-server stopped");
         }
         Command::Users {
@@ -95,21 +118,6 @@ async fn main() -> anyhow::Result<()> {
         }
     }
     Ok(())
-}
-
-fn init_logging() {
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
-    let json = std::env::var("LOG_FORMAT").is_ok_and(|format| format == "json");
-    let registry = tracing_subscriber::registry().with(filter);
-    if json {
-        registry
-            .with(fmt::layer().json().with_writer(std::io::stderr))
-            .init();
-    } else {
-        registry
-            .with(fmt::layer().with_writer(std::io::stderr))
-            .init();
-    }
 }
 
 /// Completes on SIGINT or SIGTERM.

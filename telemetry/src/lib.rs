@@ -1,1 +1,272 @@
+//! Tracing, metrics and logs for every Rocket Rides process, set up once at start.
+//!
+//! - Traces: `tracing` spans exported through OpenTelemetry. With `OTEL_EXPORTER_OTLP_ENDPOINT`
+//!   set they go to that collector over OTLP/gRPC (sampled by the standard `OTEL_TRACES_SAMPLER`);
+//!   without it nothing is exported and nothing fails, but spans still carry W3C trace ids, so
+//!   the trace context can be propagated and logged.
+//! - Propagation: W3C `traceparent`/`tracestate`, through gRPC metadata, the staged job row and
+//!   AMQP headers ([`inject_current`], [`extract`]).
+//! - Metrics: OpenTelemetry instruments (see [`meter`]), exported over OTLP when configured and
+//!   always readable in the Prometheus text format on `METRICS_LISTEN_ADDR` ([`serve_metrics`]).
+//! - Logs: `RUST_LOG` filtering, JSON lines when `LOG_FORMAT=json`. Each request's or job's root
+//!   span records `trace_id`, so every line logged inside it carries the trace id.
+//!
+//! The log filter applies to the log output only: `RUST_LOG=warn` must not silence exported spans.
 
+use std::collections::HashMap;
+
+use opentelemetry::{
+    Context, KeyValue,
+    propagation::{Extractor, Injector, TextMapPropagator},
+    trace::{TraceContextExt, TracerProvider as _},
+};
+use opentelemetry_sdk::{
+    Resource, metrics::SdkMeterProvider, propagation::TraceContextPropagator,
+    trace::SdkTracerProvider,
+};
+use tracing_opentelemetry::OpenTelemetrySpanExt;
+use tracing_subscriber::{EnvFilter, Layer, filter::LevelFilter, layer::SubscriberExt};
+
+mod metrics_endpoint;
+
+pub use metrics_endpoint::{metrics_addr, serve_metrics};
+pub use opentelemetry::metrics::Meter;
+
+#[derive(Debug, thiserror::Error)]
+pub enum TelemetryError {
+    #[error("cannot build the OTLP exporter")]
+    Otlp(#[from] opentelemetry_otlp::ExporterBuildError),
+    #[error("cannot build the Prometheus exporter")]
+    Prometheus(#[from] opentelemetry_sdk::error::OTelSdkError),
+    #[error("a global tracing subscriber is already installed")]
+    SubscriberAlreadySet(#[from] tracing::subscriber::SetGlobalDefaultError),
+}
+
+/// The installed providers. Keep it alive for the life of the process and call
+/// [`Telemetry::shutdown`] at the end so buffered spans and metrics are flushed.
+pub struct Telemetry {
+    tracer_provider: SdkTracerProvider,
+    meter_provider: SdkMeterProvider,
+    registry: prometheus::Registry,
+}
+
+impl Telemetry {
+    /// Installs the global tracing subscriber, tracer and meter providers and the W3C propagator.
+    /// `default_service_name` is used unless `OTEL_SERVICE_NAME` is set.
+    pub fn init(default_service_name: &str) -> Result<Telemetry, TelemetryError> {
+        let service_name = std::env::var("OTEL_SERVICE_NAME")
+            .ok()
+            .filter(|name| !name.is_empty())
+            .unwrap_or_else(|| default_service_name.to_owned());
+        let otlp = std::env::var("OTEL_EXPORTER_OTLP_ENDPOINT")
+            .ok()
+            .filter(|endpoint| !endpoint.is_empty())
+            .is_some();
+        let resource = Resource::builder()
+            .with_service_name(service_name.clone())
+            .build();
+
+        let mut tracer_builder = SdkTracerProvider::builder().with_resource(resource.clone());
+        if otlp {
+            // The exporter reads the standard OTEL_EXPORTER_OTLP_* variables itself.
+            let exporter = opentelemetry_otlp::SpanExporter::builder()
+                .with_tonic()
+                .build()?;
+            tracer_builder = tracer_builder.with_batch_exporter(exporter);
+        }
+        let tracer_provider = tracer_builder.build();
+
+        let registry = prometheus::Registry::new();
+        let prometheus_reader = opentelemetry_prometheus::exporter()
+            .with_registry(registry.clone())
+            .build()?;
+        let mut meter_builder = SdkMeterProvider::builder()
+            .with_resource(resource)
+            .with_reader(prometheus_reader);
+        if otlp {
+            let exporter = opentelemetry_otlp::MetricExporter::builder()
+                .with_tonic()
+                .build()?;
+            meter_builder = meter_builder.with_periodic_exporter(exporter);
+        }
+        let meter_provider = meter_builder.build();
+
+        install(
+            &tracer_provider,
+            &service_name,
+            std::env::var("LOG_FORMAT").is_ok_and(|format| format == "json"),
+        )?;
+        opentelemetry::global::set_meter_provider(meter_provider.clone());
+        Ok(Telemetry {
+            tracer_provider,
+            meter_provider,
+            registry,
+        })
+    }
+
+    /// The registry [`serve_metrics`] renders.
+    pub fn registry(&self) -> prometheus::Registry {
+        self.registry.clone()
+    }
+
+    /// Flushes and stops the exporters.
+    pub fn shutdown(self) {
+        if let Err(error) = self.tracer_provider.shutdown() {
+            tracing::warn!(%error, "flushing spans failed");
+        }
+        if let Err(error) = self.meter_provider.shutdown() {
+            tracing::warn!(%error, "flushing metrics failed");
+        }
+    }
+}
+
+/// Installs the subscriber: the log layer filtered by `RUST_LOG` (default `info`), the
+/// OpenTelemetry layer filtered separately at INFO.
+fn install(
+    tracer_provider: &SdkTracerProvider,
+    service_name: &str,
+    json: bool,
+) -> Result<(), TelemetryError> {
+    opentelemetry::global::set_text_map_propagator(TraceContextPropagator::new());
+    opentelemetry::global::set_tracer_provider(tracer_provider.clone());
+    let tracer = tracer_provider.tracer(service_name.to_owned());
+    let log_filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let log_layer = if json {
+        tracing_subscriber::fmt::layer()
+            .json()
+            .flatten_event(true)
+            .with_current_span(false)
+            .with_span_list(true)
+            .with_writer(std::io::stderr)
+            .boxed()
+    } else {
+        tracing_subscriber::fmt::layer()
+            .with_writer(std::io::stderr)
+            .boxed()
+    };
+    let subscriber = tracing_subscriber::registry()
+        .with(log_layer.with_filter(log_filter))
+        .with(
+            tracing_opentelemetry::layer()
+                .with_tracer(tracer)
+                .with_filter(LevelFilter::INFO),
+        );
+    tracing::subscriber::set_global_default(subscriber)?;
+    Ok(())
+}
+
+/// The meter every instrument of a process is created from.
+pub fn meter(name: &'static str) -> Meter {
+    opentelemetry::global::meter(name)
+}
+
+/// Makes `span` a child of the W3C trace context in `carrier` (if any) and records its trace id
+/// in the span's `trace_id` field, so that every log line inside it shows the trace id.
+pub fn continue_trace(span: &tracing::Span, carrier: &dyn Extractor) {
+    let parent = extract(carrier);
+    if parent.span().span_context().is_valid() {
+        let _ = span.set_parent(parent);
+    }
+    record_trace_id(span);
+}
+
+/// Records the span's OpenTelemetry trace id in its `trace_id` field.
+pub fn record_trace_id(span: &tracing::Span) {
+    let trace_id = span.context().span().span_context().trace_id();
+    span.record("trace_id", tracing::field::display(trace_id));
+}
+
+/// The trace context in `carrier`, as a W3C propagator reads it.
+pub fn extract(carrier: &dyn Extractor) -> Context {
+    TraceContextPropagator::new().extract(carrier)
+}
+
+/// The current span's W3C trace context (`traceparent`, and `tracestate` when set), for storing
+/// with work that continues elsewhere (a staged job, an AMQP message).
+pub fn inject_current() -> HashMap<String, String> {
+    let mut carrier = HashMap::new();
+    TraceContextPropagator::new().inject_context(
+        &tracing::Span::current().context(),
+        &mut MapCarrier(&mut carrier),
+    );
+    carrier
+}
+
+struct MapCarrier<'a>(&'a mut HashMap<String, String>);
+
+impl Injector for MapCarrier<'_> {
+    fn set(&mut self, key: &str, value: String) {
+        self.0.insert(key.to_owned(), value);
+    }
+}
+
+/// Reads a trace context from HTTP headers (gRPC metadata are HTTP/2 headers).
+pub struct HeaderExtractor<'a>(pub &'a http::HeaderMap);
+
+impl Extractor for HeaderExtractor<'_> {
+    fn get(&self, key: &str) -> Option<&str> {
+        self.0.get(key).and_then(|value| value.to_str().ok())
+    }
+
+    fn keys(&self) -> Vec<&str> {
+        self.0.keys().map(http::HeaderName::as_str).collect()
+    }
+}
+
+/// Reads a trace context from a string map (a staged job's `trace_context`, AMQP headers).
+pub struct MapExtractor<'a>(pub &'a HashMap<String, String>);
+
+impl Extractor for MapExtractor<'_> {
+    fn get(&self, key: &str) -> Option<&str> {
+        self.0.get(key).map(String::as_str)
+    }
+
+    fn keys(&self) -> Vec<&str> {
+        self.0.keys().map(String::as_str).collect()
+    }
+}
+
+/// `KeyValue` shorthand for metric attributes.
+pub fn attr(key: &'static str, value: impl Into<opentelemetry::Value>) -> KeyValue {
+    KeyValue::new(key, value)
+}
+
+/// For tests: a subscriber that exports finished spans to memory, installed globally (nextest
+/// runs each test in its own process).
+#[cfg(feature = "testing")]
+pub mod testing {
+    use opentelemetry::trace::TracerProvider as _;
+    use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider, SpanData};
+    use tracing_subscriber::layer::SubscriberExt;
+
+    pub struct CapturedSpans {
+        exporter: InMemorySpanExporter,
+        provider: SdkTracerProvider,
+    }
+
+    impl CapturedSpans {
+        /// Installs the global subscriber. Call once per test process.
+        pub fn install() -> CapturedSpans {
+            opentelemetry::global::set_text_map_propagator(
+                opentelemetry_sdk::propagation::TraceContextPropagator::new(),
+            );
+            let exporter = InMemorySpanExporter::default();
+            let provider = SdkTracerProvider::builder()
+                .with_simple_exporter(exporter.clone())
+                .build();
+            let tracer = provider.tracer("test");
+            let subscriber = tracing_subscriber::registry()
+                .with(tracing_opentelemetry::layer().with_tracer(tracer));
+            #[allow(clippy::expect_used)]
+            tracing::subscriber::set_global_default(subscriber)
+                .expect("one captured-span subscriber per test process");
+            CapturedSpans { exporter, provider }
+        }
+
+        /// Every span finished so far.
+        pub fn spans(&self) -> Vec<SpanData> {
+            let _ = self.provider.force_flush();
+            self.exporter.get_finished_spans().unwrap_or_default()
+        }
+    }
+}

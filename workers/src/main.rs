@@ -45,18 +45,59 @@ struct Once {
     once: bool,
 }
 
+impl Command {
+    /// The service name this process reports, and its default Prometheus port: one per worker so
+    /// that the whole fleet can run on one machine.
+    fn identity(&self) -> (&'static str, u16) {
+        match self {
+            Command::Enqueuer(_) => ("rides-enqueuer", 9465),
+            Command::Receipts(_) => ("rides-receipts", 9466),
+            Command::Completer(_) => ("rides-completer", 9467),
+            Command::Reaper(_) => ("rides-reaper", 9468),
+            Command::MailSink { .. } => ("rides-mail-sink", 9469),
+        }
+    }
+
+    fn is_loop(&self) -> bool {
+        match self {
+            Command::Enqueuer(once)
+            | Command::Receipts(once)
+            | Command::Completer(once)
+            | Command::Reaper(once) => !once.once,
+            Command::MailSink { .. } => false,
+        }
+    }
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .init();
     let cli = Cli::parse();
-    let config = Config::from_env().context("invalid configuration")?;
+    let (service_name, metrics_port) = cli.command.identity();
+    let telemetry = telemetry::Telemetry::init(service_name).context("cannot set up telemetry")?;
     let shutdown = shutdown::on_signals().context("cannot install signal handlers")?;
+    // A single pass (a CronJob) lives too briefly to be scraped; it pushes over OTLP if configured.
+    if cli.command.is_loop()
+        && let Some(addr) =
+            telemetry::metrics_addr(SocketAddr::from(([127, 0, 0, 1], metrics_port)))
+                .context("invalid METRICS_LISTEN_ADDR")?
+    {
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("cannot serve metrics on {addr}"))?;
+        let stop = shutdown.clone();
+        tokio::spawn(telemetry::serve_metrics(
+            listener,
+            telemetry.registry(),
+            async move { stop.cancelled().await },
+        ));
+    }
+    let result = run(cli, shutdown).await;
+    telemetry.shutdown();
+    result
+}
+
+async fn run(cli: Cli, shutdown: tokio_util::sync::CancellationToken) -> anyhow::Result<()> {
+    let config = Config::from_env().context("invalid configuration")?;
     let pool = || {
         schema::build_pool(
             config.database_url.expose(),
