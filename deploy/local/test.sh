@@ -15,5 +15,7 @@ log "cargo fmt --check"
 cargo fmt --all -- --check
 log "cargo clippy (warnings are errors)"
 cargo clippy --workspace --all-targets --locked -- -D warnings
+log "deploy/validate.sh (Dockerfile, compose, Kubernetes manifests, offline)"
+deploy/validate.sh
 log "cargo nextest run --workspace"
 cargo nextest run --workspace --locked --profile "${NEXTEST_PROFILE:-default}" "$@"

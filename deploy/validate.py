@@ -1,0 +1,704 @@
+#!/usr/bin/env python3
+"""Offline checks for deploy/, called by deploy/validate.sh (run inside its virtualenv).
+
+Subcommands:
+  render DIR                 kustomize build of DIR, for the subset of kustomize deploy/k8s uses
+                             (resources, namespace, labels, images, configMapGenerator and
+                             secretGenerator with content-hash suffixes, patches: strategic merge
+                             and JSON 6902). Anything else is refused, never silently ignored.
+  same A B                   two rendered streams hold the same objects (order-insensitive).
+  k8s-policy FILE...         the project's own rules for rendered manifests (non-root, read-only
+                             root, no capabilities, requests and limits, gRPC probes, ...).
+  compose FILE               references inside a Compose file (depends_on targets, conditions,
+                             images or builds, healthchecks for service_healthy, volumes, ...).
+  collector FILE             an OpenTelemetry Collector config's pipelines use defined components.
+  dockerfile DOCKERFILE ROOT the Dockerfile copies every workspace member, has the runtime targets,
+                             runs them as a non-root user; .dockerignore keeps the members.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import fnmatch
+import hashlib
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+import yaml
+
+
+class Problem(Exception):
+    pass
+
+
+def load_all(path: Path) -> list[dict]:
+    with open(path, encoding="utf-8") as handle:
+        return [doc for doc in yaml.safe_load_all(handle) if doc is not None]
+
+
+# ------------------------------------------------------------------------------------------------
+# kustomize subset
+
+KUSTOMIZATION_NAMES = ("kustomization.yaml", "kustomization.yml", "Kustomization")
+SUPPORTED_KEYS = {
+    "apiVersion", "kind", "resources", "namespace", "labels", "images",
+    "configMapGenerator", "secretGenerator", "generatorOptions", "patches",
+}
+CLUSTER_SCOPED = {
+    "Namespace", "ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition",
+    "PersistentVolume", "StorageClass", "PriorityClass", "IngressClass", "RuntimeClass",
+    "ValidatingWebhookConfiguration", "MutatingWebhookConfiguration", "APIService",
+}
+# kustomize's legacy output order (kinds not listed sort after these, by kind name).
+ORDER_FIRST = [
+    "Namespace", "ResourceQuota", "StorageClass", "CustomResourceDefinition", "ServiceAccount",
+    "PodSecurityPolicy", "Role", "ClusterRole", "RoleBinding", "ClusterRoleBinding", "ConfigMap",
+    "Secret", "Endpoints", "Service", "LimitRange", "PriorityClass", "PersistentVolume",
+    "PersistentVolumeClaim", "Deployment", "StatefulSet", "CronJob", "PodDisruptionBudget",
+]
+ORDER_LAST = ["MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"]
+GENERATED = "__generated"  # internal marker: original name of a generated ConfigMap/Secret
+
+
+def pod_specs(obj: dict):
+    """(template metadata, pod spec) pairs of a workload."""
+    kind, spec = obj.get("kind"), obj.get("spec") or {}
+    if kind == "Pod":
+        yield obj.setdefault("metadata", {}), spec
+    elif kind in ("Deployment", "StatefulSet", "DaemonSet", "ReplicaSet", "Job"):
+        template = spec.get("template")
+        if template:
+            yield template.setdefault("metadata", {}), template.setdefault("spec", {})
+    elif kind == "CronJob":
+        template = ((spec.get("jobTemplate") or {}).get("spec") or {}).get("template")
+        if template:
+            yield template.setdefault("metadata", {}), template.setdefault("spec", {})
+
+
+def containers(pod_spec: dict):
+    for key in ("initContainers", "containers", "ephemeralContainers"):
+        yield from pod_spec.get(key) or []
+
+
+def go_json(value) -> str:
+    """encoding/json.Marshal: sorted keys, compact, HTML characters escaped."""
+    text = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    for char, escaped in (("<", "\\u003c"), (">", "\\u003e"), ("&", "\\u0026"),
+                          ("\u2028", "\\u2028"), ("\u2029", "\\u2029")):
+        text = text.replace(char, escaped)
+    return text
+
+
+def content_hash(obj: dict) -> str:
+    """kustomize's name suffix for a generated ConfigMap or Secret."""
+    if obj["kind"] == "ConfigMap":
+        encoded = {"kind": "ConfigMap", "name": "", "data": obj.get("data") or {}}
+        if obj.get("binaryData"):
+            encoded["binaryData"] = obj["binaryData"]
+    else:
+        encoded = {"kind": "Secret", "name": "", "type": obj.get("type", ""),
+                   "data": obj.get("data") or {}}
+    digest = hashlib.sha256(go_json(encoded).encode()).hexdigest()[:10]
+    return digest.translate(str.maketrans({"0": "g", "1": "h", "3": "k", "a": "m", "e": "t"}))
+
+
+def read_env_file(path: Path) -> dict[str, str]:
+    data = {}
+    for number, raw in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        if "=" not in line:
+            raise Problem(f"{path}:{number}: expected KEY=VALUE (a bare key is not supported)")
+        key, value = line.split("=", 1)
+        data[key.strip()] = value
+    return data
+
+
+def generate(base: Path, spec: dict, kind: str, global_options: dict) -> dict:
+    unknown = set(spec) - {"name", "namespace", "behavior", "literals", "envs", "env", "files",
+                           "options", "type"}
+    if unknown:
+        raise Problem(f"{base}: {kind} generator: unsupported keys {sorted(unknown)}")
+    data: dict[str, str] = {}
+    for literal in spec.get("literals") or []:
+        key, _, value = literal.partition("=")
+        if len(value) >= 2 and value[0] == value[-1] and value[0] in "\"'":
+            value = value[1:-1]
+        data[key] = value
+    for env in (spec.get("envs") or []) + ([spec["env"]] if spec.get("env") else []):
+        data.update(read_env_file(base / env))
+    for entry in spec.get("files") or []:
+        key, _, path = entry.rpartition("=")
+        data[key or Path(path).name] = (base / path).read_text(encoding="utf-8")
+    options = {**global_options, **(spec.get("options") or {})}
+    metadata = {"name": spec["name"]}
+    if spec.get("namespace"):
+        metadata["namespace"] = spec["namespace"]
+    for field in ("labels", "annotations"):
+        if options.get(field):
+            metadata[field] = dict(options[field])
+    obj = {"apiVersion": "v1", "kind": kind, "metadata": metadata}
+    if kind == "ConfigMap":
+        obj["data"] = data
+    else:
+        obj["type"] = spec.get("type", "Opaque")
+        obj["data"] = {k: kustomize_base64(v) for k, v in data.items()}
+    if not options.get("disableNameSuffixHash"):
+        obj[GENERATED] = spec["name"]
+    return obj
+
+
+def kustomize_base64(value: str) -> str:
+    """base64 as kustomize writes Secret data: past 70 characters, 70-character lines."""
+    encoded = base64.b64encode(value.encode()).decode()
+    if len(encoded) <= 70:
+        return encoded
+    return "".join(encoded[i:i + 70] + "\n" for i in range(0, len(encoded), 70))
+
+
+def match_target(obj: dict, target: dict) -> bool:
+    unknown = set(target) - {"group", "version", "kind", "name", "namespace"}
+    if unknown:
+        raise Problem(f"patch target: unsupported keys {sorted(unknown)}")
+    api_version = obj.get("apiVersion", "")
+    group, _, version = api_version.rpartition("/")
+    meta = obj.get("metadata") or {}
+    checks = [("group", group), ("version", version), ("kind", obj.get("kind")),
+              ("name", meta.get("name")), ("namespace", meta.get("namespace"))]
+    return all(key not in target or re.fullmatch(str(target[key]), str(actual or ""))
+               for key, actual in checks)
+
+
+def strategic_merge(target, patch):
+    if isinstance(target, dict) and isinstance(patch, dict):
+        for key, value in patch.items():
+            if isinstance(key, str) and key.startswith("$"):
+                raise Problem(f"strategic merge directive {key} is not supported")
+            if value is None:
+                target.pop(key, None)
+            elif key in target:
+                target[key] = strategic_merge(target[key], value)
+            else:
+                target[key] = copy.deepcopy(value)
+        return target
+    if isinstance(target, list) and isinstance(patch, list) and all(
+            isinstance(item, dict) and "name" in item for item in target + patch):
+        by_name = {item["name"]: item for item in target}
+        for item in patch:
+            if item["name"] in by_name:
+                strategic_merge(by_name[item["name"]], item)
+            else:
+                target.append(copy.deepcopy(item))
+        return target
+    return copy.deepcopy(patch)
+
+
+def json_pointer(path: str) -> list[str]:
+    if not path.startswith("/"):
+        raise Problem(f"JSON patch path {path!r} must start with /")
+    return [part.replace("~1", "/").replace("~0", "~") for part in path[1:].split("/")]
+
+
+def json6902(obj: dict, operations: list[dict]) -> None:
+    for op in operations:
+        kind, parts = op.get("op"), json_pointer(op.get("path", ""))
+        if kind not in ("add", "replace", "remove"):
+            raise Problem(f"JSON patch op {kind!r} is not supported")
+        parent = obj
+        for part in parts[:-1]:
+            parent = parent[int(part)] if isinstance(parent, list) else parent[part]
+        last = parts[-1]
+        if isinstance(parent, list):
+            index = len(parent) if last == "-" else int(last)
+            if kind == "add":
+                parent.insert(index, copy.deepcopy(op["value"]))
+            elif kind == "replace":
+                parent[index] = copy.deepcopy(op["value"])
+            else:
+                del parent[index]
+        else:
+            if kind in ("replace", "remove") and last not in parent:
+                raise Problem(f"JSON patch {kind} of missing path {op['path']}")
+            if kind == "remove":
+                del parent[last]
+            else:
+                parent[last] = copy.deepcopy(op["value"])
+
+
+def identity(obj: dict) -> tuple:
+    meta = obj.get("metadata") or {}
+    return obj.get("kind"), meta.get("namespace", ""), obj.get(GENERATED) or meta.get("name")
+
+
+def build(directory: Path) -> list[dict]:
+    path = next((directory / name for name in KUSTOMIZATION_NAMES
+                 if (directory / name).is_file()), None)
+    if path is None:
+        raise Problem(f"{directory}: no kustomization.yaml")
+    (kustomization,) = load_all(path)
+    unknown = set(kustomization) - SUPPORTED_KEYS
+    if unknown:
+        raise Problem(f"{path}: unsupported fields {sorted(unknown)}: extend deploy/validate.py")
+
+    objects: list[dict] = []
+    for entry in kustomization.get("resources") or []:
+        target = directory / entry
+        if "://" in entry or entry.startswith("github.com/"):
+            raise Problem(f"{path}: remote resource {entry} is not supported offline")
+        if target.is_dir():
+            objects.extend(build(target))
+        elif target.is_file():
+            objects.extend(load_all(target))
+        else:
+            raise Problem(f"{path}: resource {entry} does not exist")
+
+    global_options = kustomization.get("generatorOptions") or {}
+    for field, kind in (("configMapGenerator", "ConfigMap"), ("secretGenerator", "Secret")):
+        for spec in kustomization.get(field) or []:
+            generated = generate(directory, spec, kind, global_options)
+            behavior = spec.get("behavior", "create")
+            existing = [obj for obj in objects if identity(obj)[0] == kind
+                        and identity(obj)[2] == spec["name"]]
+            if behavior == "create":
+                if existing:
+                    raise Problem(f"{path}: {kind} {spec['name']} already exists (use behavior)")
+                objects.append(generated)
+            elif behavior in ("merge", "replace"):
+                if len(existing) != 1:
+                    raise Problem(f"{path}: {behavior} of {kind} {spec['name']}: found "
+                                  f"{len(existing)} to {behavior}")
+                old = existing[0]
+                if behavior == "merge":
+                    old.setdefault("data", {}).update(generated["data"])
+                    for meta_field in ("labels", "annotations"):
+                        if generated["metadata"].get(meta_field):
+                            old["metadata"].setdefault(meta_field, {}).update(
+                                generated["metadata"][meta_field])
+                else:
+                    objects[objects.index(old)] = generated
+            else:
+                raise Problem(f"{path}: unknown generator behavior {behavior}")
+
+    for patch_spec in kustomization.get("patches") or []:
+        unknown = set(patch_spec) - {"path", "patch", "target"}
+        if unknown:
+            raise Problem(f"{path}: patch: unsupported keys {sorted(unknown)}")
+        text = (directory / patch_spec["path"]).read_text(encoding="utf-8") \
+            if "path" in patch_spec else patch_spec["patch"]
+        docs = [doc for doc in yaml.safe_load_all(text) if doc is not None]
+        if len(docs) != 1:
+            raise Problem(f"{path}: a patch must hold exactly one document")
+        (patch,) = docs
+        target = patch_spec.get("target")
+        if target is None:
+            if not isinstance(patch, dict):
+                raise Problem(f"{path}: a JSON 6902 patch needs a target")
+            target = {"kind": patch.get("kind"), "name": (patch.get("metadata") or {}).get("name")}
+        matched = [obj for obj in objects if match_target(obj, target)]
+        if not matched:
+            raise Problem(f"{path}: patch target {target} matches nothing")
+        for obj in matched:
+            if isinstance(patch, list):
+                json6902(obj, patch)
+            else:
+                body = {k: v for k, v in patch.items() if k not in ("apiVersion", "kind")}
+                body["metadata"] = {k: v for k, v in (body.get("metadata") or {}).items()
+                                    if k not in ("name", "namespace")}
+                strategic_merge(obj, body)
+
+    namespace = kustomization.get("namespace")
+    if namespace:
+        for obj in objects:
+            if obj.get("kind") not in CLUSTER_SCOPED:
+                obj.setdefault("metadata", {})["namespace"] = namespace
+
+    for label_spec in kustomization.get("labels") or []:
+        unknown = set(label_spec) - {"pairs", "includeTemplates", "includeSelectors"}
+        if unknown or label_spec.get("includeSelectors"):
+            raise Problem(f"{path}: labels: only pairs and includeTemplates are supported")
+        pairs = label_spec.get("pairs") or {}
+        for obj in objects:
+            obj.setdefault("metadata", {}).setdefault("labels", {}).update(pairs)
+            if label_spec.get("includeTemplates"):
+                if obj.get("kind") == "CronJob":
+                    job_template = obj["spec"].setdefault("jobTemplate", {})
+                    job_template.setdefault("metadata", {}).setdefault("labels", {}).update(pairs)
+                for meta, _ in pod_specs(obj):
+                    meta.setdefault("labels", {}).update(pairs)
+
+    for image in kustomization.get("images") or []:
+        unknown = set(image) - {"name", "newName", "newTag", "digest"}
+        if unknown:
+            raise Problem(f"{path}: images: unsupported keys {sorted(unknown)}")
+        for obj in objects:
+            for _, spec in pod_specs(obj):
+                for container in containers(spec):
+                    ref = container.get("image", "")
+                    name = re.split(r"@", ref)[0]
+                    name = name.rsplit(":", 1)[0] if ":" in name.rsplit("/", 1)[-1] else name
+                    if name != image["name"]:
+                        continue
+                    tag = ref[len(name):]
+                    new = image.get("newName", name)
+                    if image.get("digest"):
+                        tag = "@" + image["digest"]
+                    elif image.get("newTag") is not None:
+                        tag = f":{image['newTag']}"
+                    container["image"] = new + tag
+    return objects
+
+
+def finish(objects: list[dict]) -> list[dict]:
+    """Hash suffixes on generated objects, and every reference to them renamed."""
+    renames: dict[tuple, str] = {}
+    for obj in objects:
+        original = obj.pop(GENERATED, None)
+        if original:
+            new = f"{original}-{content_hash(obj)}"
+            obj["metadata"]["name"] = new
+            renames[(obj["kind"], obj["metadata"].get("namespace", ""), original)] = new
+
+    def rename(kind: str, namespace: str, holder: dict, key: str) -> None:
+        if isinstance(holder, dict) and holder.get(key) is not None:
+            holder[key] = renames.get((kind, namespace, holder[key]), holder[key])
+
+    for obj in objects:
+        namespace = (obj.get("metadata") or {}).get("namespace", "")
+        for _, spec in pod_specs(obj):
+            for container in containers(spec):
+                for source in container.get("envFrom") or []:
+                    rename("ConfigMap", namespace, source.get("configMapRef"), "name")
+                    rename("Secret", namespace, source.get("secretRef"), "name")
+                for env in container.get("env") or []:
+                    value_from = env.get("valueFrom") or {}
+                    rename("ConfigMap", namespace, value_from.get("configMapKeyRef"), "name")
+                    rename("Secret", namespace, value_from.get("secretKeyRef"), "name")
+            for volume in spec.get("volumes") or []:
+                rename("ConfigMap", namespace, volume.get("configMap"), "name")
+                rename("Secret", namespace, volume.get("secret"), "secretName")
+                for source in (volume.get("projected") or {}).get("sources") or []:
+                    rename("ConfigMap", namespace, source.get("configMap"), "name")
+                    rename("Secret", namespace, source.get("secret"), "name")
+            for pull_secret in spec.get("imagePullSecrets") or []:
+                rename("Secret", namespace, pull_secret, "name")
+
+    def order(obj: dict):
+        kind = obj.get("kind", "")
+        meta = obj.get("metadata") or {}
+        if kind in ORDER_FIRST:
+            rank = (0, ORDER_FIRST.index(kind), "")
+        elif kind in ORDER_LAST:
+            rank = (2, ORDER_LAST.index(kind), "")
+        else:
+            rank = (1, 0, kind)
+        return rank, meta.get("namespace", ""), meta.get("name", "")
+
+    return sorted(objects, key=order)
+
+
+def canonical(objects: list[dict]) -> list[str]:
+    return sorted(json.dumps(obj, sort_keys=True) for obj in objects)
+
+
+# ------------------------------------------------------------------------------------------------
+# Policy for rendered manifests
+
+def k8s_policy(paths: list[Path]) -> list[str]:
+    problems: list[str] = []
+    objects = [obj for path in paths for obj in load_all(path)]
+    by_kind: dict[str, dict[str, dict]] = {}
+    for obj in objects:
+        by_kind.setdefault(obj["kind"], {})[obj["metadata"]["name"]] = obj
+    for obj in objects:
+        where = f"{obj['kind']}/{obj['metadata']['name']}"
+        for _, spec in pod_specs(obj):
+            pod_security = spec.get("securityContext") or {}
+            if not pod_security.get("runAsNonRoot"):
+                problems.append(f"{where}: pod securityContext.runAsNonRoot is not true")
+            if spec.get("automountServiceAccountToken") is not False:
+                problems.append(f"{where}: automountServiceAccountToken is not false")
+            for container in containers(spec):
+                name = f"{where} container {container['name']}"
+                security = container.get("securityContext") or {}
+                if security.get("readOnlyRootFilesystem") is not True:
+                    problems.append(f"{name}: readOnlyRootFilesystem is not true")
+                if security.get("allowPrivilegeEscalation") is not False:
+                    problems.append(f"{name}: allowPrivilegeEscalation is not false")
+                if (security.get("capabilities") or {}).get("drop") != ["ALL"]:
+                    problems.append(f"{name}: capabilities.drop is not [ALL]")
+                resources = container.get("resources") or {}
+                for field in ("requests", "limits"):
+                    if not {"cpu", "memory"} <= set(resources.get(field) or {}):
+                        problems.append(f"{name}: resources.{field} lacks cpu or memory")
+                image = container.get("image", "")
+                if ":" not in image.rsplit("/", 1)[-1] and "@" not in image:
+                    problems.append(f"{name}: image {image!r} has no tag or digest")
+            for env_container in containers(spec):
+                for env in env_container.get("env") or []:
+                    if re.search(r"(TOKEN|SECRET|PASSWORD|_URL)$", env["name"]) and "value" in env \
+                            and env["name"] not in ("API_SERVER_URL", "SMTP_URL"):
+                        problems.append(f"{where}: {env['name']} set inline, not from a Secret")
+        if obj["kind"] == "CronJob" and obj["spec"].get("concurrencyPolicy") != "Forbid":
+            problems.append(f"{where}: concurrencyPolicy is not Forbid")
+    api = (by_kind.get("Deployment") or {}).get("api-server")
+    if api is None:
+        problems.append("no Deployment api-server")
+    else:
+        (container,) = [c for c in api["spec"]["template"]["spec"]["containers"]
+                        if c["name"] == "api-server"]
+        for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+            if "grpc" not in (container.get(probe) or {}):
+                problems.append(f"Deployment/api-server: {probe} is not a gRPC probe")
+        if (container.get("readinessProbe") or {}).get("grpc", {}).get("service") \
+                != "rides.v1.RideService":
+            problems.append("Deployment/api-server: readiness does not ask for rides.v1.RideService")
+        if "preStop" not in (container.get("lifecycle") or {}):
+            problems.append("Deployment/api-server: no preStop hook")
+        if "replicas" in api["spec"]:
+            problems.append("Deployment/api-server: replicas is set although an HPA owns it")
+    for kind, name in (("HorizontalPodAutoscaler", "api-server"),
+                       ("PodDisruptionBudget", "api-server"), ("Job", "api-server-migrate"),
+                       ("Deployment", "enqueuer"), ("Deployment", "receipts"),
+                       ("CronJob", "completer"), ("CronJob", "reaper"), ("Service", "api-server")):
+        if name not in (by_kind.get(kind) or {}):
+            problems.append(f"missing {kind}/{name}")
+    for kind, name, args in (("CronJob", "completer", ["completer", "--once"]),
+                             ("CronJob", "reaper", ["reaper", "--once"])):
+        obj = (by_kind.get(kind) or {}).get(name)
+        if obj:
+            (_, spec), = pod_specs(obj)
+            if spec["containers"][0].get("args") != args:
+                problems.append(f"{kind}/{name}: args are not {args}")
+    # Every referenced ConfigMap/Secret key exists when the object is in the stream.
+    for obj in objects:
+        for _, spec in pod_specs(obj):
+            for container in containers(spec):
+                for env in container.get("env") or []:
+                    for ref_kind, ref_field in (("ConfigMap", "configMapKeyRef"),
+                                                ("Secret", "secretKeyRef")):
+                        ref = (env.get("valueFrom") or {}).get(ref_field)
+                        if not ref:
+                            continue
+                        target = (by_kind.get(ref_kind) or {}).get(ref["name"])
+                        if target is not None and ref["key"] not in (target.get("data") or {}):
+                            problems.append(f"{obj['kind']}/{obj['metadata']['name']}: "
+                                            f"{ref_kind} {ref['name']} has no key {ref['key']}")
+    return problems
+
+
+# ------------------------------------------------------------------------------------------------
+# Compose
+
+def compose(path: Path) -> list[str]:
+    problems: list[str] = []
+    (doc,) = load_all(path)
+    services = doc.get("services") or {}
+    volumes = set(doc.get("volumes") or {})
+    if not services:
+        return [f"{path}: no services"]
+    for name, service in services.items():
+        where = f"{path}: service {name}"
+        if "image" not in service and "build" not in service:
+            problems.append(f"{where}: neither image nor build")
+        build = service.get("build")
+        if isinstance(build, dict):
+            context = (path.parent / build.get("context", ".")).resolve()
+            dockerfile = context / build.get("dockerfile", "Dockerfile")
+            if not dockerfile.is_file():
+                problems.append(f"{where}: build dockerfile {dockerfile} does not exist")
+            elif build.get("target") and not re.search(
+                    rf"^FROM\s+\S+\s+AS\s+{re.escape(build['target'])}\s*$",
+                    dockerfile.read_text(encoding="utf-8"), re.MULTILINE | re.IGNORECASE):
+                problems.append(f"{where}: build target {build['target']} is not a stage")
+        depends = service.get("depends_on") or {}
+        if isinstance(depends, list):
+            depends = {target: {"condition": "service_started"} for target in depends}
+        for target, options in depends.items():
+            if target not in services:
+                problems.append(f"{where}: depends_on unknown service {target}")
+                continue
+            condition = (options or {}).get("condition", "service_started")
+            if condition == "service_healthy" and "healthcheck" not in services[target]:
+                problems.append(f"{where}: waits for {target} to be healthy, it has no healthcheck")
+            if condition == "service_completed_successfully" and \
+                    services[target].get("restart", "no") not in ("no", False):
+                problems.append(f"{where}: waits for {target} to complete, but it restarts")
+        for volume in service.get("volumes") or []:
+            source = volume.split(":", 1)[0] if isinstance(volume, str) else volume.get("source")
+            if not source:
+                continue
+            if source.startswith((".", "/", "~")):
+                if not (path.parent / source).exists():
+                    problems.append(f"{where}: bind mount source {source} does not exist")
+            elif source not in volumes:
+                problems.append(f"{where}: named volume {source} is not declared")
+        for ports in service.get("ports") or []:
+            if isinstance(ports, str) and not ports.startswith("127.0.0.1:"):
+                problems.append(f"{where}: port {ports} is published on every interface")
+    # No cycles in depends_on.
+    state: dict[str, int] = {}
+
+    def visit(name: str, trail: list[str]) -> None:
+        if state.get(name) == 1:
+            problems.append(f"{path}: depends_on cycle {' -> '.join(trail + [name])}")
+            return
+        if state.get(name) == 2:
+            return
+        state[name] = 1
+        for target in (services[name].get("depends_on") or {}):
+            if target in services:
+                visit(target, trail + [name])
+        state[name] = 2
+
+    for name in services:
+        visit(name, [])
+    return problems
+
+
+# ------------------------------------------------------------------------------------------------
+# OpenTelemetry Collector
+
+def collector(path: Path) -> list[str]:
+    problems: list[str] = []
+    (doc,) = load_all(path)
+    service = doc.get("service") or {}
+    for extension in service.get("extensions") or []:
+        if extension not in (doc.get("extensions") or {}):
+            problems.append(f"{path}: service extension {extension} is not defined")
+    pipelines = service.get("pipelines") or {}
+    if not pipelines:
+        problems.append(f"{path}: no pipelines")
+    for name, pipeline in pipelines.items():
+        if name.split("/")[0] not in ("traces", "metrics", "logs"):
+            problems.append(f"{path}: pipeline {name}: unknown signal")
+        for section in ("receivers", "processors", "exporters"):
+            for component in pipeline.get(section) or []:
+                if component not in (doc.get(section) or {}):
+                    problems.append(f"{path}: pipeline {name}: {section[:-1]} {component} "
+                                    "is not defined")
+        if not pipeline.get("receivers") or not pipeline.get("exporters"):
+            problems.append(f"{path}: pipeline {name} needs receivers and exporters")
+    return problems
+
+
+# ------------------------------------------------------------------------------------------------
+# Dockerfile
+
+def workspace_members(root: Path) -> list[str]:
+    text = (root / "Cargo.toml").read_text(encoding="utf-8")
+    match = re.search(r"^members\s*=\s*\[(.*?)\]", text, re.MULTILINE | re.DOTALL)
+    if not match:
+        raise Problem("Cargo.toml: no [workspace] members")
+    return re.findall(r'"([^"]+)"', match.group(1))
+
+
+def dockerfile(path: Path, root: Path) -> list[str]:
+    problems: list[str] = []
+    text = path.read_text(encoding="utf-8")
+    lines = [line.strip() for line in re.sub(r"\\\n", " ", text).splitlines()]
+    stages: dict[str, list[str]] = {}
+    current = None
+    for line in lines:
+        match = re.match(r"FROM\s+(\S+)(?:\s+AS\s+(\S+))?$", line, re.IGNORECASE)
+        if match:
+            current = match.group(2) or f"#{len(stages)}"
+            stages[current] = [line]
+        elif current and line and not line.startswith("#"):
+            stages[current].append(line)
+    copied = set()
+    for line in stages.get("builder", []):
+        match = re.match(r"COPY\s+(?!--from)(.+)$", line, re.IGNORECASE)
+        if match:
+            copied.update(part.rstrip("/") for part in match.group(1).split()[:-1])
+    needed = set(workspace_members(root)) | {"Cargo.toml", "Cargo.lock", "migrations"}
+    for item in sorted(needed - copied):
+        problems.append(f"{path}: the builder does not COPY {item}")
+    for item in sorted(copied - {"."}):
+        if not (root / item).exists():
+            problems.append(f"{path}: COPY {item}: no such file or directory in the repository")
+    ignore = root / ".dockerignore"
+    patterns = [line.strip() for line in ignore.read_text(encoding="utf-8").splitlines()
+                if line.strip() and not line.startswith("#")] if ignore.exists() else []
+    for item in sorted(needed):
+        excluded = False
+        for pattern in patterns:
+            negated = pattern.startswith("!")
+            bare = pattern.lstrip("!").rstrip("/").lstrip("/")
+            if fnmatch.fnmatch(item, bare) or (bare.startswith("**/")
+                                               and fnmatch.fnmatch(item, bare[3:])):
+                excluded = not negated
+        if excluded:
+            problems.append(f"{ignore}: excludes {item}, which the build needs")
+    for target, binary in (("api-server", "api-server"), ("workers", "workers"),
+                           ("fake-stripe", "fake-stripe")):
+        if target not in stages:
+            problems.append(f"{path}: no stage {target}")
+            continue
+        chain, stage = [], target
+        while stage in stages:  # follow FROM <stage> to the base image
+            chain.append(stage)
+            parent = stages[stage][0].split()[1]
+            stage = parent if parent in stages else None
+        users = [line.split()[1] for s in chain for line in stages[s]
+                 if line.upper().startswith("USER ")]
+        if not users or users[0].split(":")[0] in ("root", "0"):
+            problems.append(f"{path}: stage {target} does not run as a non-root user")
+        if not any(line.upper().startswith("ENTRYPOINT") and binary in line
+                   for line in stages[target]):
+            problems.append(f"{path}: stage {target} has no ENTRYPOINT running {binary}")
+        if any(re.search(r"\b(cargo|rustc|gcc|build-essential)\b", line)
+               for s in chain for line in stages[s][1:]):
+            problems.append(f"{path}: stage {target} contains build tools")
+    if "--locked" not in text:
+        problems.append(f"{path}: cargo build without --locked")
+    return problems
+
+
+# ------------------------------------------------------------------------------------------------
+
+def dump(objects: list[dict]) -> str:
+    return "---\n".join(yaml.safe_dump(obj, sort_keys=True, default_flow_style=False)
+                        for obj in objects)
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 2:
+        print(__doc__, file=sys.stderr)
+        return 2
+    command, args = argv[1], [Path(arg) for arg in argv[2:]]
+    try:
+        if command == "render":
+            sys.stdout.write(dump(finish(build(args[0]))))
+            return 0
+        if command == "same":
+            first, second = (canonical(load_all(path)) for path in args)
+            if first == second:
+                return 0
+            only_first = sorted(set(first) - set(second))
+            only_second = sorted(set(second) - set(first))
+            for text in only_first[:3]:
+                print(f"only in {args[0]}: {text[:400]}", file=sys.stderr)
+            for text in only_second[:3]:
+                print(f"only in {args[1]}: {text[:400]}", file=sys.stderr)
+            return 1
+        problems = {
+            "k8s-policy": lambda: k8s_policy(args),
+            "compose": lambda: compose(args[0]),
+            "collector": lambda: collector(args[0]),
+            "dockerfile": lambda: dockerfile(args[0], args[1]),
+        }[command]()
+    except (Problem, OSError, yaml.YAMLError, KeyError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    for problem in problems:
+        print(f"error: {problem}", file=sys.stderr)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
