@@ -13,6 +13,7 @@ pub mod auth;
 pub mod config;
 pub mod grpc;
 pub mod idempotency;
+pub mod metrics;
 pub mod payments;
 pub mod rides;
 pub mod server;
@@ -30,6 +31,8 @@ use rides::Rides;
 pub struct App {
     pub rides: Arc<Rides>,
     pub internal_api_token: Option<Secret>,
+    /// Reports pool usage while the app lives.
+    _pool_gauge: opentelemetry::metrics::ObservableGauge<u64>,
 }
 
 impl App {
@@ -41,7 +44,9 @@ impl App {
             config.database.pool_timeout,
         );
         let stripe = StripeClient::new(&config.stripe)?;
+        let pool_gauge = metrics::observe_pool(&pool);
         Ok(App {
+            _pool_gauge: pool_gauge,
             rides: Rides::new(pool, stripe, config.price.clone(), config.idempotency),
             internal_api_token: config.internal_api_token.clone(),
         })

@@ -12,7 +12,11 @@
 //! idempotency engine (`crate::idempotency`) guarantees it happens once, and the gRPC layer
 //! (`crate::grpc`) turns the result into a response.
 
-use std::{net::IpAddr, sync::Arc, time::Duration};
+use std::{
+    net::IpAddr,
+    sync::Arc,
+    time::{Duration, Instant},
+};
 
 use chrono::{DateTime, Utc};
 use diesel::{ExpressionMethods, OptionalExtension, QueryDsl, SelectableHelper};
@@ -25,6 +29,8 @@ use schema::{
 };
 use scoped_futures::ScopedFutureExt;
 use serde::{Deserialize, Serialize};
+use telemetry::attr;
+use tracing::Instrument;
 
 use crate::{
     config::{IdempotencyConfig, Price},
@@ -32,6 +38,7 @@ use crate::{
         self, Claim, IdempotencyKey, Lease, RequestSignature, RetryPolicy, StoreError,
         StoredResponse,
     },
+    metrics::metrics,
     payments::{ChargeError, ChargeRequest, StripeClient},
 };
 
@@ -302,10 +309,21 @@ impl Rides {
             .and_then(|ttl| claimed.key_created_at.checked_add_signed(ttl));
         let (replayed, result) = match claimed.claim {
             Claim::Mismatch => (false, Err(CreateRideError::KeyReused)),
-            Claim::InUse => (false, Err(CreateRideError::KeyInUse)),
-            Claim::Replay(stored) => (true, Outcome::from_stored(stored).map_err(Into::into)),
+            Claim::InUse => {
+                metrics().lock_conflicts.add(1, &[attr("kind", "in_use")]);
+                (false, Err(CreateRideError::KeyInUse))
+            }
+            Claim::Replay(stored) => {
+                metrics().replays.add(1, &[]);
+                (true, Outcome::from_stored(stored).map_err(Into::into))
+            }
             Claim::Execute(mut lease) => (false, self.run(&mut lease, request).await),
         };
+        if matches!(result, Err(CreateRideError::LockLost)) {
+            metrics()
+                .lock_conflicts
+                .add(1, &[attr("kind", "lock_lost")]);
+        }
         CreateRideReply {
             key_expires_at,
             replayed,
@@ -345,6 +363,39 @@ impl Rides {
         request: &RideRequest,
     ) -> Result<Step, CreateRideError> {
         let point = lease.recovery_point;
+        let span = tracing::info_span!(
+            "phase",
+            otel.name = %format_args!("phase {point}"),
+            db.system.name = "postgresql",
+            rides.recovery_point.from = %point,
+            rides.recovery_point.to = tracing::field::Empty,
+            otel.status_code = tracing::field::Empty,
+        );
+        let started = Instant::now();
+        let result = self
+            .run_phase(lease, request)
+            .instrument(span.clone())
+            .await;
+        span.record("rides.recovery_point.to", lease.recovery_point.as_str());
+        if result.is_err() {
+            span.record("otel.status_code", "ERROR");
+        }
+        metrics().phase_duration.record(
+            started.elapsed().as_secs_f64(),
+            &[
+                attr("rides.phase", point.as_str()),
+                attr("outcome", if result.is_ok() { "ok" } else { "error" }),
+            ],
+        );
+        result
+    }
+
+    async fn run_phase(
+        &self,
+        lease: &mut Lease,
+        request: &RideRequest,
+    ) -> Result<Step, CreateRideError> {
+        let point = lease.recovery_point;
         let step = match point {
             RecoveryPoint::Started => {
                 self.create_ride_record(lease, request).await?;
@@ -365,6 +416,9 @@ impl Rides {
                 ));
             }
         };
+        if matches!(step, Step::Finished(_)) {
+            lease.recovery_point = RecoveryPoint::Finished;
+        }
         tracing::debug!(key_id = lease.key_id, from = %point, to = %lease.recovery_point, "phase committed");
         Ok(step)
     }
@@ -437,7 +491,18 @@ impl Rides {
             idempotency_key: format!("rocket-rides-{}", lease.key_id),
         };
         // No transaction is open and no connection is held here: the call may take seconds.
-        match self.stripe.create_payment_intent(&charge).await {
+        let started = Instant::now();
+        let charged = self.stripe.create_payment_intent(&charge).await;
+        let outcome = match &charged {
+            Ok(_) => "succeeded",
+            Err(ChargeError::Declined { .. }) => "declined",
+            Err(ChargeError::Unavailable { .. }) => "unavailable",
+            Err(ChargeError::Rejected { .. }) => "rejected",
+        };
+        metrics()
+            .provider_duration
+            .record(started.elapsed().as_secs_f64(), &[attr("outcome", outcome)]);
+        match charged {
             Ok(intent) => {
                 let ride_id = ride.id;
                 let intent_id = intent.id.as_str();
@@ -483,6 +548,10 @@ impl Rides {
 
     /// Phase `charge_created`: the receipt job and the stored response, then finished.
     async fn stage_receipt(&self, lease: &Lease) -> Result<Outcome, StoreError> {
+        // The receipt continues this request's trace: the enqueuer and the receipt worker pick
+        // the context up from the job.
+        let trace_context = serde_json::to_value(telemetry::inject_current()).unwrap_or_default();
+        let trace_context = &trace_context;
         idempotency::atomic_phase(&self.pool, self.retry, lease, |conn| {
             async move {
                 let ride: Ride = rides::table
@@ -502,7 +571,7 @@ impl Rides {
                     .values(NewStagedJob {
                         job_name: SEND_RIDE_RECEIPT_JOB,
                         job_args: &job_args,
-                        trace_context: &serde_json::json!({}),
+                        trace_context,
                     })
                     .execute(conn)
                     .await?;

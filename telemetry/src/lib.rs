@@ -236,7 +236,8 @@ pub fn attr(key: &'static str, value: impl Into<opentelemetry::Value>) -> KeyVal
 #[cfg(feature = "testing")]
 pub mod testing {
     use opentelemetry::trace::TracerProvider as _;
-    use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider, SpanData};
+    pub use opentelemetry_sdk::trace::SpanData;
+    use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider};
     use tracing_subscriber::layer::SubscriberExt;
 
     pub struct CapturedSpans {

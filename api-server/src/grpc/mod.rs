@@ -5,24 +5,29 @@
 mod status;
 
 use std::{
+    future::Future,
     net::{IpAddr, Ipv4Addr},
     sync::Arc,
+    time::Instant,
 };
 
 use proto::v1::{
     CreateRideRequest, CreateRideResponse, GetRideRequest, Ride, ride_service_server::RideService,
 };
 use schema::models::User;
+use telemetry::attr;
 use tokio_util::task::TaskTracker;
 use tonic::{
     Request, Response, Status,
     metadata::{MetadataMap, MetadataValue},
 };
+use tracing::{Instrument, Span, field};
 
 use crate::{
     App, auth,
     config::Secret,
     idempotency::IdempotencyKey,
+    metrics::metrics,
     rides::{CreateRideReply, FieldViolation, Outcome, RideParams, RideRequest, RideView, Rides},
 };
 
@@ -128,9 +133,89 @@ fn idempotency_key(metadata: &MetadataMap) -> Result<IdempotencyKey, Status> {
     IdempotencyKey::parse(raw).map_err(|error| status::invalid_key(&error.to_string()))
 }
 
+/// Reads a W3C trace context from gRPC metadata.
+struct MetadataExtractor<'a>(&'a MetadataMap);
+
+impl opentelemetry::propagation::Extractor for MetadataExtractor<'_> {
+    fn get(&self, key: &str) -> Option<&str> {
+        self.0.get(key).and_then(|value| value.to_str().ok())
+    }
+
+    fn keys(&self) -> Vec<&str> {
+        self.0
+            .keys()
+            .filter_map(|key| match key {
+                tonic::metadata::KeyRef::Ascii(key) => Some(key.as_str()),
+                tonic::metadata::KeyRef::Binary(_) => None,
+            })
+            .collect()
+    }
+}
+
+/// Runs one RPC inside a server span that continues the caller's `traceparent`, and records its
+/// status code on the span and in `rpc.server.call.duration`.
+async fn traced<T>(
+    method: &'static str,
+    metadata: &MetadataMap,
+    handler: impl Future<Output = Result<Response<T>, Status>>,
+) -> Result<Response<T>, Status> {
+    let span = tracing::info_span!(
+        "rpc",
+        otel.name = %format_args!("rides.v1.RideService/{method}"),
+        otel.kind = "server",
+        otel.status_code = field::Empty,
+        rpc.system = "grpc",
+        rpc.service = "rides.v1.RideService",
+        rpc.method = method,
+        rpc.grpc.status_code = field::Empty,
+        trace_id = field::Empty,
+        user.id = field::Empty,
+        rides.idempotency_key = field::Empty,
+        rides.replayed = field::Empty,
+    );
+    telemetry::continue_trace(&span, &MetadataExtractor(metadata));
+    let started = Instant::now();
+    let result = handler.instrument(span.clone()).await;
+    let code = match &result {
+        Ok(_) => tonic::Code::Ok,
+        Err(status) => status.code(),
+    };
+    span.record("rpc.grpc.status_code", code as i64);
+    if matches!(
+        code,
+        tonic::Code::Internal | tonic::Code::Unavailable | tonic::Code::Unknown
+    ) {
+        span.record("otel.status_code", "ERROR");
+    }
+    metrics().rpc_duration.record(
+        started.elapsed().as_secs_f64(),
+        &[
+            attr("rpc.system", "grpc"),
+            attr("rpc.method", method),
+            attr("rpc.grpc.status_code", code as i64),
+        ],
+    );
+    result
+}
+
 #[tonic::async_trait]
 impl RideService for RideApi {
     async fn create_ride(
+        &self,
+        request: Request<CreateRideRequest>,
+    ) -> Result<Response<CreateRideResponse>, Status> {
+        let metadata = request.metadata().clone();
+        traced("CreateRide", &metadata, self.create_ride_traced(request)).await
+    }
+
+    async fn get_ride(&self, request: Request<GetRideRequest>) -> Result<Response<Ride>, Status> {
+        let metadata = request.metadata().clone();
+        traced("GetRide", &metadata, self.get_ride_traced(request)).await
+    }
+}
+
+impl RideApi {
+    async fn create_ride_traced(
         &self,
         request: Request<CreateRideRequest>,
     ) -> Result<Response<CreateRideResponse>, Status> {
@@ -141,7 +226,9 @@ impl RideService for RideApi {
             status
         };
         let user = self.authenticate(request.metadata()).await.map_err(fresh)?;
+        Span::current().record("user.id", user.id);
         let key = idempotency_key(request.metadata()).map_err(fresh)?;
+        Span::current().record("rides.idempotency_key", key.redacted());
         let origin_ip = request
             .remote_addr()
             .map_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED), |addr| addr.ip());
@@ -157,16 +244,23 @@ impl RideService for RideApi {
         // half. The attempt runs to its end and unlocks the key.
         let reply = self
             .tasks
-            .spawn(async move { rides.create_ride(&key, &ride_request).await })
+            .spawn(
+                async move { rides.create_ride(&key, &ride_request).await }
+                    .instrument(Span::current()),
+            )
             .await
             .map_err(|error| {
                 tracing::error!(%error, "CreateRide task failed");
                 fresh(status::internal())
             })?;
+        Span::current().record("rides.replayed", reply.replayed);
         into_response(reply)
     }
 
-    async fn get_ride(&self, request: Request<GetRideRequest>) -> Result<Response<Ride>, Status> {
+    async fn get_ride_traced(
+        &self,
+        request: Request<GetRideRequest>,
+    ) -> Result<Response<Ride>, Status> {
         let user = self.authenticate(request.metadata()).await?;
         let ride_id = request.into_inner().id;
         self.rides

@@ -147,6 +147,7 @@ where
                 let ceiling = policy.base_delay.saturating_mul(1 << attempt.min(10));
                 let delay = rand::rng().random_range(Duration::ZERO..=ceiling);
                 tracing::debug!(attempt, ?delay, "retrying a transaction after a conflict");
+                crate::metrics::metrics().serialization_retries.add(1, &[]);
                 tokio::time::sleep(delay).await;
                 attempt += 1;
             }
@@ -159,6 +160,11 @@ where
 /// READ COMMITTED transaction. `INSERT … ON CONFLICT DO NOTHING` waits for a concurrent inserter
 /// of the same key to finish, and the `SELECT … FOR UPDATE` that follows serialises the
 /// inspection with every other attempt on the key.
+#[tracing::instrument(
+    name = "claim",
+    skip_all,
+    fields(otel.name = "claim idempotency key", db.system.name = "postgresql", rides.claim = tracing::field::Empty)
+)]
 pub async fn claim(
     pool: &Pool,
     policy: RetryPolicy,
@@ -180,6 +186,13 @@ pub async fn claim(
         // None: the row we conflicted with was deleted (reaped) before we could lock it. The
         // next round inserts it afresh.
         if let Some(claimed) = claimed {
+            let decision = match &claimed.claim {
+                Claim::Mismatch => "mismatch",
+                Claim::Replay(_) => "replay",
+                Claim::InUse => "in_use",
+                Claim::Execute(_) => "execute",
+            };
+            tracing::Span::current().record("rides.claim", decision);
             return Ok(claimed);
         }
     }

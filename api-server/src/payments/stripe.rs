@@ -99,10 +99,37 @@ impl StripeClient {
         })
     }
 
+    #[tracing::instrument(
+        name = "stripe",
+        skip_all,
+        fields(
+            otel.name = "POST /v1/payment_intents",
+            otel.kind = "client",
+            http.request.method = "POST",
+            url.full = %format_args!("{}/v1/payment_intents", self.api_base),
+            server.address = tracing::field::Empty,
+            http.response.status_code = tracing::field::Empty,
+            error.type = tracing::field::Empty,
+            rides.ride_id = charge.metadata.iter().find(|(key, _)| *key == "ride_id").map(|(_, id)| id.as_str()),
+        )
+    )]
     pub async fn create_payment_intent(
         &self,
         charge: &ChargeRequest,
     ) -> Result<PaymentIntent, ChargeError> {
+        let result = self.send(charge).await;
+        if let Err(error) = &result {
+            let kind = match error {
+                ChargeError::Declined { .. } => "card_declined",
+                ChargeError::Unavailable { .. } => "unavailable",
+                ChargeError::Rejected { .. } => "rejected",
+            };
+            tracing::Span::current().record("error.type", kind);
+        }
+        result
+    }
+
+    async fn send(&self, charge: &ChargeRequest) -> Result<PaymentIntent, ChargeError> {
         let mut form: Vec<(String, String)> = vec![
             ("amount".into(), charge.amount.to_string()),
             ("currency".into(), charge.currency.clone()),
@@ -128,6 +155,11 @@ impl StripeClient {
             .await
             .map_err(unavailable)?;
         let status = response.status();
+        let span = tracing::Span::current();
+        span.record("http.response.status_code", i64::from(status.as_u16()));
+        if let Some(host) = response.url().host_str() {
+            span.record("server.address", host);
+        }
         let body = response.bytes().await.map_err(unavailable)?;
         if status.is_success() {
             let intent: PaymentIntent =

@@ -1,0 +1,78 @@
+//! The api-server's OpenTelemetry instruments, created once from the global meter (a no-op until
+//! `telemetry::Telemetry::init` installs a provider, as in tests).
+
+use std::sync::LazyLock;
+
+use opentelemetry::metrics::{Counter, Histogram, ObservableGauge};
+use schema::Pool;
+use telemetry::attr;
+
+pub struct Metrics {
+    /// `rpc.server.call.duration`, seconds, by `rpc.method` and `rpc.grpc.status_code`; its count
+    /// is the request count.
+    pub rpc_duration: Histogram<f64>,
+    /// CreateRide answers replayed from a finished key.
+    pub replays: Counter<u64>,
+    /// One atomic phase (or the charge), seconds, by `rides.phase` and `outcome`.
+    pub phase_duration: Histogram<f64>,
+    /// The payment provider call, seconds, by `outcome` (succeeded, declined, unavailable, rejected).
+    pub provider_duration: Histogram<f64>,
+    /// Attempts refused because another attempt held the key, or fenced off after a takeover.
+    pub lock_conflicts: Counter<u64>,
+    /// Transactions re-run after a serialization failure or deadlock.
+    pub serialization_retries: Counter<u64>,
+}
+
+static METRICS: LazyLock<Metrics> = LazyLock::new(|| {
+    let meter = telemetry::meter("rides-api-server");
+    Metrics {
+        rpc_duration: meter
+            .f64_histogram("rpc.server.call.duration")
+            .with_unit("s")
+            .with_description("Duration of gRPC calls")
+            .build(),
+        replays: meter
+            .u64_counter("rides.replays")
+            .with_description("CreateRide answers replayed from a finished idempotency key")
+            .build(),
+        phase_duration: meter
+            .f64_histogram("rides.phase.duration")
+            .with_unit("s")
+            .with_description("Duration of one atomic phase of CreateRide")
+            .build(),
+        provider_duration: meter
+            .f64_histogram("rides.payment_provider.duration")
+            .with_unit("s")
+            .with_description("Duration of payment provider calls")
+            .build(),
+        lock_conflicts: meter
+            .u64_counter("rides.idempotency.lock_conflicts")
+            .with_description("Attempts refused or fenced off because another attempt held the key")
+            .build(),
+        serialization_retries: meter
+            .u64_counter("rides.db.serialization_retries")
+            .with_description("Transactions re-run after a serialization failure or deadlock")
+            .build(),
+    }
+});
+
+pub fn metrics() -> &'static Metrics {
+    &METRICS
+}
+
+/// Reports the pool's used and idle connections (`db.client.connection.count`). Keep the returned
+/// gauge alive as long as the pool.
+pub fn observe_pool(pool: &Pool) -> ObservableGauge<u64> {
+    let pool = pool.clone();
+    telemetry::meter("rides-api-server")
+        .u64_observable_gauge("db.client.connection.count")
+        .with_description("Database connections in the pool, by state")
+        .with_callback(move |observer| {
+            let state = pool.state();
+            let idle = u64::from(state.idle_connections);
+            let used = u64::from(state.connections).saturating_sub(idle);
+            observer.observe(used, &[attr("db.client.connection.state", "used")]);
+            observer.observe(idle, &[attr("db.client.connection.state", "idle")]);
+        })
+        .build()
+}

@@ -1,0 +1,131 @@
+//! One trace per ride: the caller's `traceparent` is continued by the server span, the claim, each
+//! phase and the Stripe call are its descendants, and the staged receipt carries the context on.
+//! Spans are captured with an in-memory exporter (this file is its own test process).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::time::Duration;
+
+use api_server::testing::*;
+use opentelemetry::{Value, trace::SpanKind};
+use telemetry::testing::{CapturedSpans, SpanData};
+
+const TRACE_ID: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
+const CALLER_SPAN_ID: &str = "00f067aa0ba902b7";
+
+fn attribute<'a>(span: &'a SpanData, key: &str) -> Option<&'a Value> {
+    span.attributes
+        .iter()
+        .find(|kv| kv.key.as_str() == key)
+        .map(|kv| &kv.value)
+}
+
+fn named<'a>(spans: &'a [SpanData], name: &str) -> Vec<&'a SpanData> {
+    spans.iter().filter(|span| span.name == name).collect()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn one_trace_covers_the_request_its_phases_the_charge_and_the_staged_receipt() {
+    let captured = CapturedSpans::install();
+    let app = TestApp::spawn().await;
+    let user = app.create_user(GOOD_CARD).await;
+    let key = new_key();
+    let mut request = authed(&user.token, Some(&key), ride_request());
+    request.metadata_mut().insert(
+        "traceparent",
+        format!("00-{TRACE_ID}-{CALLER_SPAN_ID}-01")
+            .parse()
+            .unwrap(),
+    );
+
+    app.client().await.create_ride(request).await.unwrap();
+
+    // The server span ends just after the answer is written; give the exporter a moment.
+    let mut spans = Vec::new();
+    for _ in 0..100 {
+        spans = captured.spans();
+        if !named(&spans, "rides.v1.RideService/CreateRide").is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let ours: Vec<SpanData> = spans
+        .into_iter()
+        .filter(|span| span.span_context.trace_id().to_string() == TRACE_ID)
+        .collect();
+
+    let root = named(&ours, "rides.v1.RideService/CreateRide");
+    assert_eq!(
+        root.len(),
+        1,
+        "one server span in the caller's trace: {ours:#?}"
+    );
+    let root = root[0];
+    assert_eq!(root.parent_span_id.to_string(), CALLER_SPAN_ID);
+    assert_eq!(root.span_kind, SpanKind::Server);
+    assert_eq!(attribute(root, "rpc.system"), Some(&Value::from("grpc")));
+    assert_eq!(
+        attribute(root, "rpc.method"),
+        Some(&Value::from("CreateRide"))
+    );
+    assert_eq!(
+        attribute(root, "rpc.grpc.status_code"),
+        Some(&Value::I64(0))
+    );
+    assert_eq!(attribute(root, "rides.replayed"), Some(&Value::Bool(false)));
+
+    let claim = named(&ours, "claim idempotency key");
+    assert_eq!(claim.len(), 1);
+    assert_eq!(claim[0].parent_span_id, root.span_context.span_id());
+    assert_eq!(
+        attribute(claim[0], "rides.claim"),
+        Some(&Value::from("execute"))
+    );
+
+    for (phase, reached) in [
+        ("phase started", "ride_created"),
+        ("phase ride_created", "charge_created"),
+        ("phase charge_created", "finished"),
+    ] {
+        let spans = named(&ours, phase);
+        assert_eq!(spans.len(), 1, "{phase}");
+        assert_eq!(
+            spans[0].parent_span_id,
+            root.span_context.span_id(),
+            "{phase}"
+        );
+        assert_eq!(
+            attribute(spans[0], "rides.recovery_point.to"),
+            Some(&Value::from(reached)),
+            "{phase}"
+        );
+        assert_eq!(
+            attribute(spans[0], "db.system.name"),
+            Some(&Value::from("postgresql"))
+        );
+    }
+
+    let charge = named(&ours, "POST /v1/payment_intents");
+    assert_eq!(charge.len(), 1);
+    let charging_phase = named(&ours, "phase ride_created")[0];
+    assert_eq!(
+        charge[0].parent_span_id,
+        charging_phase.span_context.span_id()
+    );
+    assert_eq!(charge[0].span_kind, SpanKind::Client);
+    assert_eq!(
+        attribute(charge[0], "http.request.method"),
+        Some(&Value::from("POST"))
+    );
+    assert_eq!(
+        attribute(charge[0], "http.response.status_code"),
+        Some(&Value::I64(200))
+    );
+
+    // The receipt job carries the trace on to the enqueuer and the receipt worker.
+    let jobs = app.staged_jobs().await;
+    let traceparent = jobs[0].trace_context["traceparent"].as_str().unwrap();
+    assert!(
+        traceparent.starts_with(&format!("00-{TRACE_ID}-")),
+        "{traceparent}"
+    );
+}
