@@ -286,7 +286,7 @@ async fn publish_all(
                     ..BasicPublishOptions::default()
                 },
                 &body,
-                properties(job),
+                properties(job, exchange),
             )
             .await;
         match result {
@@ -362,19 +362,49 @@ fn encode(job: &StagedJob) -> (String, Vec<u8>) {
     (job.job_name.clone(), job.job_args.to_string().into_bytes())
 }
 
-fn properties(job: &StagedJob) -> BasicProperties {
+/// The message's properties. Its headers carry the trace context of a `publish` span that
+/// continues the trace the job was staged under, so the consumer's span joins the same trace.
+fn properties(job: &StagedJob, exchange: &str) -> BasicProperties {
     let mut headers = FieldTable::default();
     headers.insert(
         ShortString::from("x-job-name"),
         AMQPValue::LongString(LongString::from(job.job_name.as_str())),
     );
-    for name in ["traceparent", "tracestate"] {
-        if let Some(value) = job.trace_context.get(name).and_then(|v| v.as_str()) {
-            headers.insert(
-                ShortString::from(name),
-                AMQPValue::LongString(LongString::from(value)),
-            );
-        }
+    let staged_under: std::collections::HashMap<String, String> = job
+        .trace_context
+        .as_object()
+        .map(|context| {
+            context
+                .iter()
+                .filter_map(|(name, value)| Some((name.clone(), value.as_str()?.to_owned())))
+                .collect()
+        })
+        .unwrap_or_default();
+    let span = tracing::info_span!(
+        "publish",
+        otel.name = %format_args!("{exchange} publish"),
+        otel.kind = "producer",
+        messaging.system = "rabbitmq",
+        messaging.operation.type = "send",
+        messaging.destination.name = exchange,
+        messaging.message.id = job.id,
+        trace_id = tracing::field::Empty,
+    );
+    telemetry::continue_trace(&span, &telemetry::MapExtractor(&staged_under));
+    let mut carried = span.in_scope(telemetry::inject_current);
+    if !carried.contains_key("traceparent") {
+        // No OpenTelemetry layer is installed (a library user, a test): pass the staged context
+        // on unchanged rather than drop it.
+        carried = staged_under
+            .into_iter()
+            .filter(|(name, _)| name == "traceparent" || name == "tracestate")
+            .collect();
+    }
+    for (name, value) in carried {
+        headers.insert(
+            ShortString::from(name.as_str()),
+            AMQPValue::LongString(LongString::from(value.as_str())),
+        );
     }
     BasicProperties::default()
         .with_delivery_mode(2)

@@ -42,6 +42,7 @@ use schema::{
 use serde::Serialize;
 use tokio::{sync::Semaphore, task::JoinSet};
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 use crate::{
     amqp::{self, AmqpSession},
@@ -249,7 +250,29 @@ impl ReceiptWorker {
             .as_ref()
             .map(|id| id.to_string())
             .unwrap_or_default();
-        let disposition = self.handle(&delivery.data, &message_id).await;
+        let span = tracing::info_span!(
+            "process",
+            otel.name = %format_args!("{} process", self.topology.receipts_queue),
+            otel.kind = "consumer",
+            messaging.system = "rabbitmq",
+            messaging.operation.type = "process",
+            messaging.destination.name = %self.topology.receipts_queue,
+            messaging.message.id = %message_id,
+            trace_id = tracing::field::Empty,
+        );
+        let carrier = trace_headers(delivery);
+        // The receipt continues the ride's trace, and links to the publish that delivered it.
+        telemetry::continue_trace(&span, &telemetry::MapExtractor(&carrier));
+        let producer = telemetry::extract(&telemetry::MapExtractor(&carrier));
+        {
+            use opentelemetry::trace::TraceContextExt;
+            use tracing_opentelemetry::OpenTelemetrySpanExt;
+            span.add_link(producer.span().span_context().clone());
+        }
+        let disposition = self
+            .handle(&delivery.data, &message_id)
+            .instrument(span)
+            .await;
         match &disposition {
             Disposition::Sent | Disposition::Duplicate => {
                 delivery.acker.ack(BasicAckOptions::default()).await?;
@@ -426,6 +449,19 @@ fn record(
         }
         Err(error) => tracing::error!(%error, "receipt task failed"),
     }
+}
+
+/// The W3C trace context (`traceparent`, `tracestate`) in a delivery's headers.
+fn trace_headers(delivery: &Delivery) -> std::collections::HashMap<String, String> {
+    let mut carrier = std::collections::HashMap::new();
+    if let Some(headers) = delivery.properties.headers() {
+        for name in ["traceparent", "tracestate"] {
+            if let Some(AMQPValue::LongString(value)) = headers.inner().get(name) {
+                carrier.insert(name.to_owned(), value.to_string());
+            }
+        }
+    }
+    carrier
 }
 
 /// How often the quorum queue has delivered this message before (`x-delivery-count`).
