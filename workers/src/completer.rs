@@ -218,6 +218,10 @@ impl Completer {
                 }
             }
         }
+        crate::metrics::record_completer(&summary);
+        if let Ok(mut conn) = self.pool.get().await {
+            crate::metrics::observe_needing_attention(&mut conn).await;
+        }
         Ok(summary)
     }
 

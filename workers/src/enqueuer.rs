@@ -115,12 +115,16 @@ impl Enqueuer {
         loop {
             let outcome = self.drain_batch().await?;
             total.add(&outcome.summary);
+            crate::metrics::record_enqueue(&outcome.summary);
             if let Some(error) = outcome.error {
                 tracing::warn!(published = total.published, "enqueuer pass interrupted");
                 return Err(error);
             }
             let limit = usize::try_from(self.config.batch_size).unwrap_or(usize::MAX);
             if outcome.selected < limit || outcome.summary.published == 0 {
+                if let Ok(mut conn) = self.pool.get().await {
+                    crate::metrics::observe_backlog(&mut conn).await;
+                }
                 return Ok(total);
             }
         }

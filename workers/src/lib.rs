@@ -25,6 +25,7 @@ pub mod enqueuer;
 pub mod mail_sink;
 pub mod mailer;
 pub mod message;
+pub mod metrics;
 pub mod reaper;
 pub mod receipts;
 pub mod redact;

@@ -95,6 +95,7 @@ impl Reaper {
                 );
             }
             if counts.deleted < self.config.batch_size {
+                crate::metrics::record_reaper(&summary);
                 return Ok(summary);
             }
         }

@@ -76,6 +76,14 @@ pub struct ReceiptSummary {
 
 impl ReceiptSummary {
     fn count(&mut self, disposition: &Disposition) {
+        let mut one = ReceiptSummary::default();
+        match disposition {
+            Disposition::Sent => one.sent = 1,
+            Disposition::Duplicate => one.duplicates = 1,
+            Disposition::DeadLetter(_) => one.dead_lettered = 1,
+            Disposition::Retry(_) => one.retried = 1,
+        }
+        crate::metrics::record_receipts(&one);
         self.received += 1;
         match disposition {
             Disposition::Sent => self.sent += 1,
