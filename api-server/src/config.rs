@@ -33,6 +33,16 @@ pub struct Config {
     /// The completer's credential: lets its holder call CreateRide on behalf of any user. Unset
     /// disables on-behalf-of calls entirely.
     pub internal_api_token: Option<Secret>,
+    pub serving: ServingConfig,
+}
+
+#[derive(Clone, Copy, Debug)]
+pub struct ServingConfig {
+    /// How often health checks the database (`SELECT 1`): NOT_SERVING while it is unreachable.
+    pub health_check_interval: Duration,
+    /// After SIGTERM, how long to keep serving while health already says NOT_SERVING, so load
+    /// balancers stop sending new calls before the listener closes.
+    pub drain_delay: Duration,
 }
 
 #[derive(Clone, Debug)]
@@ -132,6 +142,12 @@ impl Config {
                 ) * 3600,
             },
             price,
+            serving: ServingConfig {
+                health_check_interval: Duration::from_millis(
+                    vars.parse::<u64>("HEALTH_CHECK_INTERVAL_MS", 5000)?.max(10),
+                ),
+                drain_delay: Duration::from_millis(vars.parse("SHUTDOWN_DRAIN_DELAY_MS", 0)?),
+            },
             internal_api_token: lookup("INTERNAL_API_TOKEN")
                 .filter(|token| !token.is_empty())
                 .map(Secret::new),

@@ -22,7 +22,7 @@ pub mod testing;
 
 use std::sync::Arc;
 
-use config::{Config, Secret};
+use config::{Config, Secret, ServingConfig};
 use payments::StripeClient;
 use rides::Rides;
 
@@ -31,6 +31,7 @@ use rides::Rides;
 pub struct App {
     pub rides: Arc<Rides>,
     pub internal_api_token: Option<Secret>,
+    pub serving: ServingConfig,
     /// Reports pool usage while the app lives.
     _pool_gauge: opentelemetry::metrics::ObservableGauge<u64>,
 }
@@ -49,6 +50,7 @@ impl App {
             _pool_gauge: pool_gauge,
             rides: Rides::new(pool, stripe, config.price.clone(), config.idempotency),
             internal_api_token: config.internal_api_token.clone(),
+            serving: config.serving,
         })
     }
 }

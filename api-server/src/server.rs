@@ -43,16 +43,23 @@ pub async fn serve(
     let reflection_v1 = reflection().build_v1()?;
     let reflection_v1alpha = reflection().build_v1alpha()?;
     let tasks = TaskTracker::new();
+    let serving = app.serving;
+    let monitor = tokio::spawn(watch_database(
+        app.rides.pool().clone(),
+        health.clone(),
+        serving.health_check_interval,
+    ));
     let rides_service = RideServiceServer::new(RideApi::new(app, tasks.clone()))
         .max_decoding_message_size(MAX_REQUEST_BYTES);
 
     let draining = async move {
         shutdown.await;
-        tracing::info!("shutting down: draining in-flight requests");
-        health.set_not_serving::<RideServiceServer<RideApi>>().await;
-        health
-            .set_service_status("", ServingStatus::NotServing)
-            .await;
+        tracing::info!(drain_delay = ?serving.drain_delay, "shutting down: health is NOT_SERVING");
+        monitor.abort();
+        set_health(&health, ServingStatus::NotServing).await;
+        // Still serving: callers that have not yet seen NOT_SERVING are answered.
+        tokio::time::sleep(serving.drain_delay).await;
+        tracing::info!("draining in-flight requests");
     };
     tonic::transport::Server::builder()
         .add_service(health_service)
@@ -64,4 +71,50 @@ pub async fn serve(
     tasks.close();
     tasks.wait().await;
     Ok(())
+}
+
+async fn set_health(health: &tonic_health::server::HealthReporter, status: ServingStatus) {
+    health
+        .set_service_status("rides.v1.RideService", status)
+        .await;
+    health.set_service_status("", status).await;
+}
+
+/// Keeps health in step with the database: a server that cannot reach PostgreSQL can answer
+/// nothing useful, so it asks to be taken out of rotation.
+async fn watch_database(
+    pool: schema::Pool,
+    health: tonic_health::server::HealthReporter,
+    interval: std::time::Duration,
+) {
+    let mut reachable = true;
+    loop {
+        let check = async {
+            let mut conn = pool.get().await.ok()?;
+            diesel_async::RunQueryDsl::execute(diesel::sql_query("SELECT 1"), &mut conn)
+                .await
+                .ok()
+        };
+        let now_reachable =
+            tokio::time::timeout(interval.max(std::time::Duration::from_secs(1)), check)
+                .await
+                .ok()
+                .flatten()
+                .is_some();
+        if now_reachable != reachable {
+            if now_reachable {
+                tracing::info!("database reachable again: SERVING");
+            } else {
+                tracing::error!("database unreachable: NOT_SERVING");
+            }
+            reachable = now_reachable;
+        }
+        let status = if now_reachable {
+            ServingStatus::Serving
+        } else {
+            ServingStatus::NotServing
+        };
+        set_health(&health, status).await;
+        tokio::time::sleep(interval).await;
+    }
 }

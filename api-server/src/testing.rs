@@ -143,12 +143,18 @@ impl TestApp {
 
     /// Shuts the server down gracefully and waits for it to drain.
     pub async fn shutdown(&mut self) {
-        if let Some(shutdown) = self.shutdown.take() {
-            let _ = shutdown.send(());
-        }
+        self.begin_shutdown();
         if let Some(server) = self.server.take() {
             server.await.unwrap();
         }
+    }
+
+    /// Signals shutdown (as SIGTERM would) without waiting; returns the server task to await.
+    pub fn begin_shutdown(&mut self) -> Option<JoinHandle<()>> {
+        if let Some(shutdown) = self.shutdown.take() {
+            let _ = shutdown.send(());
+        }
+        self.server.take()
     }
 
     pub async fn key_row(&self, user: &TestUser, key: &str) -> Option<KeyRow> {

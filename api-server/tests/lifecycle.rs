@@ -1,0 +1,218 @@
+//! The process around the API: health that follows the database, draining on shutdown, and the
+//! real binary's metrics endpoint, logs and SIGTERM handling.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::{
+    process::{Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use api_server::{grpc::reason, testing::*};
+use tonic::Code;
+use tonic_health::pb::{
+    HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient,
+};
+
+async fn health(channel: tonic::transport::Channel) -> ServingStatus {
+    let status = HealthClient::new(channel)
+        .check(HealthCheckRequest {
+            service: "rides.v1.RideService".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .status;
+    ServingStatus::try_from(status).unwrap()
+}
+
+async fn wait_for_health(
+    channel: &tonic::transport::Channel,
+    wanted: ServingStatus,
+) -> ServingStatus {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let status = health(channel.clone()).await;
+        if status == wanted || Instant::now() > deadline {
+            return status;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn health_is_not_serving_while_the_database_is_unreachable() {
+    let app = TestApp::spawn_with(
+        fake_stripe::Config::default(),
+        &[
+            (
+                "DATABASE_URL",
+                "postgres://postgres@127.0.0.1:1/unreachable",
+            ),
+            ("DATABASE_POOL_TIMEOUT_MS", "300"),
+            ("HEALTH_CHECK_INTERVAL_MS", "50"),
+        ],
+    )
+    .await;
+    let channel = app.channel().await;
+
+    assert_eq!(
+        wait_for_health(&channel, ServingStatus::NotServing).await,
+        ServingStatus::NotServing
+    );
+    // And a call says why, with a hint to retry.
+    let user = TestUser {
+        id: 0,
+        token: "rr_whatever".into(),
+    };
+    let status = app
+        .create_ride(&user, &new_key(), ride_request())
+        .await
+        .unwrap_err();
+    assert_status(&status, Code::Unavailable, reason::DATABASE_UNAVAILABLE);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn draining_reports_not_serving_while_still_answering() {
+    let mut app = TestApp::spawn_with(
+        fake_stripe::Config::default(),
+        &[
+            ("SHUTDOWN_DRAIN_DELAY_MS", "2000"),
+            ("HEALTH_CHECK_INTERVAL_MS", "50"),
+        ],
+    )
+    .await;
+    let user = app.create_user(GOOD_CARD).await;
+    let channel = app.channel().await;
+    assert_eq!(
+        wait_for_health(&channel, ServingStatus::Serving).await,
+        ServingStatus::Serving
+    );
+
+    let server = app.begin_shutdown().unwrap();
+
+    assert_eq!(
+        wait_for_health(&channel, ServingStatus::NotServing).await,
+        ServingStatus::NotServing
+    );
+    // Callers that have not noticed yet are still answered during the drain delay.
+    let mut client = proto::v1::ride_service_client::RideServiceClient::new(channel.clone());
+    client
+        .create_ride(authed(&user.token, Some(&new_key()), ride_request()))
+        .await
+        .expect("answered while draining");
+    tokio::time::timeout(Duration::from_secs(15), server)
+        .await
+        .expect("the server stops after the drain")
+        .unwrap();
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_binary_serves_metrics_logs_trace_ids_and_drains_on_sigterm() {
+    let db = schema::testing::TestDatabase::new().await;
+    let stripe = fake_stripe::FakeStripe::spawn(fake_stripe::Config::default())
+        .await
+        .unwrap();
+    let pool = db.pool(2);
+    let (_, token) = api_server::auth::create_user(&pool, "bin@example.com", "cus_bin", GOOD_CARD)
+        .await
+        .unwrap();
+    let (grpc_port, metrics_port) = (free_port(), free_port());
+    let mut child = Command::new(env!("CARGO_BIN_EXE_api-server"))
+        .arg("serve")
+        .env_clear()
+        .env("PATH", std::env::var("PATH").unwrap_or_default())
+        .env("DATABASE_URL", db.url())
+        .env("STRIPE_API_BASE", stripe.base_url())
+        .env("STRIPE_SECRET_KEY", "sk_test_binary_secret")
+        .env("GRPC_LISTEN_ADDR", format!("127.0.0.1:{grpc_port}"))
+        .env("METRICS_LISTEN_ADDR", format!("127.0.0.1:{metrics_port}"))
+        .env("LOG_FORMAT", "json")
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let endpoint = format!("http://127.0.0.1:{grpc_port}");
+    let mut client = None;
+    for _ in 0..200 {
+        if let Ok(connected) =
+            proto::v1::ride_service_client::RideServiceClient::connect(endpoint.clone()).await
+        {
+            client = Some(connected);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    let mut client = client.expect("the server came up");
+
+    let key = new_key();
+    client
+        .create_ride(authed(&token, Some(&key), ride_request()))
+        .await
+        .unwrap();
+    // A provider outage is logged inside the request: that line must carry the trace id.
+    stripe.inject_faults(fake_stripe::FaultMode::Error500, 1);
+    let unavailable = client
+        .create_ride(authed(&token, Some(&new_key()), ride_request()))
+        .await
+        .unwrap_err();
+    assert_eq!(unavailable.code(), Code::Unavailable);
+
+    let metrics = reqwest::get(format!("http://127.0.0.1:{metrics_port}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    for series in [
+        "rpc_server_call_duration_seconds_count",
+        "rides_phase_duration_seconds_count",
+        "rides_payment_provider_duration_seconds_count",
+        "db_client_connection_count",
+    ] {
+        assert!(
+            metrics.contains(series),
+            "{series} missing from:\n{metrics}"
+        );
+    }
+    assert!(metrics.contains("rpc_method=\"CreateRide\""), "{metrics}");
+
+    Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the server did not stop on SIGTERM"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(status.success(), "clean exit on SIGTERM: {status:?}");
+
+    let mut logs = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut logs).unwrap();
+    let outage = logs
+        .lines()
+        .find(|line| line.contains("payment provider unavailable"))
+        .unwrap_or_else(|| panic!("no outage line in:\n{logs}"));
+    let line: serde_json::Value = serde_json::from_str(outage).unwrap();
+    let trace_id = line["spans"][0]["trace_id"].as_str().unwrap_or_default();
+    assert_eq!(trace_id.len(), 32, "trace id on the line: {outage}");
+    assert!(logs.contains("shutting down"), "{logs}");
+    for secret in [token.as_str(), key.as_str(), "sk_test_binary_secret"] {
+        assert!(!logs.contains(secret), "a secret reached the logs");
+    }
+}
