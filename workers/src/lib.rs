@@ -13,10 +13,12 @@
 //! - [`completer`]: pushes abandoned idempotency keys to completion through the public API.
 //! - [`reaper`]: retires expired keys, recording unfinished ones for a human first.
 //! - [`shutdown`] and [`backoff`]: the plumbing every loop shares.
+//! - [`admin`]: the operator CLI (`workers admin …`, see `docs/operations.md`).
 //!
 //! Every worker has a `run_once` (one pass, returns a serialisable summary of counts) and a `run`
 //! loop that calls it until the shutdown token is cancelled.
 
+pub mod admin;
 pub mod amqp;
 pub mod backoff;
 pub mod completer;

@@ -36,6 +36,8 @@ enum Command {
         #[arg(long)]
         dir: PathBuf,
     },
+    /// Operator commands: inspect and repair keys, dead letters, backlog (docs/operations.md).
+    Admin(workers::admin::AdminArgs),
 }
 
 #[derive(clap::Args)]
@@ -55,6 +57,7 @@ impl Command {
             Command::Completer(_) => ("rides-completer", 9467),
             Command::Reaper(_) => ("rides-reaper", 9468),
             Command::MailSink { .. } => ("rides-mail-sink", 9469),
+            Command::Admin(_) => ("rides-admin", 9470),
         }
     }
 
@@ -64,7 +67,7 @@ impl Command {
             | Command::Receipts(once)
             | Command::Completer(once)
             | Command::Reaper(once) => !once.once,
-            Command::MailSink { .. } => false,
+            Command::MailSink { .. } | Command::Admin(_) => false,
         }
     }
 }
@@ -171,6 +174,8 @@ async fn run(cli: Cli, shutdown: tokio_util::sync::CancellationToken) -> anyhow:
             sink.run_until(shutdown).await;
             return Ok(());
         }
+        // Prints its own report (text or --json) on stdout; fails with a clear message.
+        Command::Admin(args) => return workers::admin::run(args, &config, shutdown).await,
     };
     println!("{summary}");
     Ok(())

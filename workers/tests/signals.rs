@@ -69,10 +69,7 @@ async fn sigterm_stops_the_enqueuer_between_batches_without_losing_a_job() {
     let db = schema::testing::TestDatabase::new().await;
     let pool = db.pool(2);
     let broker = TestBroker::new().await;
-    let all: HashSet<i64> = common::stage_jobs(&pool, 3_000)
-        .await
-        .into_iter()
-        .collect();
+    let all: HashSet<i64> = common::stage_jobs(&pool, 3_000).await.into_iter().collect();
     let child = spawn_worker(
         "enqueuer",
         db.url(),

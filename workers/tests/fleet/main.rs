@@ -3,6 +3,7 @@
 //! link instead of one per file.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+mod admin;
 mod common;
 mod completer;
 mod end_to_end;
