@@ -59,6 +59,9 @@ pub struct StripeConfig {
     pub api_base: String,
     pub secret_key: Secret,
     pub timeout: Duration,
+    /// How long the provider remembers an idempotency key (Stripe: 24 hours). A charge resumed
+    /// later than that is looked up before it is retried.
+    pub idempotency_window: Duration,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -132,6 +135,9 @@ impl Config {
                     vars.string("STRIPE_SECRET_KEY", DEFAULT_STRIPE_SECRET_KEY),
                 ),
                 timeout: Duration::from_millis(vars.parse("STRIPE_TIMEOUT_MS", 30_000)?),
+                idempotency_window: Duration::from_secs(
+                    vars.parse("STRIPE_IDEMPOTENCY_WINDOW_SECS", 86_400)?,
+                ),
             },
             idempotency: IdempotencyConfig {
                 lock_timeout: Duration::from_secs(vars.parse("IDEMPOTENCY_LOCK_TIMEOUT_SECS", 90)?),
@@ -232,6 +238,10 @@ mod tests {
         assert_eq!(config.database.pool_size, 16);
         assert_eq!(config.stripe.timeout, Duration::from_secs(30));
         assert_eq!(config.stripe.api_base, DEFAULT_STRIPE_API_BASE);
+        assert_eq!(
+            config.stripe.idempotency_window,
+            Duration::from_secs(86_400)
+        );
         assert_eq!(config.idempotency.lock_timeout, Duration::from_secs(90));
         assert_eq!(config.idempotency.key_ttl, Duration::from_secs(72 * 3600));
         assert_eq!(

@@ -492,7 +492,23 @@ impl Rides {
         };
         // No transaction is open and no connection is held here: the call may take seconds.
         let started = Instant::now();
-        let charged = self.stripe.create_payment_intent(&charge).await;
+        let charged = if self.beyond_provider_key_window(&ride) {
+            // The provider may have forgotten our idempotency key: an earlier attempt that
+            // charged but was never recorded would be charged again. Look for it first.
+            match self.stripe.find_succeeded_charge(ride.id).await {
+                Ok(Some(intent)) => {
+                    tracing::warn!(
+                        ride_id = ride.id,
+                        "found an unrecorded charge older than the provider's idempotency window"
+                    );
+                    Ok(intent)
+                }
+                Ok(None) => self.stripe.create_payment_intent(&charge).await,
+                Err(error) => Err(error),
+            }
+        } else {
+            self.stripe.create_payment_intent(&charge).await
+        };
         let outcome = match &charged {
             Ok(_) => "succeeded",
             Err(ChargeError::Declined { .. }) => "declined",
@@ -544,6 +560,18 @@ impl Rides {
                 Err(CreateRideError::Internal(Box::new(error)))
             }
         }
+    }
+
+    /// Whether an attempt at charging `ride` may be older than the provider's idempotency window.
+    /// Every attempt happened after the ride was created, so a ride younger than the window (less
+    /// a tenth, for clock skew) proves the provider still remembers the key.
+    fn beyond_provider_key_window(&self, ride: &Ride) -> bool {
+        let window = self.stripe.idempotency_window();
+        let safe = window.saturating_sub(window / 10);
+        let age = (chrono::Utc::now() - ride.created_at)
+            .to_std()
+            .unwrap_or(Duration::ZERO);
+        age >= safe
     }
 
     /// Phase `charge_created`: the receipt job and the stored response, then finished.

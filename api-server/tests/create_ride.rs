@@ -498,6 +498,87 @@ async fn a_charge_whose_response_was_lost_is_charged_once_in_total() {
     assert_eq!(app.stripe.payment_intents()[0].id, ride.charge_id);
 }
 
+/// The provider forgets idempotency keys after its window (Stripe: 24 h; here 1 s on both sides).
+async fn app_with_a_short_provider_key_window() -> TestApp {
+    TestApp::spawn_with(
+        fake_stripe::Config {
+            idempotency_window: Duration::from_secs(1),
+            ..Default::default()
+        },
+        &[("STRIPE_IDEMPOTENCY_WINDOW_SECS", "1")],
+    )
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_unrecorded_charge_older_than_the_providers_key_window_is_found_not_repeated() {
+    let app = app_with_a_short_provider_key_window().await;
+    let user = app.create_user(GOOD_CARD).await;
+    let key = new_key();
+    app.stripe.inject_faults(FaultMode::ChargeThenDrop, 1);
+    let status = app
+        .create_ride(&user, &key, ride_request())
+        .await
+        .unwrap_err();
+    assert_status(
+        &status,
+        Code::Unavailable,
+        reason::PAYMENT_PROVIDER_UNAVAILABLE,
+    );
+    assert_eq!(
+        app.stripe.succeeded_charges(),
+        1,
+        "charged, but never recorded"
+    );
+
+    // Past the window the provider no longer remembers our key: a blind retry would charge again.
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let ride = app
+        .create_ride(&user, &key, ride_request())
+        .await
+        .unwrap()
+        .into_inner()
+        .ride
+        .unwrap();
+
+    assert_eq!(
+        app.stripe.succeeded_charges(),
+        1,
+        "the earlier charge was found, not repeated"
+    );
+    assert_eq!(app.stripe.payment_intents()[0].id, ride.charge_id);
+    assert_eq!(
+        app.stripe.create_calls(),
+        1,
+        "no second charge was even attempted"
+    );
+    assert_eq!(app.staged_jobs().await.len(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_ride_past_the_window_with_no_earlier_charge_is_charged_once() {
+    let app = app_with_a_short_provider_key_window().await;
+    let user = app.create_user(GOOD_CARD).await;
+    let key = new_key();
+    // The first attempt never reached the provider's charge logic.
+    app.stripe.inject_faults(FaultMode::Error500, 1);
+    app.create_ride(&user, &key, ride_request())
+        .await
+        .unwrap_err();
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+
+    let ride = app
+        .create_ride(&user, &key, ride_request())
+        .await
+        .unwrap()
+        .into_inner()
+        .ride
+        .unwrap();
+
+    assert_eq!(app.stripe.succeeded_charges(), 1);
+    assert_eq!(app.stripe.payment_intents()[0].id, ride.charge_id);
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_provider_timeout_is_unavailable_and_the_retry_charges_once() {
     let app = TestApp::spawn_with(

@@ -23,6 +23,7 @@ pub struct StripeClient {
     http: reqwest::Client,
     api_base: String,
     secret_key: Secret,
+    idempotency_window: Duration,
 }
 
 /// One charge. `idempotency_key` must be the same for every attempt at the same ride.
@@ -96,6 +97,7 @@ impl StripeClient {
             http,
             api_base: config.api_base.clone(),
             secret_key: config.secret_key.clone(),
+            idempotency_window: config.idempotency_window,
         })
     }
 
@@ -181,6 +183,65 @@ impl StripeClient {
             .map(|envelope| envelope.error)
             .ok();
         Err(classify(status.as_u16(), error))
+    }
+}
+
+#[derive(Debug, Deserialize)]
+struct SearchResult {
+    data: Vec<PaymentIntent>,
+}
+
+impl StripeClient {
+    /// How long the provider remembers an idempotency key.
+    pub fn idempotency_window(&self) -> Duration {
+        self.idempotency_window
+    }
+
+    /// A succeeded PaymentIntent created for `ride_id` (by its `metadata[ride_id]`), if any. Used
+    /// when the provider may already have forgotten our idempotency key, so that a charge that
+    /// happened but was never recorded is found instead of repeated.
+    #[tracing::instrument(
+        name = "stripe.search",
+        skip_all,
+        fields(
+            otel.name = "GET /v1/payment_intents/search",
+            otel.kind = "client",
+            http.request.method = "GET",
+            http.response.status_code = tracing::field::Empty,
+            rides.ride_id = ride_id,
+        )
+    )]
+    pub async fn find_succeeded_charge(
+        &self,
+        ride_id: i64,
+    ) -> Result<Option<PaymentIntent>, ChargeError> {
+        let response = self
+            .http
+            .get(format!("{}/v1/payment_intents/search", self.api_base))
+            .bearer_auth(self.secret_key.expose())
+            .query(&[("query", format!("metadata['ride_id']:'{ride_id}'"))])
+            .send()
+            .await
+            .map_err(unavailable)?;
+        let status = response.status();
+        tracing::Span::current().record("http.response.status_code", i64::from(status.as_u16()));
+        let body = response.bytes().await.map_err(unavailable)?;
+        if !status.is_success() {
+            let error = serde_json::from_slice::<ErrorEnvelope>(&body)
+                .map(|envelope| envelope.error)
+                .ok();
+            return Err(classify(status.as_u16(), error));
+        }
+        let found: SearchResult =
+            serde_json::from_slice(&body).map_err(|error| ChargeError::Rejected {
+                status: status.as_u16(),
+                error_type: "unreadable_response".into(),
+                message: error.to_string(),
+            })?;
+        Ok(found
+            .data
+            .into_iter()
+            .find(|intent| intent.status == "succeeded"))
     }
 }
 
