@@ -339,6 +339,32 @@ async fn each_invalid_parameter_is_named_and_nothing_is_written() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn a_retry_with_coordinates_that_jsonb_could_round_is_a_replay_not_a_reuse() {
+    // 111.84954825293167 came back from JSONB as …168 with serde_json's default float parser,
+    // which turned a genuine retry into IDEMPOTENCY_KEY_REUSED.
+    let app = TestApp::spawn().await;
+    let user = app.create_user(GOOD_CARD).await;
+    let key = new_key();
+    let request = CreateRideRequest {
+        origin_lat: Some(-61.3050206078091),
+        origin_lon: Some(111.84954825293167),
+        target_lat: Some(-47.46480953121321),
+        target_lon: Some(-100.17450500404226),
+    };
+    let first = app.create_ride(&user, &key, request).await.unwrap();
+    let retry = app.create_ride(&user, &key, request).await.unwrap();
+
+    assert!(replayed(&retry));
+    let ride = retry.into_inner().ride.unwrap();
+    assert_eq!(
+        ride,
+        first.into_inner().ride.unwrap(),
+        "the replay is the same ride, bit for bit"
+    );
+    assert_eq!(ride.origin_lon.to_bits(), 111.84954825293167_f64.to_bits());
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn a_key_reused_with_other_parameters_is_refused() {
     let app = TestApp::spawn().await;
     let user = app.create_user(GOOD_CARD).await;
