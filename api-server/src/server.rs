@@ -14,6 +14,9 @@ use crate::{App, grpc::RideApi};
 /// Largest request accepted. A CreateRideRequest is about 40 bytes; anything near this limit is
 /// not a ride.
 pub const MAX_REQUEST_BYTES: usize = 16 * 1024;
+/// Largest metadata (all headers of one call) accepted. A call carries a token, a key of at most
+/// 255 characters and a trace context: a few hundred bytes.
+pub const MAX_METADATA_BYTES: u32 = 16 * 1024;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
@@ -62,6 +65,7 @@ pub async fn serve(
         tracing::info!("draining in-flight requests");
     };
     tonic::transport::Server::builder()
+        .http2_max_header_list_size(MAX_METADATA_BYTES)
         .add_service(health_service)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)

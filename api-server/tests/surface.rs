@@ -414,3 +414,63 @@ async fn users_create_prints_a_token_that_authenticates() {
     assert!(!again.status.success());
     assert!(String::from_utf8_lossy(&again.stderr).contains("already exists"));
 }
+
+/// A CreateRideRequest padded with an unknown field, to exceed the message size limit.
+#[derive(Clone, PartialEq, prost::Message)]
+struct PaddedCreateRide {
+    #[prost(double, optional, tag = "1")]
+    origin_lat: Option<f64>,
+    #[prost(double, optional, tag = "2")]
+    origin_lon: Option<f64>,
+    #[prost(double, optional, tag = "3")]
+    target_lat: Option<f64>,
+    #[prost(double, optional, tag = "4")]
+    target_lon: Option<f64>,
+    #[prost(bytes = "vec", tag = "100")]
+    padding: Vec<u8>,
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn oversized_messages_and_metadata_are_refused_and_write_nothing() {
+    let app = TestApp::spawn().await;
+    let user = app.create_user(GOOD_CARD).await;
+    let request = ride_request();
+
+    let mut grpc = tonic::client::Grpc::new(app.channel().await);
+    grpc.ready().await.unwrap();
+    let padded = PaddedCreateRide {
+        origin_lat: request.origin_lat,
+        origin_lon: request.origin_lon,
+        target_lat: request.target_lat,
+        target_lon: request.target_lon,
+        padding: vec![7; api_server::server::MAX_REQUEST_BYTES + 1],
+    };
+    let status = grpc
+        .unary::<_, proto::v1::CreateRideResponse, _>(
+            authed(&user.token, Some(&new_key()), padded),
+            tonic::codegen::http::uri::PathAndQuery::from_static("/rides.v1.RideService/CreateRide"),
+            tonic_prost::ProstCodec::default(),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::OutOfRange, "{status:?}");
+
+    // Metadata beyond the limit is refused by the HTTP/2 layer before the service runs.
+    let mut bloated = authed(&user.token, Some(&new_key()), ride_request());
+    bloated.metadata_mut().insert(
+        "x-padding",
+        "p".repeat(api_server::server::MAX_METADATA_BYTES as usize + 1)
+            .parse()
+            .unwrap(),
+    );
+    let result = app.client().await.create_ride(bloated).await;
+    assert!(result.is_err(), "oversized metadata must be refused");
+
+    assert_eq!(app.key_count().await, 0, "nothing was written");
+    assert!(app.rides().await.is_empty());
+    assert_eq!(app.stripe.create_calls(), 0);
+    // The server is unharmed.
+    app.create_ride(&user, &new_key(), ride_request())
+        .await
+        .unwrap();
+}
