@@ -1,0 +1,261 @@
+#!/usr/bin/env bash
+# Reproducible benchmark driver (docs/performance.md). Builds in release, starts fake-stripe,
+# the api-server (and the workers for their scenarios) as separate processes on loopback ports
+# that do not clash with deploy/local/run.sh, against a fresh scratch database, runs the pgbench
+# ceiling and the load generator per scenario, prints the table and writes it to a file, then
+# kills its processes, drops its database and deletes its RabbitMQ queues.
+#
+#   bench/run.sh [all | new | replay | latency | receipts | enqueuer | new-1 | new-8 | new-32 | new-64 ...]
+#
+# Environment: DURATION (s per loadgen run, default 15), PG_DURATION (s per pgbench run, default
+# 15), ENQUEUER_JOBS (default 100000), PG_URL (server, default postgres://postgres@127.0.0.1:5432),
+# AMQP_URL (default amqp://guest:guest@127.0.0.1:5672/%2f), BENCH_OUT (output directory, default
+# target/bench/<run id>), PERF=1 (profile the api-server during new-32 with perf, cpu-clock).
+# Traffic goes to 127.0.0.1 only.
+set -euo pipefail
+REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$REPO_ROOT"
+export PATH="$HOME/.cargo/bin:$PATH"
+
+DURATION=${DURATION:-15}
+PG_DURATION=${PG_DURATION:-15}
+ENQUEUER_JOBS=${ENQUEUER_JOBS:-100000}
+PG_URL=${PG_URL:-postgres://postgres@127.0.0.1:5432}
+export AMQP_URL=${AMQP_URL:-amqp://guest:guest@127.0.0.1:5672/%2f}
+RUN_ID="$(date +%Y%m%d%H%M%S)_$$"
+DB="bench_${RUN_ID}"
+export DATABASE_URL="$PG_URL/$DB"
+OUT=${BENCH_OUT:-$REPO_ROOT/target/bench/$RUN_ID}
+RESULTS="$OUT/results.jsonl"
+GRPC_ADDR=127.0.0.1:50151
+STRIPE_ADDR=127.0.0.1:12211
+SMTP_ADDR=127.0.0.1:2625
+export AMQP_TOPOLOGY_PREFIX="bench-$RUN_ID"
+export METRICS_LISTEN_ADDR=off
+export RUST_LOG=${RUST_LOG:-warn}
+export STRIPE_SECRET_KEY=sk_test_rocket_rides_development
+export STRIPE_API_BASE="http://$STRIPE_ADDR"
+export GRPC_LISTEN_ADDR=$GRPC_ADDR
+export SMTP_URL="smtp://$SMTP_ADDR"
+
+SCENARIOS=("$@")
+[ ${#SCENARIOS[@]} -gt 0 ] || SCENARIOS=(all)
+wants() { # scenario name -> selected?
+  local s
+  for s in "${SCENARIOS[@]}"; do
+    [ "$s" = all ] && return 0
+    case "$1" in "$s" | "$s"-*) return 0 ;; esac
+    [ "$s" = latency ] && [ "${1%%250-*}" = latency ] && return 0
+  done
+  return 1
+}
+
+log() { printf '\033[1;34m==>\033[0m %s\n' "$*" >&2; }
+die() { printf '\033[1;31merror:\033[0m %s\n' "$*" >&2; exit 1; }
+la() { cut -d' ' -f1-3 /proc/loadavg; }
+port_open() { (exec 3<>"/dev/tcp/$1/$2") 2>/dev/null; }
+wait_for_port() { # addr what
+  local deadline=$((SECONDS + 60))
+  until port_open "${1%:*}" "${1##*:}"; do
+    [ $SECONDS -lt $deadline ] || die "$2 did not come up on $1 (see $OUT/logs)"
+    sleep 0.2
+  done
+}
+psql_db() { psql "$DATABASE_URL" -X -q -v ON_ERROR_STOP=1 "$@"; }
+
+command -v pgbench >/dev/null || die "pgbench is missing (apt-get install postgresql-client)"
+command -v psql >/dev/null || die "psql is missing (apt-get install postgresql-client)"
+for addr in $GRPC_ADDR $STRIPE_ADDR $SMTP_ADDR; do
+  port_open "${addr%:*}" "${addr##*:}" && die "$addr is in use: another bench/run.sh running?"
+done
+
+mkdir -p "$OUT/logs"
+: >"$RESULTS"
+log "run $RUN_ID -> $OUT (scenarios: ${SCENARIOS[*]}); load average now $(la)"
+
+log "building in release"
+cargo build --release --quiet -p api-server -p workers -p fake-stripe -p bench
+BIN="$REPO_ROOT/target/release"
+
+declare -A PIDS=()
+cleanup() {
+  trap - INT TERM EXIT
+  local name
+  for name in "${!PIDS[@]}"; do kill -TERM "${PIDS[$name]}" 2>/dev/null || true; done
+  for name in "${!PIDS[@]}"; do wait "${PIDS[$name]}" 2>/dev/null || true; done
+  psql "$PG_URL/postgres" -X -q -c "DROP DATABASE IF EXISTS \"$DB\" WITH (FORCE)" >/dev/null 2>&1 ||
+    log "could not drop database $DB"
+  if command -v rabbitmqctl >/dev/null; then
+    local queue
+    for queue in $(timeout 60 rabbitmqctl list_queues -q name 2>/dev/null | grep "^$AMQP_TOPOLOGY_PREFIX" || true); do
+      timeout 60 rabbitmqctl delete_queue "$queue" >/dev/null 2>&1 || true
+    done
+  fi
+  if command -v rabbitmqadmin >/dev/null; then
+    local exchange
+    for exchange in $(timeout 30 rabbitmqadmin -f tsv -q list exchanges name 2>/dev/null | grep "^$AMQP_TOPOLOGY_PREFIX" || true); do
+      timeout 30 rabbitmqadmin -q delete exchange name="$exchange" >/dev/null 2>&1 || true
+    done
+  fi
+}
+trap cleanup INT TERM EXIT
+
+start() { # name command...
+  local name=$1; shift
+  "$@" >"$OUT/logs/$name.log" 2>&1 &
+  PIDS[$name]=$!
+}
+stop() { # name
+  local pid=${PIDS[$1]:-}
+  [ -n "$pid" ] || return 0
+  kill -TERM "$pid" 2>/dev/null || true
+  wait "$pid" 2>/dev/null || true
+  unset "PIDS[$1]"
+}
+start_stack() { # provider latency ms, pool size
+  stop api-server; stop fake-stripe
+  start fake-stripe "$BIN/fake-stripe" --listen "$STRIPE_ADDR" --latency-ms "$1"
+  wait_for_port "$STRIPE_ADDR" fake-stripe
+  DATABASE_POOL_SIZE=$2 start api-server "$BIN/api-server" serve
+  wait_for_port "$GRPC_ADDR" api-server
+  STACK_LATENCY=$1
+}
+
+log "scratch database $DB"
+"$BIN/api-server" migrate >"$OUT/logs/migrate.log" 2>&1
+USER_BASE=$(psql_db -At -v users=100 -v keys_per_user=50 -f bench/pgbench/setup.sql | tail -n1)
+[ -n "$USER_BASE" ] || die "pgbench fixtures failed"
+
+pgbench_ceiling() { # scenario script clients
+  local scenario=$1 script=$2 clients=$3 logf="$OUT/logs/pgbench-$1-$(basename "$2" .sql).log" load
+  load=$(la)
+  timeout $((PG_DURATION + 120)) pgbench -n -M prepared -c "$clients" -j 2 -T "$PG_DURATION" \
+    -f "$script" -D user_base="$USER_BASE" -D keys_per_user=50 "$DATABASE_URL" >"$logf" 2>&1 ||
+    { cat "$logf" >&2; die "pgbench $script failed"; }
+  load="$load -> $(la)"
+  "$BIN/bench-report" pgbench "$scenario" "$(basename "$script")" "$clients" "$logf" "$load" >>"$RESULTS"
+  log "pgbench $scenario $(basename "$script") c=$clients: $(grep '^tps' "$logf") (load $load)"
+}
+
+loadgen() { # scenario args...
+  local scenario=$1; shift
+  log "loadgen $scenario $* (load $(la))"
+  local cpu=()
+  [ -z "${PIDS[fake-stripe]:-}" ] || cpu+=(--cpu-pid "fake-stripe=${PIDS[fake-stripe]}")
+  "$BIN/loadgen" --target "http://$GRPC_ADDR" --stripe-base "http://$STRIPE_ADDR" \
+    --database-url "$DATABASE_URL" --scenario "$scenario" --provider-latency-ms "$STACK_LATENCY" \
+    --server-pid "${PIDS[api-server]}" "${cpu[@]}" --json-out "$RESULTS" "$@" \
+    2>&1 | tee "$OUT/logs/loadgen-$scenario.log" || log "loadgen $scenario: check FAILED or run failed"
+}
+
+# New keys at 1, 8, 32, 64 clients; default pool (16).
+STACK_LATENCY=0
+if wants new-1 || wants new-8 || wants new-32 || wants new-64 || wants replay-32; then
+  start_stack 0 16
+fi
+for clients in 1 8 32 64; do
+  wants "new-$clients" || continue
+  pgbench_ceiling "new-$clients" bench/pgbench/create_ride.sql "$clients"
+  if [ "$clients" = 32 ]; then
+    # Evidence, not a ceiling: the same script with the staged_jobs NOTIFY trigger disabled
+    # (scratch database only; re-enabled before the service runs).
+    psql_db -c "ALTER TABLE staged_jobs DISABLE TRIGGER staged_jobs_notify" >/dev/null
+    pgbench_ceiling new-32-without-notify-trigger bench/pgbench/create_ride.sql 32
+    psql_db -c "ALTER TABLE staged_jobs ENABLE TRIGGER staged_jobs_notify" >/dev/null
+  fi
+  perf_pid=
+  if [ "$clients" = 32 ] && [ "${PERF:-0}" = 1 ] && command -v perf >/dev/null; then
+    # CPU profile of the api-server (software clock: this VM has no hardware counters).
+    (sleep 2; timeout $((DURATION + 30)) perf record -q -e cpu-clock -F 499 -g -p "${PIDS[api-server]}" \
+      -o "$OUT/perf-api-server-new-32.data" -- sleep $((DURATION - 2)) >/dev/null 2>&1) &
+    perf_pid=$!
+  fi
+  loadgen "new-$clients" --clients "$clients" --duration-secs "$DURATION"
+  if [ -n "$perf_pid" ]; then
+    wait "$perf_pid" || true
+    perf report -i "$OUT/perf-api-server-new-32.data" --stdio --no-children --sort dso,sym 2>/dev/null |
+      grep -v '^$' | head -150 >"$OUT/perf-api-server-new-32.txt" || true
+    perf report -i "$OUT/perf-api-server-new-32.data" --stdio --no-children --sort dso -g none 2>/dev/null |
+      grep '%' | head -20 >"$OUT/perf-api-server-new-32-dso.txt" || true
+  fi
+done
+
+# Replays of finished keys at 32 clients.
+if wants replay-32; then
+  pgbench_ceiling replay-32 bench/pgbench/replay_reads.sql 32
+  pgbench_ceiling replay-32-as-served bench/pgbench/replay_claim.sql 32
+  loadgen replay-32 --clients 32 --duration-secs "$DURATION" --replay-ratio 1 --seed-keys-per-client 50
+fi
+
+# Provider latency 250 ms, 500 clients, pool 16. The database sees at most 16 connections, so
+# its ceiling is pgbench at 16 clients; the scenario's ceiling is min(that, 500 / 0.25 s).
+if wants latency250-500; then
+  start_stack 250 16
+  pgbench_ceiling latency250-500 bench/pgbench/create_ride.sql 16
+  loadgen latency250-500 --clients 500 --duration-secs "$DURATION"
+  start_stack 0 16
+fi
+
+drain_record() { # scenario items seconds load note
+  printf '{"kind":"drain","scenario":"%s","items":%s,"seconds":%s,"load_avg":"%s","note":"%s"}\n' \
+    "$1" "$2" "$3" "$4" "$5" >>"$RESULTS"
+  log "$1: $2 items in $3 s (load $4) $5"
+}
+now() { date +%s.%N; }
+elapsed() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.3f", b - a }'; }
+count() { psql_db -At -c "$1"; }
+
+# Receipt worker rate: real rides' receipts, enqueued, then mailed to the mail sink.
+if wants receipts; then
+  if [ "$(count 'SELECT count(*) FROM staged_jobs')" -lt 2000 ]; then
+    [ -n "${PIDS[api-server]:-}" ] || start_stack 0 16
+    loadgen receipts-fill --clients 32 --duration-secs 10 --warmup-secs 0 --no-check >/dev/null
+    sed -i '/"scenario":"receipts-fill"/d' "$RESULTS"
+  fi
+  mkdir -p "$OUT/mail"
+  start mail-sink "$BIN/workers" mail-sink --listen "$SMTP_ADDR" --dir "$OUT/mail"
+  wait_for_port "$SMTP_ADDR" mail-sink
+  jobs=$(count 'SELECT count(*) FROM staged_jobs')
+  load=$(la); t0=$(now)
+  "$BIN/workers" enqueuer --once >"$OUT/logs/enqueuer-receipts.log" 2>&1
+  t1=$(now)
+  drain_record enqueuer-real-jobs "$jobs" "$(elapsed "$t0" "$t1")" "$load -> $(la)" "workers enqueuer --once, real receipt jobs"
+  load=$(la); t0=$(now)
+  start receipts "$BIN/workers" receipts
+  deadline=$((SECONDS + 600)); sent=0
+  while [ $SECONDS -lt $deadline ]; do
+    sent=$(count 'SELECT count(*) FROM sent_receipts')
+    [ "$sent" -lt "$jobs" ] || break
+    sleep 0.2
+  done
+  t1=$(now)
+  stop receipts
+  drain_record receipts "$sent" "$(elapsed "$t0" "$t1")" "$load -> $(la)" "workers receipts (RECEIPTS_PREFETCH default 16) -> mail sink; $(ls "$OUT/mail" | wc -l) .eml files"
+  stop mail-sink
+fi
+
+# Enqueuer drain: ENQUEUER_JOBS synthetic receipt jobs, published with confirms and deleted.
+if wants enqueuer; then
+  psql_db -c "DELETE FROM staged_jobs" >/dev/null
+  psql_db -c "INSERT INTO staged_jobs (job_name, job_args, trace_context)
+    SELECT 'send_ride_receipt', jsonb_build_object('ride_id', i, 'user_id', 1, 'amount', 2000, 'currency', 'usd',
+           'charge_id', 'pi_bench_' || i, 'created_at', '2026-11-21T09:37:44.892483Z'), '{}'
+    FROM generate_series(1, $ENQUEUER_JOBS) AS i" >/dev/null
+  psql_db -c "VACUUM ANALYZE staged_jobs" >/dev/null
+  load=$(la); t0=$(now); passes=0
+  while [ "$(count 'SELECT count(*) FROM staged_jobs')" -gt 0 ] && [ $passes -lt 20 ]; do
+    AMQP_TOPOLOGY_PREFIX="$AMQP_TOPOLOGY_PREFIX-enq" "$BIN/workers" enqueuer --once >>"$OUT/logs/enqueuer.log" 2>&1
+    passes=$((passes + 1))
+  done
+  t1=$(now)
+  left=$(count 'SELECT count(*) FROM staged_jobs')
+  drain_record enqueuer $((ENQUEUER_JOBS - left)) "$(elapsed "$t0" "$t1")" "$load -> $(la)" \
+    "ENQUEUER_BATCH_SIZE=${ENQUEUER_BATCH_SIZE:-1000}, $passes x workers enqueuer --once, $left left"
+fi
+
+{
+  echo "# bench/run.sh $RUN_ID ($(nproc) cores; other work on the machine shows in the load averages)"
+  echo
+  "$BIN/bench-report" table "$RESULTS"
+} | tee "$OUT/table.md"
+log "table: $OUT/table.md; raw: $RESULTS; logs: $OUT/logs"

@@ -1,0 +1,808 @@
+//! `loadgen`: N concurrent gRPC clients calling `rides.v1.RideService/CreateRide`.
+//!
+//! Each logical request uses a fresh idempotency key, or (with `--replay-ratio`) the key of a
+//! request this client already finished, with the same parameters. Retryable answers (ABORTED,
+//! UNAVAILABLE) are retried with the same key, with exponential backoff and full jitter. The
+//! latency of a logical request runs from its first attempt to its final answer.
+//!
+//! While the load runs it samples the scratch database's `pg_stat_activity` (what the server's
+//! connections wait on), the api-server's VmRSS, and the CPU time of the processes involved. At
+//! the end it checks the database (rides, charged rides, finished keys, staged jobs) and the
+//! provider's ledger (`GET /v1/payment_intents?customer=…`) against the number of keys that
+//! succeeded, and prints PASS or FAIL. Users are created through `api_server::auth::create_user`
+//! with the payment method `pm_card_visa`.
+
+use std::{
+    collections::{BTreeMap, HashMap},
+    path::PathBuf,
+    sync::{
+        Arc,
+        atomic::{AtomicBool, AtomicU64, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context, bail};
+use bench::latency::Latencies;
+use clap::Parser;
+use diesel::{
+    QueryableByName,
+    sql_types::{Array, BigInt, Text},
+};
+use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
+use proto::v1::{CreateRideRequest, ride_service_client::RideServiceClient};
+use rand::Rng;
+use serde_json::json;
+use tonic::{Code, metadata::MetadataValue, transport::Channel};
+use tonic_types::StatusExt;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "loadgen",
+    about = "CreateRide load generator for the Rocket Rides api-server"
+)]
+struct Args {
+    /// The api-server's gRPC endpoint.
+    #[arg(long, default_value = "http://127.0.0.1:50151")]
+    target: String,
+    /// The api-server's database (users are created here; the check reads it).
+    #[arg(long, env = "DATABASE_URL")]
+    database_url: String,
+    /// fake-stripe's base URL, for the ledger check.
+    #[arg(long, default_value = "http://127.0.0.1:12211")]
+    stripe_base: String,
+    #[arg(long, default_value = "sk_test_rocket_rides_development")]
+    stripe_key: String,
+    /// Concurrent clients (each one request at a time).
+    #[arg(long, default_value_t = 8)]
+    clients: u32,
+    /// Measured duration; ignored when --requests is given. Default 10 s.
+    #[arg(long)]
+    duration_secs: Option<f64>,
+    /// Total logical requests instead of a duration.
+    #[arg(long)]
+    requests: Option<u64>,
+    /// Requests at the start whose latency and rate are not counted (still checked).
+    #[arg(long, default_value_t = 1.0)]
+    warmup_secs: f64,
+    /// Fraction of requests that replay a key this client already finished.
+    #[arg(long, default_value_t = 0.0)]
+    replay_ratio: f64,
+    /// Keys each client finishes before the measurement, as replay material.
+    #[arg(long, default_value_t = 0)]
+    seed_keys_per_client: u32,
+    /// Users to create (clients share them round-robin). Default: one per client.
+    #[arg(long)]
+    users: Option<u32>,
+    /// HTTP/2 connections to the server (clients share them round-robin). Default: one per 50
+    /// clients, so that the server's concurrent-stream limit never throttles the clients.
+    #[arg(long)]
+    connections: Option<u32>,
+    /// Attempts per logical request before it counts as failed.
+    #[arg(long, default_value_t = 12)]
+    max_attempts: u32,
+    /// Deadline of one attempt.
+    #[arg(long, default_value_t = 60)]
+    request_timeout_secs: u64,
+    /// Scenario name, for the report.
+    #[arg(long, default_value = "adhoc")]
+    scenario: String,
+    /// The provider latency fake-stripe was started with (only recorded, for the ceiling).
+    #[arg(long, default_value_t = 0)]
+    provider_latency_ms: u64,
+    /// The api-server's pid: its VmRSS is sampled and its CPU time measured.
+    #[arg(long)]
+    server_pid: Option<u32>,
+    /// More processes whose CPU time is measured, as NAME=PID (e.g. fake-stripe=1234).
+    #[arg(long)]
+    cpu_pid: Vec<String>,
+    /// Append the JSON summary as one line to this file.
+    #[arg(long)]
+    json_out: Option<PathBuf>,
+    /// Skip the database and ledger check.
+    #[arg(long)]
+    no_check: bool,
+}
+
+const PARAMS: CreateRideRequest = CreateRideRequest {
+    origin_lat: Some(37.7749),
+    origin_lon: Some(-122.4194),
+    target_lat: Some(37.3382),
+    target_lon: Some(-121.8863),
+};
+
+struct BenchUser {
+    id: i64,
+    token: String,
+    customer: String,
+}
+
+/// What one client saw.
+#[derive(Default)]
+struct ClientStats {
+    latencies: Latencies,
+    /// Every attempt's answer, by `CODE/REASON`.
+    attempts: BTreeMap<String, u64>,
+    /// Measured window: logical requests finished, and those that succeeded.
+    measured_done: u64,
+    measured_ok: u64,
+    /// New keys that ended in success (whole run, warm-up and seeding included).
+    new_keys_ok: u64,
+    /// New keys that ended in anything else after all retries.
+    new_keys_failed: u64,
+    replays_ok: u64,
+    /// Replays of a finished key that did not come back as `idempotent-replayed: true`.
+    replays_not_marked: u64,
+    replays_failed: u64,
+    aborted: u64,
+}
+
+struct Shared {
+    run_id: String,
+    retry_codes: [Code; 2],
+    timeout: Duration,
+    max_attempts: u32,
+    replay_ratio: f64,
+    measure_from: Instant,
+    deadline: Option<Instant>,
+    remaining: Option<AtomicU64>,
+}
+
+enum Final {
+    Ok { replayed: bool },
+    Err,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    if args.clients == 0 {
+        bail!("--clients must be at least 1");
+    }
+    if !(0.0..=1.0).contains(&args.replay_ratio) {
+        bail!("--replay-ratio must be within 0..=1");
+    }
+    let run_id = format!("{:08x}", rand::rng().random::<u32>());
+    let started_at_load = load_average();
+
+    let pool = schema::build_pool(&args.database_url, 4, Duration::from_secs(30));
+    let user_count = args.users.unwrap_or(args.clients).max(1);
+    let mut users = Vec::new();
+    for i in 0..user_count {
+        let customer = format!("cus_bench_{run_id}_{i}");
+        let (user, token) = api_server::auth::create_user(
+            &pool,
+            &format!("bench-{run_id}-{i}@bench.rocketrides.test"),
+            &customer,
+            "pm_card_visa",
+        )
+        .await
+        .with_context(|| format!("cannot create bench user {i}"))?;
+        users.push(Arc::new(BenchUser {
+            id: user.id,
+            token,
+            customer,
+        }));
+    }
+
+    let connections = args
+        .connections
+        .unwrap_or_else(|| args.clients.div_ceil(50))
+        .max(1);
+    let mut channels = Vec::new();
+    for _ in 0..connections {
+        let channel = Channel::from_shared(args.target.clone())?
+            .connect()
+            .await
+            .with_context(|| format!("cannot connect to {}", args.target))?;
+        channels.push(channel);
+    }
+
+    // Seeding: finished keys to replay, made before the clock starts.
+    let seed_shared = Arc::new(Shared {
+        run_id: run_id.clone(),
+        retry_codes: [Code::Aborted, Code::Unavailable],
+        timeout: Duration::from_secs(args.request_timeout_secs),
+        max_attempts: args.max_attempts,
+        replay_ratio: 0.0,
+        measure_from: Instant::now() + Duration::from_secs(86_400),
+        deadline: None,
+        remaining: None,
+    });
+    let mut seeded: Vec<(ClientStats, Vec<String>)> = Vec::new();
+    if args.seed_keys_per_client > 0 {
+        let mut tasks = Vec::new();
+        for client in 0..args.clients {
+            let shared = Arc::clone(&seed_shared);
+            let user = Arc::clone(&users[client as usize % users.len()]);
+            let rpc = RideServiceClient::new(channels[client as usize % channels.len()].clone());
+            let seeds = args.seed_keys_per_client;
+            tasks.push(tokio::spawn(async move {
+                let mut stats = ClientStats::default();
+                let mut finished = Vec::new();
+                for n in 0..seeds {
+                    let key = format!("bench-{}-seed-{client:05}-{n:09}", shared.run_id);
+                    if let Final::Ok { .. } =
+                        request(&shared, &rpc, &user, &key, &mut stats, false).await
+                    {
+                        finished.push(key);
+                    }
+                }
+                (stats, finished)
+            }));
+        }
+        for task in tasks {
+            seeded.push(task.await?);
+        }
+        eprintln!(
+            "seeded {} finished keys",
+            seeded.iter().map(|(_, keys)| keys.len()).sum::<usize>()
+        );
+    }
+
+    // Samplers: wait events, RSS, CPU.
+    let stop = Arc::new(AtomicBool::new(false));
+    let waits = tokio::spawn(sample_wait_events(
+        args.database_url.clone(),
+        Arc::clone(&stop),
+    ));
+    let rss = args
+        .server_pid
+        .map(|pid| tokio::spawn(sample_rss(pid, Arc::clone(&stop))));
+    let mut cpu_groups: Vec<(String, Vec<u32>)> =
+        vec![("loadgen".to_owned(), vec![std::process::id()])];
+    if let Some(pid) = args.server_pid {
+        cpu_groups.push(("api-server".to_owned(), vec![pid]));
+    }
+    for spec in &args.cpu_pid {
+        let (name, pid) = spec.split_once('=').context("--cpu-pid takes NAME=PID")?;
+        cpu_groups.push((name.to_owned(), vec![pid.parse()?]));
+    }
+    let backends = database_backends(&args.database_url)
+        .await
+        .unwrap_or_default();
+    cpu_groups.push(("postgres (this db's backends)".to_owned(), backends));
+    cpu_groups.push((
+        "postgres (all processes)".to_owned(),
+        pids_named("postgres"),
+    ));
+    let cpu_before: Vec<u64> = cpu_groups.iter().map(|(_, pids)| cpu_ticks(pids)).collect();
+    let machine_before = machine_ticks();
+
+    // The measured run.
+    let started = Instant::now();
+    let measure_from = started + Duration::from_secs_f64(args.warmup_secs.max(0.0));
+    let deadline = match args.requests {
+        Some(_) => None,
+        None => Some(measure_from + Duration::from_secs_f64(args.duration_secs.unwrap_or(10.0))),
+    };
+    let shared = Arc::new(Shared {
+        run_id: run_id.clone(),
+        retry_codes: [Code::Aborted, Code::Unavailable],
+        timeout: Duration::from_secs(args.request_timeout_secs),
+        max_attempts: args.max_attempts,
+        replay_ratio: args.replay_ratio,
+        measure_from,
+        deadline,
+        remaining: args.requests.map(AtomicU64::new),
+    });
+    let mut seeded = seeded.into_iter();
+    let mut tasks = Vec::new();
+    for client in 0..args.clients {
+        let shared = Arc::clone(&shared);
+        let user = Arc::clone(&users[client as usize % users.len()]);
+        let rpc = RideServiceClient::new(channels[client as usize % channels.len()].clone());
+        let (seed_stats, finished) = seeded.next().unwrap_or_default();
+        tasks.push(tokio::spawn(async move {
+            let mut stats = ClientStats::default();
+            let mut finished = finished;
+            let mut n: u64 = 0;
+            loop {
+                if let Some(deadline) = shared.deadline
+                    && Instant::now() >= deadline
+                {
+                    break;
+                }
+                if let Some(remaining) = &shared.remaining
+                    && remaining
+                        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |r| r.checked_sub(1))
+                        .is_err()
+                {
+                    break;
+                }
+                let replay = !finished.is_empty()
+                    && shared.replay_ratio > 0.0
+                    && rand::rng().random::<f64>() < shared.replay_ratio;
+                let key = if replay {
+                    finished[rand::rng().random_range(0..finished.len())].clone()
+                } else {
+                    n += 1;
+                    format!("bench-{}-c{client:05}-{n:012}", shared.run_id)
+                };
+                let outcome = request(&shared, &rpc, &user, &key, &mut stats, replay).await;
+                if !replay
+                    && shared.replay_ratio > 0.0
+                    && matches!(outcome, Final::Ok { .. })
+                    && finished.len() < 100_000
+                {
+                    finished.push(key);
+                }
+            }
+            (seed_stats, stats)
+        }));
+    }
+    let mut total = ClientStats::default();
+    for task in tasks {
+        let (seed_stats, stats) = task.await?;
+        total.absorb(seed_stats);
+        total.absorb(stats);
+    }
+    let elapsed = Instant::now().saturating_duration_since(measure_from.min(Instant::now()));
+    stop.store(true, Ordering::SeqCst);
+    let cpu_after: Vec<u64> = cpu_groups.iter().map(|(_, pids)| cpu_ticks(pids)).collect();
+    let machine_after = machine_ticks();
+    let wait_samples = waits.await?.unwrap_or_else(|error| {
+        eprintln!("wait-event sampling failed: {error:#}");
+        (0, BTreeMap::new())
+    });
+    let rss = match rss {
+        Some(task) => Some(task.await?),
+        None => None,
+    };
+    let ended_at_load = load_average();
+
+    // Report.
+    let secs = elapsed.as_secs_f64().max(1e-9);
+    let throughput = total.measured_ok as f64 / secs;
+    let p = total.latencies.percentiles();
+    let ticks_per_s = 100.0; // USER_HZ on Linux
+    let cpu: BTreeMap<String, f64> = cpu_groups
+        .iter()
+        .zip(cpu_before.iter().zip(&cpu_after))
+        .map(|((name, _), (before, after))| {
+            (
+                name.clone(),
+                after.saturating_sub(*before) as f64 / ticks_per_s / secs,
+            )
+        })
+        .collect();
+    let machine_busy = match (machine_before, machine_after) {
+        (Some((busy0, all0)), Some((busy1, all1))) if all1 > all0 => {
+            Some((busy1 - busy0) as f64 / (all1 - all0) as f64)
+        }
+        _ => None,
+    };
+    let (samples, waits) = wait_samples;
+    let waits_avg: BTreeMap<String, f64> = waits
+        .iter()
+        .map(|(k, v)| (k.clone(), *v as f64 / samples.max(1) as f64))
+        .collect();
+
+    println!(
+        "scenario {}  clients {}  users {}  connections {}",
+        args.scenario,
+        args.clients,
+        users.len(),
+        connections
+    );
+    println!(
+        "measured {:.2} s: {} requests, {} succeeded -> {:.1} CreateRide/s",
+        secs, total.measured_done, total.measured_ok, throughput
+    );
+    println!(
+        "latency ms: p50 {:.2}  p90 {:.2}  p99 {:.2}  max {:.2}  mean {:.2}",
+        p.p50_ms, p.p90_ms, p.p99_ms, p.max_ms, p.mean_ms
+    );
+    println!("attempt outcomes (code/reason):");
+    for (outcome, count) in &total.attempts {
+        println!("  {outcome:<55} {count}");
+    }
+    println!(
+        "keys: new ok {}  new failed {}  replays ok {}  replays not marked replayed {}  replays failed {}",
+        total.new_keys_ok,
+        total.new_keys_failed,
+        total.replays_ok,
+        total.replays_not_marked,
+        total.replays_failed
+    );
+    println!("CPU (cores busy on average over the run; 2 cores total):");
+    for (name, cores) in &cpu {
+        println!("  {name:<32} {cores:.2}");
+    }
+    if let Some(busy) = machine_busy {
+        println!("  machine total busy fraction     {busy:.2}");
+    }
+    println!(
+        "pg_stat_activity of this database, non-idle backends per sample ({samples} samples):"
+    );
+    let mut sorted: Vec<_> = waits_avg.iter().collect();
+    sorted.sort_by(|a, b| b.1.total_cmp(a.1));
+    for (what, avg) in sorted.iter().take(12) {
+        println!("  {what:<55} {avg:.2}");
+    }
+    if let Some((peak, last)) = rss {
+        println!(
+            "api-server VmRSS: peak {:.1} MB, end {:.1} MB",
+            peak as f64 / 1024.0,
+            last as f64 / 1024.0
+        );
+    }
+    println!("load average: start {started_at_load}, end {ended_at_load}");
+
+    let check = if args.no_check {
+        None
+    } else {
+        Some(check(&args, &users, &total).await?)
+    };
+    let check_pass = check.as_ref().map(|c| c.0);
+
+    let summary = json!({
+        "kind": "loadgen",
+        "scenario": args.scenario,
+        "clients": args.clients,
+        "users": users.len(),
+        "connections": connections,
+        "replay_ratio": args.replay_ratio,
+        "provider_latency_ms": args.provider_latency_ms,
+        "seconds": secs,
+        "requests": total.measured_done,
+        "successes": total.measured_ok,
+        "throughput": throughput,
+        "p50_ms": p.p50_ms, "p90_ms": p.p90_ms, "p99_ms": p.p99_ms, "max_ms": p.max_ms, "mean_ms": p.mean_ms,
+        "attempts": total.attempts,
+        "conflicts_surfaced": total.aborted,
+        "failed": total.new_keys_failed + total.replays_failed,
+        "new_keys_ok": total.new_keys_ok,
+        "replays_ok": total.replays_ok,
+        "replays_not_marked": total.replays_not_marked,
+        "check_pass": check_pass,
+        "check": check.map(|c| c.1),
+        "cpu_cores": cpu,
+        "machine_busy": machine_busy,
+        "pg_waits_avg_backends": waits_avg,
+        "server_rss_peak_kb": rss.map(|r| r.0),
+        "server_rss_end_kb": rss.map(|r| r.1),
+        "load_avg": format!("{started_at_load} -> {ended_at_load}"),
+    });
+    if let Some(path) = &args.json_out {
+        use std::io::Write;
+        let mut file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+            .with_context(|| format!("cannot open {}", path.display()))?;
+        writeln!(file, "{summary}")?;
+    }
+    if check_pass == Some(false) {
+        std::process::exit(2);
+    }
+    Ok(())
+}
+
+impl ClientStats {
+    fn absorb(&mut self, other: ClientStats) {
+        self.latencies.merge(&other.latencies);
+        for (k, v) in other.attempts {
+            *self.attempts.entry(k).or_default() += v;
+        }
+        self.measured_done += other.measured_done;
+        self.measured_ok += other.measured_ok;
+        self.new_keys_ok += other.new_keys_ok;
+        self.new_keys_failed += other.new_keys_failed;
+        self.replays_ok += other.replays_ok;
+        self.replays_not_marked += other.replays_not_marked;
+        self.replays_failed += other.replays_failed;
+        self.aborted += other.aborted;
+    }
+}
+
+/// One logical request: attempts with the same key until a final answer.
+async fn request(
+    shared: &Shared,
+    rpc: &RideServiceClient<Channel>,
+    user: &BenchUser,
+    key: &str,
+    stats: &mut ClientStats,
+    replay: bool,
+) -> Final {
+    let started = Instant::now();
+    let mut attempt = 0;
+    let outcome = loop {
+        attempt += 1;
+        let mut call = tonic::Request::new(PARAMS);
+        call.set_timeout(shared.timeout);
+        let (Ok(auth), Ok(key_value)) = (
+            MetadataValue::try_from(format!("Bearer {}", user.token)),
+            MetadataValue::try_from(key),
+        ) else {
+            *stats
+                .attempts
+                .entry("CLIENT/BAD_METADATA".to_owned())
+                .or_default() += 1;
+            break Final::Err;
+        };
+        call.metadata_mut().insert("authorization", auth);
+        call.metadata_mut().insert("idempotency-key", key_value);
+        let mut rpc = rpc.clone();
+        match rpc.create_ride(call).await {
+            Ok(response) => {
+                let replayed = response
+                    .metadata()
+                    .get("idempotent-replayed")
+                    .is_some_and(|v| v.as_bytes() == b"true");
+                let label = if replayed { "OK (replayed)" } else { "OK" };
+                *stats.attempts.entry(label.to_owned()).or_default() += 1;
+                break Final::Ok { replayed };
+            }
+            Err(status) => {
+                let reason = status
+                    .get_error_details()
+                    .error_info()
+                    .map_or_else(|| "-".to_owned(), |info| info.reason.clone());
+                *stats
+                    .attempts
+                    .entry(format!("{:?}/{reason}", status.code()))
+                    .or_default() += 1;
+                if status.code() == Code::Aborted {
+                    stats.aborted += 1;
+                }
+                if !shared.retry_codes.contains(&status.code()) || attempt >= shared.max_attempts {
+                    break Final::Err;
+                }
+                // Exponential backoff with full jitter: 10 ms doubling, capped at 500 ms.
+                let ceiling = Duration::from_millis(10)
+                    .saturating_mul(1 << attempt.min(6))
+                    .min(Duration::from_millis(500));
+                let delay = rand::rng().random_range(Duration::ZERO..=ceiling);
+                tokio::time::sleep(delay).await;
+            }
+        }
+    };
+    let measured = started >= shared.measure_from;
+    if measured {
+        stats.latencies.record(started.elapsed());
+        stats.measured_done += 1;
+    }
+    match (&outcome, replay) {
+        (Final::Ok { .. }, false) => stats.new_keys_ok += 1,
+        (Final::Err, false) => stats.new_keys_failed += 1,
+        (Final::Ok { replayed }, true) => {
+            stats.replays_ok += 1;
+            if !replayed {
+                stats.replays_not_marked += 1;
+            }
+        }
+        (Final::Err, true) => stats.replays_failed += 1,
+    }
+    if measured && matches!(outcome, Final::Ok { .. }) {
+        stats.measured_ok += 1;
+    }
+    outcome
+}
+
+#[derive(QueryableByName)]
+struct Count {
+    #[diesel(sql_type = BigInt)]
+    n: i64,
+}
+
+#[derive(QueryableByName)]
+struct WaitRow {
+    #[diesel(sql_type = Text)]
+    what: String,
+    #[diesel(sql_type = BigInt)]
+    n: i64,
+}
+
+#[derive(QueryableByName)]
+struct PidRow {
+    #[diesel(sql_type = diesel::sql_types::Integer)]
+    pid: i32,
+}
+
+/// Every 100 ms: the backends of this database that are not idle, by state and wait event
+/// ("CPU" when not waiting). Returns the sample count and the summed counts.
+async fn sample_wait_events(
+    url: String,
+    stop: Arc<AtomicBool>,
+) -> anyhow::Result<(u64, BTreeMap<String, u64>)> {
+    let mut conn = AsyncPgConnection::establish(&url).await?;
+    let mut totals = BTreeMap::new();
+    let mut samples = 0;
+    while !AtomicBool::load(&stop, Ordering::SeqCst) {
+        let rows: Vec<WaitRow> = diesel::sql_query(
+            "SELECT state || ' / ' || coalesce(wait_event_type || ':' || wait_event, 'CPU') AS what, \
+                    count(*) AS n \
+             FROM pg_stat_activity \
+             WHERE datname = current_database() AND pid <> pg_backend_pid() \
+               AND backend_type = 'client backend' AND state <> 'idle' \
+             GROUP BY 1",
+        )
+        .load(&mut conn)
+        .await?;
+        for row in rows {
+            *totals.entry(row.what).or_insert(0) += u64::try_from(row.n).unwrap_or(0);
+        }
+        samples += 1;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    Ok((samples, totals))
+}
+
+async fn database_backends(url: &str) -> anyhow::Result<Vec<u32>> {
+    let mut conn = AsyncPgConnection::establish(url).await?;
+    let rows: Vec<PidRow> = diesel::sql_query(
+        "SELECT pid FROM pg_stat_activity WHERE datname = current_database() \
+         AND pid <> pg_backend_pid() AND backend_type = 'client backend'",
+    )
+    .load(&mut conn)
+    .await?;
+    Ok(rows
+        .into_iter()
+        .filter_map(|r| u32::try_from(r.pid).ok())
+        .collect())
+}
+
+/// Peak and last VmRSS of `pid`, in kB, sampled every 200 ms.
+async fn sample_rss(pid: u32, stop: Arc<AtomicBool>) -> (u64, u64) {
+    let (mut peak, mut last) = (0, 0);
+    while !AtomicBool::load(&stop, Ordering::SeqCst) {
+        if let Some(kb) = vm_rss_kb(pid) {
+            peak = peak.max(kb);
+            last = kb;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    (peak, last)
+}
+
+fn vm_rss_kb(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix("VmRSS:"))?
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()
+}
+
+/// utime + stime of the processes (all their threads), in clock ticks.
+fn cpu_ticks(pids: &[u32]) -> u64 {
+    pids.iter()
+        .filter_map(|pid| {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+            let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+            let utime: u64 = fields.get(11)?.parse().ok()?;
+            let stime: u64 = fields.get(12)?.parse().ok()?;
+            Some(utime + stime)
+        })
+        .sum()
+}
+
+fn pids_named(name: &str) -> Vec<u32> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .filter_map(|entry| {
+            let pid: u32 = entry.ok()?.file_name().to_str()?.parse().ok()?;
+            let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).ok()?;
+            (comm.trim() == name).then_some(pid)
+        })
+        .collect()
+}
+
+/// (busy, total) jiffies of the whole machine from /proc/stat.
+fn machine_ticks() -> Option<(u64, u64)> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let line = stat.lines().next()?.strip_prefix("cpu ")?;
+    let values: Vec<u64> = line
+        .split_whitespace()
+        .filter_map(|v| v.parse().ok())
+        .collect();
+    let total: u64 = values.iter().take(8).sum();
+    let idle = values.get(3)? + values.get(4)?;
+    Some((total - idle, total))
+}
+
+fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_default()
+}
+
+/// Rides, charged rides, finished keys, staged jobs and provider PaymentIntents of this run's
+/// users must each equal the number of keys that succeeded.
+async fn check(
+    args: &Args,
+    users: &[Arc<BenchUser>],
+    total: &ClientStats,
+) -> anyhow::Result<(bool, serde_json::Value)> {
+    let expected = i64::try_from(total.new_keys_ok)?;
+    let ids: Vec<i64> = users.iter().map(|u| u.id).collect();
+    let mut conn = AsyncPgConnection::establish(&args.database_url).await?;
+    let mut count = async |sql: &str| -> anyhow::Result<i64> {
+        let row: Count = diesel::sql_query(sql)
+            .bind::<Array<BigInt>, _>(&ids)
+            .get_result(&mut conn)
+            .await
+            .with_context(|| format!("check query failed: {sql}"))?;
+        Ok(row.n)
+    };
+    let rides = count("SELECT count(*) AS n FROM rides WHERE user_id = ANY($1)").await?;
+    let charged = count(
+        "SELECT count(*) AS n FROM rides WHERE user_id = ANY($1) AND stripe_charge_id IS NOT NULL",
+    )
+    .await?;
+    let finished = count(
+        "SELECT count(*) AS n FROM idempotency_keys WHERE user_id = ANY($1) AND recovery_point = 'finished'",
+    )
+    .await?;
+    let staged = count(
+        "SELECT count(*) AS n FROM staged_jobs WHERE (job_args->>'user_id')::bigint = ANY($1)",
+    )
+    .await?;
+    let ledger = ledger_count(args, users).await?;
+    let pass = [rides, charged, finished, staged, ledger]
+        .iter()
+        .all(|n| *n == expected);
+    println!(
+        "check: succeeded keys {expected}; rides {rides}, charged rides {charged}, finished keys {finished}, \
+         staged jobs {staged}, fake-stripe PaymentIntents {ledger} -> {}",
+        if pass { "PASS" } else { "FAIL" }
+    );
+    Ok((
+        pass,
+        json!({
+            "expected": expected, "rides": rides, "charged_rides": charged,
+            "finished_keys": finished, "staged_jobs": staged, "payment_intents": ledger,
+        }),
+    ))
+}
+
+/// PaymentIntents of this run's customers, paginated 100 at a time.
+async fn ledger_count(args: &Args, users: &[Arc<BenchUser>]) -> anyhow::Result<i64> {
+    let http = reqwest::Client::new();
+    let mut total = 0_i64;
+    for user in users {
+        let mut starting_after: Option<String> = None;
+        for _page in 0..100_000 {
+            let mut query: Vec<(&str, String)> = vec![
+                ("limit", "100".to_owned()),
+                ("customer", user.customer.clone()),
+            ];
+            if let Some(after) = &starting_after {
+                query.push(("starting_after", after.clone()));
+            }
+            let page: HashMap<String, serde_json::Value> = http
+                .get(format!("{}/v1/payment_intents", args.stripe_base))
+                .bearer_auth(&args.stripe_key)
+                .query(&query)
+                .send()
+                .await?
+                .error_for_status()?
+                .json()
+                .await?;
+            let data = page
+                .get("data")
+                .and_then(|d| d.as_array())
+                .context("payment_intents list without data")?;
+            total += i64::try_from(data.len())?;
+            let has_more = page
+                .get("has_more")
+                .and_then(serde_json::Value::as_bool)
+                .unwrap_or(false);
+            starting_after = data
+                .last()
+                .and_then(|pi| pi.get("id"))
+                .and_then(|id| id.as_str())
+                .map(str::to_owned);
+            if !has_more || starting_after.is_none() {
+                break;
+            }
+        }
+    }
+    Ok(total)
+}

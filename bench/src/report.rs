@@ -1,0 +1,353 @@
+//! The results table. `bench/run.sh` appends one JSON object per line to a results file:
+//! loadgen summaries (`"kind": "loadgen"`), pgbench ceilings (`"kind": "pgbench"`, with the same
+//! `scenario` name as the loadgen run they bound) and worker drain rates (`"kind": "drain"`).
+//! This module pairs them up, divides, and judges each ratio against its goal.
+
+use serde::Deserialize;
+
+use crate::ratio::{self, Goal, Verdict};
+
+#[derive(Clone, Debug, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Record {
+    Loadgen(LoadgenRecord),
+    Pgbench(PgbenchRecord),
+    Drain(DrainRecord),
+}
+
+#[derive(Clone, Debug, Deserialize)]
+pub struct LoadgenRecord {
+    pub scenario: String,
+    pub clients: u32,
+    /// Successful CreateRides per second in the measured window.
+    pub throughput: f64,
+    pub p50_ms: f64,
+    pub p99_ms: f64,
+    pub max_ms: f64,
+    /// ABORTED answers (conflicts, keys in use, lost locks) seen by clients, retried or not.
+    #[serde(default)]
+    pub conflicts_surfaced: u64,
+    /// Requests that ended without success after all retries.
+    #[serde(default)]
+    pub failed: u64,
+    #[serde(default)]
+    pub check_pass: Option<bool>,
+    #[serde(default)]
+    pub provider_latency_ms: u64,
+    #[serde(default)]
+    pub server_rss_peak_kb: Option<u64>,
+    #[serde(default)]
+    pub load_avg: String,
+}
+
+#[derive(Clone, Debug, Deserialize)]
+pub struct PgbenchRecord {
+    pub scenario: String,
+    pub script: String,
+    pub clients: u32,
+    pub tps: f64,
+    #[serde(default)]
+    pub load_avg: String,
+}
+
+#[derive(Clone, Debug, Deserialize)]
+pub struct DrainRecord {
+    pub scenario: String,
+    pub items: u64,
+    pub seconds: f64,
+    #[serde(default)]
+    pub load_avg: String,
+    #[serde(default)]
+    pub note: String,
+}
+
+/// The goal of a scenario as a ratio to its ceiling, and the latency bound if any.
+pub struct ScenarioGoal {
+    pub ratio: Goal,
+    pub p99_ms: Option<Goal>,
+    pub no_conflicts: bool,
+}
+
+/// Goals from the issue, keyed by the scenario names `bench/run.sh` uses.
+pub fn goal_for(scenario: &str) -> Option<ScenarioGoal> {
+    match scenario {
+        "new-32" => Some(ScenarioGoal {
+            ratio: Goal::AtLeast(0.8),
+            p99_ms: Some(Goal::AtMost(100.0)),
+            no_conflicts: true,
+        }),
+        "new-64" => Some(ScenarioGoal {
+            ratio: Goal::AtLeast(0.75),
+            p99_ms: None,
+            no_conflicts: false,
+        }),
+        "replay-32" => Some(ScenarioGoal {
+            ratio: Goal::AtLeast(0.6),
+            p99_ms: None,
+            no_conflicts: false,
+        }),
+        "latency250-500" => Some(ScenarioGoal {
+            ratio: Goal::AtLeast(0.8),
+            p99_ms: None,
+            no_conflicts: false,
+        }),
+        _ => None,
+    }
+}
+
+/// Absolute goals for the drains and memory.
+pub const ENQUEUER_GOAL_PER_S: f64 = 5000.0;
+pub const RSS_GOAL_MB: f64 = 100.0;
+
+pub fn parse_records(text: &str) -> Result<Vec<Record>, serde_json::Error> {
+    text.lines()
+        .filter(|line| !line.trim().is_empty())
+        .map(serde_json::from_str)
+        .collect()
+}
+
+fn fmt_opt(value: Option<f64>, precision: usize) -> String {
+    value.map_or_else(|| "-".to_owned(), |v| format!("{v:.precision$}"))
+}
+
+/// One row of the table, already judged.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Row {
+    pub scenario: String,
+    pub clients: String,
+    pub rate: f64,
+    pub ceiling: Option<f64>,
+    pub ratio: Option<f64>,
+    pub goal: String,
+    pub verdict: Verdict,
+    pub latency: String,
+    pub check: String,
+    pub load_avg: String,
+}
+
+pub fn rows(records: &[Record]) -> Vec<Row> {
+    let mut rows = Vec::new();
+    for record in records {
+        match record {
+            Record::Loadgen(run) => rows.push(loadgen_row(run, records)),
+            Record::Drain(drain) => {
+                let rate = if drain.seconds > 0.0 {
+                    drain.items as f64 / drain.seconds
+                } else {
+                    0.0
+                };
+                let (goal, verdict) = if drain.scenario == "enqueuer" {
+                    (
+                        format!(">= {ENQUEUER_GOAL_PER_S} jobs/s"),
+                        Goal::AtLeast(ENQUEUER_GOAL_PER_S).judge(Some(rate)),
+                    )
+                } else {
+                    ("-".to_owned(), Verdict::Unknown)
+                };
+                rows.push(Row {
+                    scenario: drain.scenario.clone(),
+                    clients: "-".to_owned(),
+                    rate,
+                    ceiling: None,
+                    ratio: None,
+                    goal,
+                    verdict,
+                    latency: format!("{} items in {:.2} s", drain.items, drain.seconds),
+                    check: drain.note.clone(),
+                    load_avg: drain.load_avg.clone(),
+                });
+            }
+            Record::Pgbench(_) => {}
+        }
+    }
+    rows
+}
+
+fn loadgen_row(run: &LoadgenRecord, records: &[Record]) -> Row {
+    let pgbench = records.iter().find_map(|record| match record {
+        Record::Pgbench(pg) if pg.scenario == run.scenario => Some(pg),
+        _ => None,
+    });
+    let ceiling = pgbench.map(|pg| {
+        ratio::latency_bound_ceiling(pg.tps, run.clients, run.provider_latency_ms as f64 / 1000.0)
+    });
+    let measured_ratio = ceiling.and_then(|ceiling| ratio::ratio(run.throughput, ceiling));
+    let (goal, verdict) = match goal_for(&run.scenario) {
+        None => ("-".to_owned(), Verdict::Unknown),
+        Some(goal) => {
+            let mut text = format!("ratio {}", goal.ratio.describe());
+            let mut verdicts = vec![goal.ratio.judge(measured_ratio)];
+            if let Some(p99) = goal.p99_ms {
+                text.push_str(&format!(", p99 {} ms", p99.describe()));
+                verdicts.push(p99.judge(Some(run.p99_ms)));
+            }
+            if goal.no_conflicts {
+                text.push_str(", 0 conflicts");
+                verdicts.push(Goal::AtMost(0.0).judge(Some(run.conflicts_surfaced as f64)));
+            }
+            (text, ratio::all(&verdicts))
+        }
+    };
+    let mut check = match run.check_pass {
+        Some(true) => "PASS".to_owned(),
+        Some(false) => "FAIL".to_owned(),
+        None => "-".to_owned(),
+    };
+    if run.conflicts_surfaced > 0 || run.failed > 0 {
+        check.push_str(&format!(
+            " (aborted {}, failed {})",
+            run.conflicts_surfaced, run.failed
+        ));
+    }
+    if let Some(kb) = run.server_rss_peak_kb {
+        check.push_str(&format!(", rss {:.1} MB", kb as f64 / 1024.0));
+    }
+    Row {
+        scenario: run.scenario.clone(),
+        clients: run.clients.to_string(),
+        rate: run.throughput,
+        ceiling,
+        ratio: measured_ratio,
+        goal,
+        verdict,
+        latency: format!(
+            "p50 {:.1} / p99 {:.1} / max {:.1} ms",
+            run.p50_ms, run.p99_ms, run.max_ms
+        ),
+        check,
+        load_avg: run.load_avg.clone(),
+    }
+}
+
+/// The memory goal, judged from the loadgen run that sampled the server's RSS.
+pub fn rss_rows(records: &[Record]) -> Vec<(String, f64, Verdict)> {
+    records
+        .iter()
+        .filter_map(|record| match record {
+            Record::Loadgen(run) => run.server_rss_peak_kb.map(|kb| {
+                let mb = kb as f64 / 1024.0;
+                (
+                    run.scenario.clone(),
+                    mb,
+                    Goal::Below(RSS_GOAL_MB).judge(Some(mb)),
+                )
+            }),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The Markdown table: service rate, ceiling, ratio, goal, verdict, latency, check, load.
+pub fn render(records: &[Record]) -> String {
+    let mut out = String::new();
+    out.push_str(
+        "| scenario | clients | rate /s | ceiling /s | ratio | goal | verdict | latency | check | load avg (1/5/15) |\n",
+    );
+    out.push_str("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
+    for row in rows(records) {
+        out.push_str(&format!(
+            "| {} | {} | {:.1} | {} | {} | {} | {} | {} | {} | {} |\n",
+            row.scenario,
+            row.clients,
+            row.rate,
+            fmt_opt(row.ceiling, 1),
+            fmt_opt(row.ratio, 2),
+            row.goal,
+            row.verdict.as_str(),
+            row.latency,
+            row.check,
+            row.load_avg,
+        ));
+    }
+    let ceilings: Vec<&PgbenchRecord> = records
+        .iter()
+        .filter_map(|record| match record {
+            Record::Pgbench(pg) => Some(pg),
+            _ => None,
+        })
+        .collect();
+    if !ceilings.is_empty() {
+        out.push_str("\npgbench ceilings (-M prepared, same PostgreSQL, scratch database):\n\n");
+        out.push_str("| for scenario | script | clients | tps | load avg (1/5/15) |\n");
+        out.push_str("| --- | --- | --- | --- | --- |\n");
+        for pg in ceilings {
+            out.push_str(&format!(
+                "| {} | {} | {} | {:.1} | {} |\n",
+                pg.scenario, pg.script, pg.clients, pg.tps, pg.load_avg
+            ));
+        }
+    }
+    for (scenario, mb, verdict) in rss_rows(records) {
+        out.push_str(&format!(
+            "\napi-server peak VmRSS during {scenario}: {mb:.1} MB (goal < {RSS_GOAL_MB} MB: {})\n",
+            verdict.as_str()
+        ));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const RESULTS: &str = r#"
+{"kind":"pgbench","scenario":"new-32","script":"create_ride.sql","clients":32,"tps":1000.0,"load_avg":"2.0"}
+{"kind":"loadgen","scenario":"new-32","clients":32,"throughput":850.0,"p50_ms":20.0,"p99_ms":90.0,"max_ms":150.0,"conflicts_surfaced":0,"failed":0,"check_pass":true,"load_avg":"2.1"}
+{"kind":"pgbench","scenario":"latency250-500","script":"create_ride.sql","clients":16,"tps":5000.0}
+{"kind":"loadgen","scenario":"latency250-500","clients":500,"throughput":1500.0,"p50_ms":260.0,"p99_ms":300.0,"max_ms":400.0,"provider_latency_ms":250,"server_rss_peak_kb":81920,"check_pass":false}
+{"kind":"drain","scenario":"enqueuer","items":100000,"seconds":25.0}
+"#;
+
+    #[test]
+    fn pairs_runs_with_their_ceilings_and_judges_the_goals() {
+        let records = parse_records(RESULTS).unwrap();
+        let rows = rows(&records);
+        assert_eq!(rows.len(), 3);
+
+        assert_eq!(rows[0].scenario, "new-32");
+        assert_eq!(rows[0].ceiling, Some(1000.0));
+        assert_eq!(rows[0].ratio, Some(0.85));
+        assert_eq!(rows[0].verdict, Verdict::Met);
+        assert_eq!(rows[0].check, "PASS");
+
+        // min(5000 tps, 500 clients / 0.25 s) = 2000; 1500 / 2000 = 0.75 < 0.8.
+        assert_eq!(rows[1].ceiling, Some(2000.0));
+        assert_eq!(rows[1].ratio, Some(0.75));
+        assert_eq!(rows[1].verdict, Verdict::Missed);
+        assert_eq!(rows[1].check, "FAIL, rss 80.0 MB");
+
+        // 100,000 jobs in 25 s = 4000/s, below 5000/s.
+        assert_eq!(rows[2].rate, 4000.0);
+        assert_eq!(rows[2].verdict, Verdict::Missed);
+
+        assert_eq!(
+            rss_rows(&records),
+            vec![("latency250-500".to_owned(), 80.0, Verdict::Met)]
+        );
+    }
+
+    #[test]
+    fn a_p99_or_a_conflict_over_the_bound_misses_the_goal_despite_the_ratio() {
+        let slow = RESULTS.replace(r#""p99_ms":90.0"#, r#""p99_ms":120.0"#);
+        assert_eq!(
+            rows(&parse_records(&slow).unwrap())[0].verdict,
+            Verdict::Missed
+        );
+        let aborted = RESULTS.replace(r#""conflicts_surfaced":0"#, r#""conflicts_surfaced":3"#);
+        let row = &rows(&parse_records(&aborted).unwrap())[0];
+        assert_eq!(row.verdict, Verdict::Missed);
+        assert_eq!(row.check, "PASS (aborted 3, failed 0)");
+    }
+
+    #[test]
+    fn a_run_without_a_ceiling_has_no_ratio() {
+        let records = parse_records(
+            r#"{"kind":"loadgen","scenario":"new-64","clients":64,"throughput":10.0,"p50_ms":1.0,"p99_ms":1.0,"max_ms":1.0}"#,
+        )
+        .unwrap();
+        let row = &rows(&records)[0];
+        assert_eq!(row.ratio, None);
+        assert_eq!(row.verdict, Verdict::Unknown);
+        assert!(render(&records).contains("| new-64 | 64 | 10.0 | - | - |"));
+    }
+}
