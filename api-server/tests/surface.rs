@@ -448,7 +448,9 @@ async fn oversized_messages_and_metadata_are_refused_and_write_nothing() {
     let status = grpc
         .unary::<_, proto::v1::CreateRideResponse, _>(
             authed(&user.token, Some(&new_key()), padded),
-            tonic::codegen::http::uri::PathAndQuery::from_static("/rides.v1.RideService/CreateRide"),
+            tonic::codegen::http::uri::PathAndQuery::from_static(
+                "/rides.v1.RideService/CreateRide",
+            ),
             tonic_prost::ProstCodec::default(),
         )
         .await
