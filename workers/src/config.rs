@@ -169,7 +169,7 @@ impl Config {
             receipt_delivery_limit: vars.positive("RECEIPTS_DELIVERY_LIMIT", 10)?,
             enqueuer: EnqueuerConfig {
                 batch_size: vars.positive("ENQUEUER_BATCH_SIZE", 1000)?,
-                idle_max: vars.millis("ENQUEUER_IDLE_MAX_MS", 5000)?,
+                idle_max: vars.millis("ENQUEUER_IDLE_MAX_MS", 250)?,
                 confirm_timeout: vars.millis("ENQUEUER_CONFIRM_TIMEOUT_MS", 30_000)?,
             },
             receipts: ReceiptsConfig {

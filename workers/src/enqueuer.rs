@@ -22,7 +22,6 @@ use std::time::Duration;
 
 use diesel::{ExpressionMethods, QueryDsl, SelectableHelper};
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
-use futures_util::StreamExt;
 use lapin::{
     BasicProperties, Channel, Confirmation,
     options::{BasicPublishOptions, ConfirmSelectOptions},
@@ -40,9 +39,6 @@ use crate::{
     shutdown,
     topology::{RECEIPT_ROUTING_KEY, Topology},
 };
-
-/// The PostgreSQL channel the `staged_jobs_notify` trigger notifies on commit.
-pub const NOTIFY_CHANNEL: &str = "staged_jobs";
 
 #[derive(Debug, thiserror::Error)]
 pub enum EnqueueError {
@@ -91,7 +87,6 @@ pub struct Enqueuer {
     topology: Topology,
     config: EnqueuerConfig,
     session: Option<AmqpSession>,
-    listen_url: Option<String>,
 }
 
 impl Enqueuer {
@@ -102,7 +97,6 @@ impl Enqueuer {
             topology,
             config,
             session: None,
-            listen_url: None,
         }
     }
 
@@ -131,13 +125,13 @@ impl Enqueuer {
     }
 
     /// Runs passes until `shutdown` is cancelled. A pass in progress is finished first, so a
-    /// batch is never cut between publishing and deleting. An idle enqueuer backs off up to
-    /// `idle_max` and wakes early when a job is committed (LISTEN/NOTIFY).
+    /// batch is never cut between publishing and deleting. An idle enqueuer polls, backing off up
+    /// to `idle_max`. (It does not LISTEN: a NOTIFY per staged job would serialise every
+    /// CreateRide's commit across the database; see the `drop_staged_jobs_notify` migration.)
     pub async fn run(mut self, shutdown_token: CancellationToken) -> EnqueueSummary {
         let mut total = EnqueueSummary::default();
         let mut idle = Backoff::new(Duration::from_millis(50), self.config.idle_max);
         let mut failing = Backoff::new(Duration::from_millis(200), Duration::from_secs(30));
-        let mut listener = Listener::new(self.listen_url.clone());
         while !shutdown_token.is_cancelled() {
             match self.run_once().await {
                 Ok(summary) => {
@@ -148,8 +142,7 @@ impl Enqueuer {
                         idle.reset();
                         continue;
                     }
-                    let delay = idle.next_delay();
-                    listener.wait(&shutdown_token, delay).await;
+                    shutdown::sleep(&shutdown_token, idle.next_delay()).await;
                 }
                 Err(error) => {
                     let delay = failing.next_delay();
@@ -167,13 +160,6 @@ impl Enqueuer {
             session.close().await;
         }
         total
-    }
-
-    /// Lets an idle loop wake on NOTIFY; needs its own connection, hence the URL (a pool
-    /// connection cannot be held for LISTEN).
-    pub fn with_listen_url(mut self, url: &str) -> Enqueuer {
-        self.listen_url = Some(url.to_owned());
-        self
     }
 
     async fn channel(&mut self) -> Result<Channel, EnqueueError> {
@@ -416,56 +402,6 @@ fn properties(job: &StagedJob, exchange: &str) -> BasicProperties {
         .with_message_id(job.id.to_string().into())
         .with_timestamp(u64::try_from(job.created_at.timestamp()).unwrap_or(0))
         .with_headers(headers)
-}
-
-/// Waits for a NOTIFY on [`NOTIFY_CHANNEL`] or for the delay, whichever comes first. Without a
-/// URL, or when LISTEN fails, it simply sleeps: polling is the safety net.
-struct Listener {
-    url: Option<String>,
-    conn: Option<AsyncPgConnection>,
-}
-
-impl Listener {
-    fn new(url: Option<String>) -> Listener {
-        Listener { url, conn: None }
-    }
-
-    async fn wait(&mut self, shutdown_token: &CancellationToken, delay: Duration) {
-        if self.conn.is_none()
-            && let Some(url) = &self.url
-        {
-            match AsyncPgConnection::establish(url).await {
-                Ok(mut conn) => {
-                    match diesel::sql_query(format!("LISTEN {NOTIFY_CHANNEL}"))
-                        .execute(&mut conn)
-                        .await
-                    {
-                        Ok(_) => self.conn = Some(conn),
-                        Err(error) => tracing::debug!(%error, "LISTEN failed; polling"),
-                    }
-                }
-                Err(error) => tracing::debug!(%error, "cannot connect for LISTEN; polling"),
-            }
-        }
-        let Some(conn) = self.conn.as_mut() else {
-            shutdown::sleep(shutdown_token, delay).await;
-            return;
-        };
-        let mut lost = false;
-        {
-            let mut notifications = std::pin::pin!(conn.notifications_stream());
-            tokio::select! {
-                () = shutdown_token.cancelled() => {}
-                () = tokio::time::sleep(delay) => {}
-                next = notifications.next() => {
-                    lost = !matches!(next, Some(Ok(_)));
-                }
-            }
-        }
-        if lost {
-            self.conn = None;
-        }
-    }
 }
 
 fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {

@@ -116,7 +116,6 @@ async fn run(cli: Cli, shutdown: tokio_util::sync::CancellationToken) -> anyhow:
             if once {
                 serde_json::to_value(enqueuer.run_once().await.context("enqueuer pass failed")?)?
             } else {
-                let enqueuer = enqueuer.with_listen_url(config.database_url.expose());
                 let total = enqueuer.run(shutdown).await;
                 tracing::info!(?total, "enqueuer stopped");
                 return Ok(());

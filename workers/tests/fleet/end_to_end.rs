@@ -11,7 +11,7 @@ async fn a_ride_is_receipted_exactly_once_end_to_end() {
     let broker = TestBroker::new().await;
     let sink = common::mail_sink().await;
     let shutdown = CancellationToken::new();
-    let enqueuer = common::enqueuer(&app.pool, &broker, 100).with_listen_url(app.db.url());
+    let enqueuer = common::enqueuer(&app.pool, &broker, 100);
     let enqueuing = tokio::spawn(enqueuer.run(shutdown.clone()));
     let worker = common::receipt_worker(&app.pool, &broker, &sink);
     let consuming = tokio::spawn({

@@ -275,7 +275,7 @@ async fn the_loop_drains_and_stops_on_shutdown() {
     let pool = db.pool(4);
     let broker = TestBroker::new().await;
     let shutdown = workers::CancellationToken::new();
-    let enqueuer = common::enqueuer(&pool, &broker, 100).with_listen_url(db.url());
+    let enqueuer = common::enqueuer(&pool, &broker, 100);
     let running = tokio::spawn(enqueuer.run(shutdown.clone()));
     let staged = common::stage_jobs(&pool, 150).await;
     assert_eq!(
