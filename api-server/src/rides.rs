@@ -216,9 +216,9 @@ impl From<StoreError> for CreateRideError {
             StoreError::LockLost => CreateRideError::LockLost,
             error @ StoreError::Contended { .. } => CreateRideError::Contended(error),
             error @ StoreError::Unavailable(_) => CreateRideError::DatabaseUnavailable(error),
-            error @ (StoreError::CorruptStoredResponse | StoreError::Database(_)) => {
-                CreateRideError::Internal(Box::new(error))
-            }
+            error @ (StoreError::CorruptStoredResponse
+            | StoreError::KeyVanished
+            | StoreError::Database(_)) => CreateRideError::Internal(Box::new(error)),
         }
     }
 }

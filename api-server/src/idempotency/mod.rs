@@ -95,6 +95,8 @@ pub enum StoreError {
     Unavailable(#[source] PoolError),
     #[error("the stored outcome of a finished key is unreadable")]
     CorruptStoredResponse,
+    #[error("the idempotency key kept disappearing while it was being claimed")]
+    KeyVanished,
     #[error("database error")]
     Database(#[from] DieselError),
 }
@@ -156,10 +158,9 @@ where
     }
 }
 
-/// Claims `key` for `user_id`: inserts it, or locks and inspects the existing row, in one
-/// READ COMMITTED transaction. `INSERT … ON CONFLICT DO NOTHING` waits for a concurrent inserter
-/// of the same key to finish, and the `SELECT … FOR UPDATE` that follows serialises the
-/// inspection with every other attempt on the key.
+/// Claims `key` for `user_id`: inserts it, or decides a replay or a mismatch from a plain read,
+/// or locks and inspects the existing row. Every decision is arbitrated by PostgreSQL: the unique
+/// index for a new key, the row lock for one that may need work.
 #[tracing::instrument(
     name = "claim",
     skip_all,
@@ -174,26 +175,82 @@ pub async fn claim(
     lock_timeout: Duration,
 ) -> Result<Claimed, StoreError> {
     let lock_timeout = chrono::Duration::from_std(lock_timeout).unwrap_or(chrono::Duration::MAX);
-    if let Some(decided) = decide_without_lock(pool, user_id, key, request).await? {
-        tracing::Span::current().record("rides.claim", decided.decision());
-        return Ok(decided);
-    }
-    loop {
-        let claimed = retry_transient(policy, || async {
+    // Each round pays only for what the key needs: a new key is one autocommit INSERT; a replay or
+    // a mismatch one plain read; only a key that may need work takes the row lock. A round ends
+    // without a decision only if the key was reaped between two steps, so a few rounds suffice.
+    for _ in 0..CLAIM_ROUNDS {
+        let inserted = retry_transient(policy, || async {
             let mut conn = pool.get().await.map_err(StoreError::Unavailable)?;
-            conn.build_transaction()
-                .read_committed()
-                .run(async |conn| claim_in(conn, user_id, key, request, lock_timeout).await)
-                .await
+            insert_new(&mut conn, user_id, key, request).await
         })
         .await?;
-        // None: the row we conflicted with was deleted (reaped) before we could lock it. The
-        // next round inserts it afresh.
-        if let Some(claimed) = claimed {
+        let decided = match inserted {
+            Some(claimed) => Some(claimed),
+            None => match decide_without_lock(pool, user_id, key, request).await? {
+                Some(claimed) => Some(claimed),
+                None => {
+                    retry_transient(policy, || async {
+                        let mut conn = pool.get().await.map_err(StoreError::Unavailable)?;
+                        conn.build_transaction()
+                            .read_committed()
+                            .run(async |conn| {
+                                lock_existing(conn, user_id, key, request, lock_timeout).await
+                            })
+                            .await
+                    })
+                    .await?
+                }
+            },
+        };
+        if let Some(claimed) = decided {
             tracing::Span::current().record("rides.claim", claimed.decision());
             return Ok(claimed);
         }
     }
+    Err(StoreError::KeyVanished)
+}
+
+/// How many insert/inspect rounds a claim makes before giving up on a key that keeps vanishing.
+const CLAIM_ROUNDS: usize = 5;
+
+/// Inserts the key, locked by a fresh token, unless it exists. One statement, so no explicit
+/// transaction: `ON CONFLICT DO NOTHING` waits for a concurrent inserter of the same key and then
+/// yields to it.
+async fn insert_new(
+    conn: &mut AsyncPgConnection,
+    user_id: i64,
+    key: &IdempotencyKey,
+    request: &RequestSignature,
+) -> Result<Option<Claimed>, StoreError> {
+    let token = Uuid::new_v4();
+    let inserted = diesel::insert_into(idempotency_keys::table)
+        .values((
+            NewIdempotencyKey {
+                idempotency_key: key.as_str(),
+                lock_token: token,
+                request_method: request.method,
+                request_path: request.path,
+                request_params: &request.params,
+                recovery_point: RecoveryPoint::Started,
+                user_id,
+            },
+            idempotency_keys::locked_at.eq(diesel::dsl::now),
+        ))
+        .on_conflict((idempotency_keys::user_id, idempotency_keys::idempotency_key))
+        .do_nothing()
+        .returning((idempotency_keys::id, idempotency_keys::created_at))
+        .get_result::<(i64, DateTime<Utc>)>(conn)
+        .await
+        .optional()?;
+    Ok(inserted.map(|(key_id, created_at)| Claimed {
+        claim: Claim::Execute(Lease {
+            key_id,
+            user_id,
+            token,
+            recovery_point: RecoveryPoint::Started,
+        }),
+        key_created_at: created_at,
+    }))
 }
 
 /// The read-only fast path of a claim. A finished key never changes again, and neither do the
@@ -251,7 +308,10 @@ impl Claimed {
     }
 }
 
-async fn claim_in(
+/// The locking inspection of an existing key, in one READ COMMITTED transaction: the
+/// `SELECT … FOR UPDATE` serialises it with every other attempt on the key. `None` if the key was
+/// deleted (reaped) since it was seen.
+async fn lock_existing(
     conn: &mut AsyncPgConnection,
     user_id: i64,
     key: &IdempotencyKey,
@@ -259,37 +319,6 @@ async fn claim_in(
     lock_timeout: chrono::Duration,
 ) -> Result<Option<Claimed>, StoreError> {
     let token = Uuid::new_v4();
-    let inserted = diesel::insert_into(idempotency_keys::table)
-        .values((
-            NewIdempotencyKey {
-                idempotency_key: key.as_str(),
-                lock_token: token,
-                request_method: request.method,
-                request_path: request.path,
-                request_params: &request.params,
-                recovery_point: RecoveryPoint::Started,
-                user_id,
-            },
-            idempotency_keys::locked_at.eq(diesel::dsl::now),
-        ))
-        .on_conflict((idempotency_keys::user_id, idempotency_keys::idempotency_key))
-        .do_nothing()
-        .returning((idempotency_keys::id, idempotency_keys::created_at))
-        .get_result::<(i64, DateTime<Utc>)>(conn)
-        .await
-        .optional()?;
-    if let Some((key_id, created_at)) = inserted {
-        return Ok(Some(Claimed {
-            claim: Claim::Execute(Lease {
-                key_id,
-                user_id,
-                token,
-                recovery_point: RecoveryPoint::Started,
-            }),
-            key_created_at: created_at,
-        }));
-    }
-
     let existing = idempotency_keys::table
         .filter(idempotency_keys::user_id.eq(user_id))
         .filter(idempotency_keys::idempotency_key.eq(key.as_str()))
