@@ -156,13 +156,6 @@ fi
 for clients in 1 8 32 64; do
   wants "new-$clients" || continue
   pgbench_ceiling "new-$clients" bench/pgbench/create_ride.sql "$clients"
-  if [ "$clients" = 32 ]; then
-    # Evidence, not a ceiling: the same script with the staged_jobs NOTIFY trigger disabled
-    # (scratch database only; re-enabled before the service runs).
-    psql_db -c "ALTER TABLE staged_jobs DISABLE TRIGGER staged_jobs_notify" >/dev/null
-    pgbench_ceiling new-32-without-notify-trigger bench/pgbench/create_ride.sql 32
-    psql_db -c "ALTER TABLE staged_jobs ENABLE TRIGGER staged_jobs_notify" >/dev/null
-  fi
   perf_pid=
   if [ "$clients" = 32 ] && [ "${PERF:-0}" = 1 ] && command -v perf >/dev/null; then
     # CPU profile of the api-server (software clock: this VM has no hardware counters).

@@ -1,10 +1,9 @@
 -- One CreateRide with a fresh key, statement for statement as the api-server commits it
 -- (api-server/src/{auth.rs,idempotency/mod.rs,rides.rs}), all READ COMMITTED:
---   auth read; claim (INSERT ... ON CONFLICT DO NOTHING RETURNING); phase started (fence,
+--   auth read; claim (INSERT ... ON CONFLICT DO NOTHING RETURNING, autocommit); phase started (fence,
 --   INSERT ride RETURNING, INSERT audit record, UPDATE key); charge (SELECT ride by key, then the
 --   provider call, which is not database work and is left out; fence, UPDATE ride, UPDATE key);
---   phase charge_created (fence, SELECT ride, INSERT staged job (fires the NOTIFY trigger),
---   UPDATE key finished).
+--   phase charge_created (fence, SELECT ride, INSERT staged job, UPDATE key finished).
 -- Differences: the token digest and lock token are computed in the database (sha256(),
 -- gen_random_uuid()) instead of in the server; values are otherwise of the same size and type.
 -- Variables: -D user_base=<id of the first pgbench user>; users user_base .. user_base+clients-1
@@ -13,13 +12,11 @@
 \set k random(1, 999999999999999)
 SELECT id, created_at, email, stripe_customer_id, stripe_payment_method_id, api_token_digest
   FROM users WHERE api_token_digest = sha256(convert_to('pgbench-token-' || :uid, 'UTF8')) LIMIT 1;
-BEGIN ISOLATION LEVEL READ COMMITTED;
 INSERT INTO idempotency_keys (idempotency_key, lock_token, request_method, request_path, request_params, recovery_point, user_id, locked_at)
   VALUES ('pgbench-ride-key-' || :client_id || '-' || :k, gen_random_uuid(), 'POST', '/rides.v1.RideService/CreateRide',
           '{"origin_lat": 37.7749, "origin_lon": -122.4194, "target_lat": 37.3382, "target_lon": -121.8863}', 'started', :uid, now())
   ON CONFLICT (user_id, idempotency_key) DO NOTHING
   RETURNING id AS key_id, created_at AS key_created_at, lock_token AS tok \gset
-COMMIT;
 BEGIN ISOLATION LEVEL READ COMMITTED;
 SELECT id FROM idempotency_keys WHERE id = :key_id AND lock_token = :tok LIMIT 1 FOR NO KEY UPDATE;
 INSERT INTO rides (idempotency_key_id, origin_lat, origin_lon, target_lat, target_lon, amount, currency, user_id)
