@@ -226,6 +226,18 @@ impl Extractor for MapExtractor<'_> {
     }
 }
 
+/// `error: cause: cause…`, so that a log line keeps an error's whole source chain.
+pub fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}
+
 /// `KeyValue` shorthand for metric attributes.
 pub fn attr(key: &'static str, value: impl Into<opentelemetry::Value>) -> KeyValue {
     KeyValue::new(key, value)

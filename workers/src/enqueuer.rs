@@ -146,7 +146,7 @@ impl Enqueuer {
                 }
                 Err(error) => {
                     let delay = failing.next_delay();
-                    tracing::error!(error = %error_chain(&error), ?delay, "enqueuer pass failed, retrying");
+                    tracing::error!(error = %telemetry::error_chain(&error), ?delay, "enqueuer pass failed, retrying");
                     if let Some(session) = self.session.take() {
                         session.close().await;
                     }
@@ -402,15 +402,4 @@ fn properties(job: &StagedJob, exchange: &str) -> BasicProperties {
         .with_message_id(job.id.to_string().into())
         .with_timestamp(u64::try_from(job.created_at.timestamp()).unwrap_or(0))
         .with_headers(headers)
-}
-
-fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    text
 }

@@ -3,6 +3,7 @@
 
 use std::{collections::HashMap, time::Duration};
 
+use telemetry::error_chain;
 use tonic::{Code, Status};
 use tonic_types::{ErrorDetails, StatusExt};
 
@@ -180,16 +181,4 @@ pub fn create_ride_error(error: CreateRideError) -> Status {
             internal()
         }
     }
-}
-
-/// `error: cause: cause…`, so a log line keeps the whole chain.
-fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    text
 }

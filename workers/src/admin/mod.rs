@@ -24,7 +24,7 @@ pub mod dead_letters;
 pub mod keys;
 pub mod render;
 
-use std::{fmt::Write as _, time::Duration};
+use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use clap::{Args, Subcommand, ValueEnum};
@@ -131,15 +131,7 @@ fn is_lock_timeout(error: &diesel::result::Error) -> bool {
         if info.message().starts_with("canceling statement due to lock timeout"))
 }
 
-pub(crate) fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        let _ = write!(text, ": {cause}");
-        source = cause.source();
-    }
-    text
-}
+pub(crate) use telemetry::error_chain;
 
 /// One change a command makes (or would make), as printed before it is applied.
 #[derive(Clone, Debug, PartialEq, Serialize)]
