@@ -3,25 +3,7 @@
 
 use std::{fmt, net::SocketAddr, str::FromStr, time::Duration};
 
-/// A value that must never reach a log line or an error message.
-#[derive(Clone, PartialEq, Eq)]
-pub struct Secret(String);
-
-impl Secret {
-    pub fn new(value: impl Into<String>) -> Secret {
-        Secret(value.into())
-    }
-
-    pub fn expose(&self) -> &str {
-        &self.0
-    }
-}
-
-impl fmt::Debug for Secret {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("Secret(****)")
-    }
-}
+pub use telemetry::Secret;
 
 #[derive(Clone, Debug)]
 pub struct Config {

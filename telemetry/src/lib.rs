@@ -226,6 +226,28 @@ impl Extractor for MapExtractor<'_> {
     }
 }
 
+/// A value that must never reach a log line or an error message (tokens, keys, URLs with
+/// passwords): its `Debug` prints `Secret(****)`, and it has no `Display`.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret(String);
+
+impl Secret {
+    pub fn new(value: impl Into<String>) -> Secret {
+        Secret(value.into())
+    }
+
+    /// The value itself, for the one place that must send it (a header, a connection).
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Secret(****)")
+    }
+}
+
 /// `error: cause: cause…`, so that a log line keeps an error's whole source chain.
 pub fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
     let mut text = error.to_string();
