@@ -643,11 +643,6 @@ impl Rides {
             .optional()?;
         Ok(ride.map(RideView::from))
     }
-
-    /// How long a client should wait before retrying a key that is in use.
-    pub fn in_use_retry_delay(&self) -> Duration {
-        Duration::from_secs(1)
-    }
 }
 
 #[cfg(test)]

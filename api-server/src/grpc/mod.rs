@@ -152,13 +152,8 @@ impl opentelemetry::propagation::Extractor for MetadataExtractor<'_> {
     }
 }
 
-/// Runs one RPC inside a server span that continues the caller's `traceparent`, and records its
-/// status code on the span and in `rpc.server.call.duration`.
-async fn traced<T>(
-    method: &'static str,
-    metadata: &MetadataMap,
-    handler: impl Future<Output = Result<Response<T>, Status>>,
-) -> Result<Response<T>, Status> {
+/// The server span of one RPC, continuing the caller's `traceparent`.
+fn rpc_span(method: &'static str, metadata: &MetadataMap) -> Span {
     let span = tracing::info_span!(
         "rpc",
         otel.name = %format_args!("rides.v1.RideService/{method}"),
@@ -174,6 +169,16 @@ async fn traced<T>(
         rides.replayed = field::Empty,
     );
     telemetry::continue_trace(&span, &MetadataExtractor(metadata));
+    span
+}
+
+/// Runs one RPC inside its server span, and records its status code on the span and in
+/// `rpc.server.call.duration`.
+async fn traced<T>(
+    method: &'static str,
+    span: Span,
+    handler: impl Future<Output = Result<Response<T>, Status>>,
+) -> Result<Response<T>, Status> {
     let started = Instant::now();
     let result = handler.instrument(span.clone()).await;
     let code = match &result {
@@ -204,13 +209,13 @@ impl RideService for RideApi {
         &self,
         request: Request<CreateRideRequest>,
     ) -> Result<Response<CreateRideResponse>, Status> {
-        let metadata = request.metadata().clone();
-        traced("CreateRide", &metadata, self.create_ride_traced(request)).await
+        let span = rpc_span("CreateRide", request.metadata());
+        traced("CreateRide", span, self.create_ride_traced(request)).await
     }
 
     async fn get_ride(&self, request: Request<GetRideRequest>) -> Result<Response<Ride>, Status> {
-        let metadata = request.metadata().clone();
-        traced("GetRide", &metadata, self.get_ride_traced(request)).await
+        let span = rpc_span("GetRide", request.metadata());
+        traced("GetRide", span, self.get_ride_traced(request)).await
     }
 }
 

@@ -277,10 +277,7 @@ async fn decide_without_lock(
     let claim = if !binds(&row, request) {
         Claim::Mismatch
     } else if row.recovery_point == RecoveryPoint::Finished {
-        match (row.response_code, row.response_body) {
-            (Some(code), Some(body)) => Claim::Replay(StoredResponse { code, body }),
-            _ => return Err(StoreError::CorruptStoredResponse),
-        }
+        Claim::Replay(stored_response(row.response_code, row.response_body)?)
     } else {
         return Ok(None);
     };
@@ -288,6 +285,17 @@ async fn decide_without_lock(
         claim,
         key_created_at: row.created_at,
     }))
+}
+
+/// The outcome stored on a finished key (the schema guarantees both parts are present).
+fn stored_response(
+    code: Option<i32>,
+    body: Option<serde_json::Value>,
+) -> Result<StoredResponse, StoreError> {
+    match (code, body) {
+        (Some(code), Some(body)) => Ok(StoredResponse { code, body }),
+        _ => Err(StoreError::CorruptStoredResponse),
+    }
 }
 
 /// Whether `row` was created for exactly this request.
@@ -336,10 +344,7 @@ async fn lock_existing(
     let claim = if !binds(&row, request) {
         Claim::Mismatch
     } else if row.recovery_point == RecoveryPoint::Finished {
-        match (row.response_code, row.response_body) {
-            (Some(code), Some(body)) => Claim::Replay(StoredResponse { code, body }),
-            _ => return Err(StoreError::CorruptStoredResponse),
-        }
+        Claim::Replay(stored_response(row.response_code, row.response_body)?)
     } else if row
         .locked_at
         .is_some_and(|locked_at| locked_at > now - lock_timeout)

@@ -179,10 +179,7 @@ impl StripeClient {
                 }),
             };
         }
-        let error = serde_json::from_slice::<ErrorEnvelope>(&body)
-            .map(|envelope| envelope.error)
-            .ok();
-        Err(classify(status.as_u16(), error))
+        Err(classify_body(status.as_u16(), &body))
     }
 }
 
@@ -227,10 +224,7 @@ impl StripeClient {
         tracing::Span::current().record("http.response.status_code", i64::from(status.as_u16()));
         let body = response.bytes().await.map_err(unavailable)?;
         if !status.is_success() {
-            let error = serde_json::from_slice::<ErrorEnvelope>(&body)
-                .map(|envelope| envelope.error)
-                .ok();
-            return Err(classify(status.as_u16(), error));
+            return Err(classify_body(status.as_u16(), &body));
         }
         let found: SearchResult =
             serde_json::from_slice(&body).map_err(|error| ChargeError::Rejected {
@@ -257,6 +251,14 @@ fn unavailable(error: reqwest::Error) -> ChargeError {
         reason: reason.into(),
         source: Some(error),
     }
+}
+
+/// Classifies an error answer from its status and (Stripe-shaped, if readable) body.
+fn classify_body(status: u16, body: &[u8]) -> ChargeError {
+    let error = serde_json::from_slice::<ErrorEnvelope>(body)
+        .map(|envelope| envelope.error)
+        .ok();
+    classify(status, error)
 }
 
 fn classify(status: u16, error: Option<StripeError>) -> ChargeError {
