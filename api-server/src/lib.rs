@@ -8,9 +8,11 @@
 //! - [`payments`]: the Stripe client and its error classification.
 //! - [`auth`]: API tokens, stored as digests.
 //! - [`config`]: typed configuration, read once from the environment.
+//! - [`fault`]: crash points for the reliability campaign (feature `fault-injection` only).
 
 pub mod auth;
 pub mod config;
+pub mod fault;
 pub mod grpc;
 pub mod idempotency;
 pub mod metrics;

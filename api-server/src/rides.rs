@@ -317,7 +317,10 @@ impl Rides {
                 metrics().replays.add(1, &[]);
                 (true, Outcome::from_stored(stored).map_err(Into::into))
             }
-            Claim::Execute(mut lease) => (false, self.run(&mut lease, request).await),
+            Claim::Execute(mut lease) => {
+                crate::fault::crash_point("claim.after_commit");
+                (false, self.run(&mut lease, request).await)
+            }
         };
         if matches!(result, Err(CreateRideError::LockLost)) {
             metrics()
@@ -492,6 +495,7 @@ impl Rides {
         };
         // No transaction is open and no connection is held here: the call may take seconds.
         let started = Instant::now();
+        crate::fault::crash_point("charge.before_call");
         let charged = if self.beyond_provider_key_window(&ride) {
             // The provider may have forgotten our idempotency key: an earlier attempt that
             // charged but was never recorded would be charged again. Look for it first.
@@ -520,6 +524,7 @@ impl Rides {
             .record(started.elapsed().as_secs_f64(), &[attr("outcome", outcome)]);
         match charged {
             Ok(intent) => {
+                crate::fault::crash_point("charge.after_success");
                 let ride_id = ride.id;
                 let intent_id = intent.id.as_str();
                 idempotency::atomic_phase(&self.pool, self.retry, lease, |conn| {

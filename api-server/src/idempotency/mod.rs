@@ -392,15 +392,33 @@ where
     let work = &work;
     retry_transient(policy, || async move {
         let mut conn = pool.get().await.map_err(StoreError::Unavailable)?;
-        conn.build_transaction()
+        let done = conn
+            .build_transaction()
             .read_committed()
             .run(async |conn| {
                 fence(conn, lease).await?;
-                work(conn).await
+                let done = work(conn).await?;
+                crate::fault::crash_point(crash_point_name(lease.recovery_point, false));
+                Ok::<T, StoreError>(done)
             })
-            .await
+            .await?;
+        crate::fault::crash_point(crash_point_name(lease.recovery_point, true));
+        Ok(done)
     })
     .await
+}
+
+/// The crash points around the commit of the phase that starts at `point`.
+fn crash_point_name(point: RecoveryPoint, committed: bool) -> &'static str {
+    match (point, committed) {
+        (RecoveryPoint::Started, false) => "started.before_commit",
+        (RecoveryPoint::Started, true) => "started.after_commit",
+        (RecoveryPoint::RideCreated, false) => "ride_created.before_commit",
+        (RecoveryPoint::RideCreated, true) => "ride_created.after_commit",
+        (RecoveryPoint::ChargeCreated, false) => "charge_created.before_commit",
+        (RecoveryPoint::ChargeCreated, true) => "charge_created.after_commit",
+        (RecoveryPoint::Finished, _) => "finished",
+    }
 }
 
 /// Locks the key row and checks the fencing token. Must be the first statement of a phase.
