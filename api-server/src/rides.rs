@@ -215,7 +215,9 @@ impl From<StoreError> for CreateRideError {
         match error {
             StoreError::LockLost => CreateRideError::LockLost,
             error @ StoreError::Contended { .. } => CreateRideError::Contended(error),
-            error @ StoreError::Unavailable(_) => CreateRideError::DatabaseUnavailable(error),
+            error @ (StoreError::Unavailable(_) | StoreError::ConnectionLost(_)) => {
+                CreateRideError::DatabaseUnavailable(error)
+            }
             error @ (StoreError::CorruptStoredResponse
             | StoreError::KeyVanished
             | StoreError::Database(_)) => CreateRideError::Internal(Box::new(error)),

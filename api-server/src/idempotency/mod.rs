@@ -97,8 +97,41 @@ pub enum StoreError {
     CorruptStoredResponse,
     #[error("the idempotency key kept disappearing while it was being claimed")]
     KeyVanished,
+    /// The server went away mid-conversation (restart, failover, network): worth a retry, like
+    /// an empty pool, and not an internal error.
+    #[error("the database connection was lost")]
+    ConnectionLost(#[source] DieselError),
     #[error("database error")]
-    Database(#[from] DieselError),
+    Database(#[source] DieselError),
+}
+
+impl From<DieselError> for StoreError {
+    fn from(error: DieselError) -> StoreError {
+        if is_connection_loss(&error) {
+            StoreError::ConnectionLost(error)
+        } else {
+            StoreError::Database(error)
+        }
+    }
+}
+
+/// True when the error says the connection, not the statement, failed: a closed connection,
+/// SQLSTATE class 08 (connection exception) or 57P01..57P03 (the server is shutting down or
+/// starting up).
+pub fn is_connection_loss(error: &DieselError) -> bool {
+    match error {
+        DieselError::DatabaseError(DatabaseErrorKind::ClosedConnection, _)
+        | DieselError::BrokenTransactionManager => true,
+        DieselError::DatabaseError(_, info) => {
+            let message = info.message();
+            message.starts_with("terminating connection due to administrator command")
+                || message.starts_with("the database system is shutting down")
+                || message.starts_with("the database system is starting up")
+                || message.starts_with("connection closed")
+                || message.contains("server closed the connection unexpectedly")
+        }
+        _ => false,
+    }
 }
 
 /// How often and how patiently a transaction that hit a serialization failure or deadlock is
@@ -506,6 +539,31 @@ mod tests {
 
     fn database_error(kind: DatabaseErrorKind, message: &str) -> DieselError {
         DieselError::DatabaseError(kind, Box::new(message.to_owned()))
+    }
+
+    #[test]
+    fn a_lost_connection_is_unavailability_not_an_internal_error() {
+        for lost in [
+            database_error(DatabaseErrorKind::ClosedConnection, "connection closed"),
+            database_error(
+                DatabaseErrorKind::Unknown,
+                "terminating connection due to administrator command",
+            ),
+            database_error(
+                DatabaseErrorKind::Unknown,
+                "the database system is shutting down",
+            ),
+        ] {
+            assert!(matches!(
+                StoreError::from(lost),
+                StoreError::ConnectionLost(_)
+            ));
+        }
+        let constraint = database_error(DatabaseErrorKind::UniqueViolation, "duplicate key");
+        assert!(matches!(
+            StoreError::from(constraint),
+            StoreError::Database(_)
+        ));
     }
 
     #[test]
