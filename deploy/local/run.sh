@@ -21,12 +21,14 @@ export INTERNAL_API_TOKEN="${INTERNAL_API_TOKEN:-internal-development-token-$(od
 export RUST_LOG="${RUST_LOG:-info}"
 export SMTP_LISTEN="${SMTP_LISTEN:-127.0.0.1:2525}"
 export SMTP_URL="${SMTP_URL:-smtp://$SMTP_LISTEN}"
+export MAIL_SEARCH_LISTEN="${MAIL_SEARCH_LISTEN:-127.0.0.1:8025}"
+export MAIL_SEARCH_URL="${MAIL_SEARCH_URL:-http://$MAIL_SEARCH_LISTEN}"
 export API_SERVER_URL="${API_SERVER_URL:-http://$GRPC_LISTEN_ADDR}"
 MAIL_DIR="$REPO_ROOT/.run/mail"
 
-for addr in "$GRPC_LISTEN_ADDR" "$FAKE_STRIPE_LISTEN" "$SMTP_LISTEN"; do
+for addr in "$GRPC_LISTEN_ADDR" "$FAKE_STRIPE_LISTEN" "$SMTP_LISTEN" "$MAIL_SEARCH_LISTEN"; do
   if port_open "${addr%:*}" "${addr##*:}"; then
-    die "$addr is already in use: is another run.sh still running? (set GRPC_LISTEN_ADDR / FAKE_STRIPE_LISTEN / SMTP_LISTEN to move)"
+    die "$addr is already in use: is another run.sh still running? (set GRPC_LISTEN_ADDR / FAKE_STRIPE_LISTEN / SMTP_LISTEN / MAIL_SEARCH_LISTEN to move)"
   fi
 done
 
@@ -53,7 +55,7 @@ log "migrating $(printf '%s' "$DATABASE_URL" | sed -E 's#//([^:/@]+):[^@]*@#//\1
 
 start fake-stripe "$bin/fake-stripe" --listen "$FAKE_STRIPE_LISTEN"
 wait_for_port "${FAKE_STRIPE_LISTEN%:*}" "${FAKE_STRIPE_LISTEN##*:}" fake-stripe 30
-start mail-sink "$bin/workers" mail-sink --listen "$SMTP_LISTEN" --dir "$MAIL_DIR"
+start mail-sink "$bin/workers" mail-sink --listen "$SMTP_LISTEN" --dir "$MAIL_DIR" --http-listen "$MAIL_SEARCH_LISTEN"
 wait_for_port "${SMTP_LISTEN%:*}" "${SMTP_LISTEN##*:}" mail-sink 30
 start api-server "$bin/api-server" serve
 wait_for_port "${GRPC_LISTEN_ADDR%:*}" "${GRPC_LISTEN_ADDR##*:}" api-server 30

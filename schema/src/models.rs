@@ -173,11 +173,18 @@ pub struct SentReceipt {
     pub ride_id: i64,
     pub message_id: String,
     pub sent_at: DateTime<Utc>,
+    pub recorded_via: String,
 }
+
+/// `sent_receipts.recorded_via` when the attempt that sent the mail recorded it.
+pub const RECORDED_VIA_SMTP: &str = "smtp";
+/// `sent_receipts.recorded_via` when a later attempt found the mail at the relay.
+pub const RECORDED_VIA_RELAY_SEARCH: &str = "relay_search";
 
 #[derive(Debug, Insertable)]
 #[diesel(table_name = crate::schema::sent_receipts)]
 pub struct NewSentReceipt<'a> {
     pub ride_id: i64,
     pub message_id: &'a str,
+    pub recorded_via: &'a str,
 }

@@ -71,6 +71,17 @@ diesel::table! {
         ride_id -> Int8,
         message_id -> Text,
         sent_at -> Timestamptz,
+        recorded_via -> Text,
+    }
+}
+
+diesel::table! {
+    receipt_claims (ride_id) {
+        ride_id -> Int8,
+        attempts -> Int4,
+        claimed_until -> Timestamptz,
+        message_id -> Text,
+        created_at -> Timestamptz,
     }
 }
 
@@ -101,11 +112,13 @@ diesel::joinable!(keys_needing_attention -> users (user_id));
 diesel::joinable!(rides -> idempotency_keys (idempotency_key_id));
 diesel::joinable!(rides -> users (user_id));
 diesel::joinable!(sent_receipts -> rides (ride_id));
+diesel::joinable!(receipt_claims -> rides (ride_id));
 
 diesel::allow_tables_to_appear_in_same_query!(
     audit_records,
     idempotency_keys,
     keys_needing_attention,
+    receipt_claims,
     rides,
     sent_receipts,
     staged_jobs,

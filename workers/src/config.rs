@@ -46,6 +46,12 @@ pub struct ReceiptsConfig {
     /// Delay before a temporarily failed delivery is requeued, doubled per redelivery.
     pub retry_base_delay: Duration,
     pub retry_max_delay: Duration,
+    /// The relay's message search (Mailpit's API), asked before re-sending a receipt whose earlier
+    /// attempt may have reached the relay. Unset: such receipts are re-sent unverified.
+    pub mail_search_url: Option<String>,
+    /// How long a claim on a ride's receipt lets one attempt talk to the relay undisturbed. Longer
+    /// than a whole SMTP conversation (each send is cut off at `smtp_timeout`).
+    pub claim_lease: Duration,
 }
 
 #[derive(Clone, Debug)]
@@ -140,6 +146,16 @@ impl Config {
     pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Config, ConfigError> {
         let vars = Vars(&lookup);
         let lock_timeout = vars.secs("IDEMPOTENCY_LOCK_TIMEOUT_SECS", 90)?;
+        let smtp_timeout = vars.secs("SMTP_TIMEOUT_SECS", 30)?;
+        let claim_lease = vars.secs("RECEIPTS_CLAIM_LEASE_SECS", 120)?;
+        if claim_lease <= smtp_timeout {
+            // A claim that lapses while its holder may still be sending lets a second attempt
+            // send the same receipt.
+            return Err(ConfigError::Invalid {
+                name: "RECEIPTS_CLAIM_LEASE_SECS",
+                reason: "must be longer than SMTP_TIMEOUT_SECS".into(),
+            });
+        }
         let internal_api_token = lookup("INTERNAL_API_TOKEN")
             .filter(|token| !token.is_empty())
             .map(Secret::new);
@@ -157,10 +173,12 @@ impl Config {
             receipts: ReceiptsConfig {
                 smtp_url: vars.string("SMTP_URL", DEFAULT_SMTP_URL),
                 from: vars.string("RECEIPT_FROM", DEFAULT_RECEIPT_FROM),
-                smtp_timeout: vars.secs("SMTP_TIMEOUT_SECS", 30)?,
+                smtp_timeout,
                 prefetch: vars.positive("RECEIPTS_PREFETCH", 16)?,
                 retry_base_delay: vars.millis("RECEIPTS_RETRY_BASE_MS", 5000)?,
                 retry_max_delay: vars.millis("RECEIPTS_RETRY_MAX_MS", 60_000)?,
+                mail_search_url: lookup("MAIL_SEARCH_URL").filter(|url| !url.is_empty()),
+                claim_lease,
             },
             completer: CompleterConfig {
                 api_server_url: vars.string("API_SERVER_URL", DEFAULT_API_SERVER_URL),
@@ -214,6 +232,8 @@ mod tests {
         assert_eq!(config.reaper.key_ttl, Duration::from_secs(72 * 3600));
         assert!(config.completer.token().is_err());
         assert_eq!(config.receipts.smtp_url, DEFAULT_SMTP_URL);
+        assert_eq!(config.receipts.claim_lease, Duration::from_secs(120));
+        assert_eq!(config.receipts.mail_search_url, None);
     }
 
     #[test]
@@ -224,5 +244,11 @@ mod tests {
         let config =
             Config::from_lookup(|name| (name == "RECEIPTS_PREFETCH").then(|| "many".to_owned()));
         assert!(config.is_err());
+        let config = Config::from_lookup(|name| match name {
+            "SMTP_TIMEOUT_SECS" => Some("30".to_owned()),
+            "RECEIPTS_CLAIM_LEASE_SECS" => Some("30".to_owned()),
+            _ => None,
+        });
+        assert!(config.is_err(), "a claim lease must outlast a send");
     }
 }

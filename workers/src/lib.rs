@@ -7,9 +7,11 @@
 //!   the versioned receipt message other teams consume.
 //! - [`amqp`]: connecting to RabbitMQ with back-off.
 //! - [`enqueuer`]: the transactionally-staged job drain, `staged_jobs` → RabbitMQ.
-//! - [`receipts`]: the receipt worker, RabbitMQ → SMTP, deduplicated in `sent_receipts`.
+//! - [`receipts`]: the receipt worker, RabbitMQ → SMTP, claimed in `receipt_claims` and
+//!   deduplicated in `sent_receipts`.
 //! - [`mailer`]: receipt e-mails over SMTP (lettre).
 //! - [`mail_sink`]: a small SMTP server for development and tests.
+//! - [`relay_search`]: asks the relay whether it already holds a Message-ID (the crash window).
 //! - [`completer`]: pushes abandoned idempotency keys to completion through the public API.
 //! - [`reaper`]: retires expired keys, recording unfinished ones for a human first.
 //! - [`shutdown`] and [`backoff`]: the plumbing every loop shares.
@@ -31,6 +33,7 @@ pub mod metrics;
 pub mod reaper;
 pub mod receipts;
 pub mod redact;
+pub mod relay_search;
 pub mod shutdown;
 pub mod topology;
 

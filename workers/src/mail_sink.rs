@@ -2,15 +2,25 @@
 //! FROM, RCPT TO, DATA with dot-unstuffing, RSET, NOOP, QUIT), keeps what it receives in memory,
 //! optionally writes each mail to `DIR/<n>.eml`, and can be told to answer the next N messages
 //! with a failure code (e.g. 451) to exercise retries. It accepts every address and never relays.
+//!
+//! Like a real relay it can be asked, after the fact, whether it accepted a message: an HTTP
+//! endpoint with the shape of Mailpit's `GET /api/v1/search?query=message-id:<id>` (see
+//! [`crate::relay_search`]). With a directory, mails stored by an earlier run are loaded at start,
+//! so a restarted sink still answers for them.
 
 use std::{
     collections::VecDeque,
+    convert::Infallible,
     net::SocketAddr,
     path::{Path, PathBuf},
     sync::{Arc, Mutex, PoisonError},
     time::Duration,
 };
 
+use bytes::Bytes;
+use http_body_util::Full;
+use hyper::{StatusCode, body::Incoming, server::conn::http1, service::service_fn};
+use hyper_util::rt::TokioIo;
 use tokio::{
     io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader},
     net::{TcpListener, TcpStream},
@@ -66,6 +76,8 @@ struct State {
     mails: Mutex<Vec<ReceivedMail>>,
     /// Reply codes for the next messages' end of DATA, front first.
     failures: Mutex<VecDeque<u16>>,
+    /// How many of the next searches answer 503.
+    search_failures: Mutex<usize>,
     received: Notify,
 }
 
@@ -98,6 +110,10 @@ impl MailSink {
             tokio::fs::create_dir_all(dir).await?;
         }
         let state = Arc::new(State::default());
+        if let Some(dir) = &dir {
+            let stored = load(dir).await?;
+            state.mails().extend(stored);
+        }
         let stop = CancellationToken::new();
         tokio::spawn(serve(listener, Arc::clone(&state), dir, stop.clone()));
         Ok(MailSink { addr, state, stop })
@@ -126,6 +142,28 @@ impl MailSink {
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
         failures.extend(std::iter::repeat_n(code, count));
+    }
+
+    /// Answers the next `count` searches with 503, as a relay whose API is down.
+    pub fn fail_next_searches(&self, count: usize) {
+        *self
+            .state
+            .search_failures
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) += count;
+    }
+
+    /// Serves the message search on `listen` (port 0 picks one) until the sink stops; returns
+    /// the base URL to put in `MAIL_SEARCH_URL`.
+    pub async fn serve_search(&self, listen: SocketAddr) -> std::io::Result<String> {
+        let listener = TcpListener::bind(listen).await?;
+        let addr = listener.local_addr()?;
+        tokio::spawn(serve_http(
+            listener,
+            Arc::clone(&self.state),
+            self.stop.clone(),
+        ));
+        Ok(format!("http://{addr}"))
     }
 
     /// Waits until at least `count` mails arrived or `timeout` passed; returns what arrived.
@@ -194,6 +232,125 @@ async fn serve(
             }
         }
     }
+}
+
+async fn serve_http(listener: TcpListener, state: Arc<State>, stop: CancellationToken) {
+    loop {
+        let accepted = tokio::select! {
+            () = stop.cancelled() => return,
+            accepted = listener.accept() => accepted,
+        };
+        let Ok((stream, _)) = accepted else {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            continue;
+        };
+        let state = Arc::clone(&state);
+        tokio::spawn(async move {
+            let service = service_fn(move |request: hyper::Request<Incoming>| {
+                let answer = search(&state, request.uri());
+                async move { Ok::<_, Infallible>(answer) }
+            });
+            let _ = http1::Builder::new()
+                .serve_connection(TokioIo::new(stream), service)
+                .await;
+        });
+    }
+}
+
+/// `GET /api/v1/search?query=message-id:<id>`, answered in Mailpit's shape. Only Message-ID
+/// searches are supported; anything else is a 400 rather than a silently empty answer.
+fn search(state: &State, uri: &hyper::Uri) -> hyper::Response<Full<Bytes>> {
+    let reply = |status: StatusCode, body: serde_json::Value| {
+        let mut response = hyper::Response::new(Full::new(Bytes::from(body.to_string())));
+        *response.status_mut() = status;
+        response.headers_mut().insert(
+            hyper::header::CONTENT_TYPE,
+            hyper::header::HeaderValue::from_static("application/json"),
+        );
+        response
+    };
+    if uri.path() != "/api/v1/search" {
+        return reply(
+            StatusCode::NOT_FOUND,
+            serde_json::json!({"Error": "not found"}),
+        );
+    }
+    {
+        let mut failures = state
+            .search_failures
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if *failures > 0 {
+            *failures -= 1;
+            return reply(
+                StatusCode::SERVICE_UNAVAILABLE,
+                serde_json::json!({"Error": "injected failure"}),
+            );
+        }
+    }
+    let query = uri
+        .query()
+        .and_then(|q| serde_urlencoded::from_str::<Vec<(String, String)>>(q).ok())
+        .and_then(|pairs| pairs.into_iter().find(|(k, _)| k == "query"))
+        .map(|(_, v)| v)
+        .unwrap_or_default();
+    let Some(wanted) = query.trim().strip_prefix("message-id:") else {
+        return reply(
+            StatusCode::BAD_REQUEST,
+            serde_json::json!({"Error": "only message-id:<id> searches are supported"}),
+        );
+    };
+    let wanted = crate::relay_search::bare(wanted.trim_matches('"'));
+    let mails = state.mails();
+    let messages: Vec<serde_json::Value> = mails
+        .iter()
+        .enumerate()
+        .filter_map(|(n, mail)| {
+            let id = mail.message_id()?;
+            (crate::relay_search::bare(&id) == wanted).then(|| {
+                serde_json::json!({
+                    "ID": n.to_string(),
+                    "MessageID": crate::relay_search::bare(&id),
+                    "Subject": mail.header("Subject").unwrap_or_default(),
+                })
+            })
+        })
+        .collect();
+    reply(
+        StatusCode::OK,
+        serde_json::json!({
+            "total": mails.len(),
+            "unread": mails.len(),
+            "count": messages.len(),
+            "messages_count": messages.len(),
+            "start": 0,
+            "tags": [],
+            "messages": messages,
+        }),
+    )
+}
+
+/// The mails a previous run stored in `dir`.
+async fn load(dir: &Path) -> std::io::Result<Vec<ReceivedMail>> {
+    let mut names = Vec::new();
+    let mut entries = tokio::fs::read_dir(dir).await?;
+    while let Some(entry) = entries.next_entry().await? {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if name.ends_with(".eml") && !name.starts_with('.') {
+            names.push(name);
+        }
+    }
+    names.sort();
+    let mut mails = Vec::with_capacity(names.len());
+    for name in names {
+        let data = tokio::fs::read_to_string(dir.join(&name)).await?;
+        mails.push(ReceivedMail {
+            mail_from: String::new(),
+            rcpt_to: Vec::new(),
+            data: data.strip_suffix("\r\n").unwrap_or(&data).to_owned(),
+        });
+    }
+    Ok(mails)
 }
 
 /// One SMTP conversation.

@@ -8,8 +8,8 @@ use anyhow::Context;
 use clap::{Parser, Subcommand};
 use workers::{
     amqp::AmqpSession, completer::Completer, config::Config, enqueuer::Enqueuer,
-    mail_sink::MailSink, mailer::Mailer, reaper::Reaper, receipts::ReceiptWorker, shutdown,
-    topology::Topology,
+    mail_sink::MailSink, mailer::Mailer, reaper::Reaper, receipts::ReceiptWorker,
+    relay_search::RelaySearch, shutdown, topology::Topology,
 };
 
 #[derive(Parser)]
@@ -35,6 +35,9 @@ enum Command {
         listen: SocketAddr,
         #[arg(long)]
         dir: PathBuf,
+        /// Also serve the message search (Mailpit's `/api/v1/search`) here, for MAIL_SEARCH_URL.
+        #[arg(long)]
+        http_listen: Option<SocketAddr>,
     },
     /// Operator commands: inspect and repair keys, dead letters, backlog (docs/operations.md).
     Admin(workers::admin::AdminArgs),
@@ -127,8 +130,19 @@ async fn run(cli: Cli, shutdown: tokio_util::sync::CancellationToken) -> anyhow:
                 &config.receipts.from,
                 config.receipts.smtp_timeout,
             )?;
-            let worker =
-                ReceiptWorker::new(pool(), mailer, topology.clone(), config.receipts.clone());
+            let relay_search = config
+                .receipts
+                .mail_search_url
+                .as_deref()
+                .map(|url| RelaySearch::new(url, config.receipts.smtp_timeout))
+                .transpose()?;
+            let worker = ReceiptWorker::new(
+                pool(),
+                mailer,
+                relay_search,
+                topology.clone(),
+                config.receipts.clone(),
+            );
             if once {
                 let session = AmqpSession::open(amqp_url, &topology)
                     .await
@@ -167,9 +181,17 @@ async fn run(cli: Cli, shutdown: tokio_util::sync::CancellationToken) -> anyhow:
                 return Ok(());
             }
         }
-        Command::MailSink { listen, dir } => {
+        Command::MailSink {
+            listen,
+            dir,
+            http_listen,
+        } => {
             let sink = MailSink::spawn(listen, Some(dir)).await?;
             tracing::info!(addr = %sink.addr(), "mail sink listening");
+            if let Some(http_listen) = http_listen {
+                let url = sink.serve_search(http_listen).await?;
+                tracing::info!(%url, "mail sink search listening");
+            }
             sink.run_until(shutdown).await;
             return Ok(());
         }

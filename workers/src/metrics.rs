@@ -79,6 +79,8 @@ pub fn record_receipts(summary: &ReceiptSummary) {
     let counter = &INSTRUMENTS.receipts;
     add(counter, "sent", summary.sent);
     add(counter, "duplicate", summary.duplicates);
+    add(counter, "recovered", summary.recovered);
+    add(counter, "unverified_resend", summary.unverified_resends);
     add(counter, "dead_lettered", summary.dead_lettered);
     add(counter, "retried", summary.retried);
 }

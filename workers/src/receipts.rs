@@ -4,25 +4,33 @@
 //! Per delivery:
 //! - malformed message, unknown version, unknown ride, or a ride that is not the message's
 //!   user's → reject without requeue → dead-letter queue (never retried forever);
-//! - otherwise, in one transaction: `INSERT INTO sent_receipts … ON CONFLICT DO NOTHING`. No row
-//!   inserted means the receipt was already sent (ack, nothing mailed). A row inserted means
-//!   this delivery owns the ride: a concurrent duplicate blocks on the uncommitted primary key
-//!   until this transaction ends. The mail is sent with the transaction open, then the
-//!   transaction commits, then the delivery is acked;
-//! - temporary SMTP failure (4xx, connection refused, timeout) → the transaction rolls back (no
-//!   row), and after a back-off delay the delivery is nacked with requeue; the quorum queue's
-//!   delivery limit bounds the retries and then dead-letters it;
-//! - permanent SMTP failure (5xx, invalid address) → rolled back and dead-lettered.
+//! - otherwise the attempt *claims* the ride's receipt: a `receipt_claims` row, committed before
+//!   any SMTP traffic, holding an attempt count and a lease. While another attempt's lease runs,
+//!   this one waits (a duplicate message, or a redelivery after a crash, never sends in parallel);
+//! - with the claim held: a ride already in `sent_receipts` is a duplicate (ack, nothing mailed).
+//!   If an earlier attempt claimed the ride before (attempts > 1) it may have handed the mail to
+//!   the relay and died before recording it, so the relay is asked for the deterministic
+//!   Message-ID first (`MAIL_SEARCH_URL`, [`crate::relay_search`]); found → recorded, not re-sent;
+//! - then the mail is sent, and one transaction writes `sent_receipts` and deletes the claim,
+//!   then the delivery is acked;
+//! - temporary SMTP failure (4xx, connection refused, timeout) → the claim's lease is ended at
+//!   once (the next attempt need not wait, and will check the relay), and after a back-off delay
+//!   the delivery is nacked with requeue; the quorum queue's delivery limit bounds the retries and
+//!   then dead-letters it;
+//! - permanent SMTP failure (5xx, invalid address) → the claim is dropped (nothing was accepted)
+//!   and the delivery dead-lettered.
 //!
-//! The crash window left: the relay accepted the mail but the commit (or this process) failed
-//! before it was recorded. The delivery is then retried and the mail sent again, with the same
-//! deterministic Message-ID, so the receiving mail system can drop the duplicate. Sending before
-//! recording is the deliberate choice: the other order (record, then send) turns the same crash
-//! into a receipt that is never sent, which is worse.
+//! What is left of the crash window: without `MAIL_SEARCH_URL`, a receipt whose attempt died
+//! between the relay's `250` and the commit is sent again (same Message-ID, so the receiving mail
+//! system can drop it). Sending again is the deliberate choice over never sending. With the
+//! search configured, the relay's own record decides.
 
-use std::sync::Arc;
+use std::{sync::Arc, time::Duration};
 
-use diesel::{ExpressionMethods, OptionalExtension, QueryDsl};
+use diesel::{
+    ExpressionMethods, OptionalExtension, QueryDsl, QueryableByName,
+    sql_types::{BigInt, Double, Integer, Text},
+};
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
 use futures_util::StreamExt;
 use lapin::{
@@ -36,8 +44,8 @@ use lapin::{
 };
 use schema::{
     Pool, PoolError,
-    models::NewSentReceipt,
-    schema::{rides, sent_receipts, users},
+    models::{NewSentReceipt, RECORDED_VIA_RELAY_SEARCH, RECORDED_VIA_SMTP},
+    schema::{receipt_claims, rides, sent_receipts, users},
 };
 use serde::Serialize;
 use tokio::{sync::Semaphore, task::JoinSet};
@@ -51,6 +59,7 @@ use crate::{
     mailer::{MailError, Mailer, Receipt},
     message::ReceiptMessage,
     redact,
+    relay_search::RelaySearch,
     topology::Topology,
 };
 
@@ -68,6 +77,11 @@ pub struct ReceiptSummary {
     pub sent: u64,
     /// Already sent for this ride: acked without mailing.
     pub duplicates: u64,
+    /// An earlier attempt's mail was found at the relay: recorded and acked without mailing.
+    pub recovered: u64,
+    /// Mailed although an earlier attempt may have mailed it too, because no relay search is
+    /// configured to check (also counted in `sent`).
+    pub unverified_resends: u64,
     /// Rejected into the dead-letter queue.
     pub dead_lettered: u64,
     /// Requeued after a temporary failure.
@@ -76,27 +90,31 @@ pub struct ReceiptSummary {
 
 impl ReceiptSummary {
     fn count(&mut self, disposition: &Disposition) {
-        let mut one = ReceiptSummary::default();
+        let mut one = ReceiptSummary {
+            received: 1,
+            ..ReceiptSummary::default()
+        };
         match disposition {
-            Disposition::Sent => one.sent = 1,
+            Disposition::Sent { verified: true } => one.sent = 1,
+            Disposition::Sent { verified: false } => {
+                one.sent = 1;
+                one.unverified_resends = 1;
+            }
             Disposition::Duplicate => one.duplicates = 1,
+            Disposition::Recovered => one.recovered = 1,
             Disposition::DeadLetter(_) => one.dead_lettered = 1,
             Disposition::Retry(_) => one.retried = 1,
         }
         crate::metrics::record_receipts(&one);
-        self.received += 1;
-        match disposition {
-            Disposition::Sent => self.sent += 1,
-            Disposition::Duplicate => self.duplicates += 1,
-            Disposition::DeadLetter(_) => self.dead_lettered += 1,
-            Disposition::Retry(_) => self.retried += 1,
-        }
+        self.add(&one);
     }
 
     fn add(&mut self, other: &ReceiptSummary) {
         self.received += other.received;
         self.sent += other.sent;
         self.duplicates += other.duplicates;
+        self.recovered += other.recovered;
+        self.unverified_resends += other.unverified_resends;
         self.dead_lettered += other.dead_lettered;
         self.retried += other.retried;
     }
@@ -105,8 +123,13 @@ impl ReceiptSummary {
 /// What to do with a delivery.
 #[derive(Debug)]
 pub enum Disposition {
-    Sent,
+    /// Mailed and recorded. `verified: false` when an earlier attempt may have mailed it too and
+    /// no relay search could say.
+    Sent {
+        verified: bool,
+    },
     Duplicate,
+    Recovered,
     DeadLetter(String),
     Retry(String),
 }
@@ -124,6 +147,7 @@ enum HandleError {
 pub struct ReceiptWorker {
     pool: Pool,
     mailer: Mailer,
+    relay_search: Option<RelaySearch>,
     topology: Topology,
     config: ReceiptsConfig,
 }
@@ -132,12 +156,14 @@ impl ReceiptWorker {
     pub fn new(
         pool: Pool,
         mailer: Mailer,
+        relay_search: Option<RelaySearch>,
         topology: Topology,
         config: ReceiptsConfig,
     ) -> Arc<Self> {
         Arc::new(ReceiptWorker {
             pool,
             mailer,
+            relay_search,
             topology,
             config,
         })
@@ -278,11 +304,11 @@ impl ReceiptWorker {
             span.add_link(producer.span().span_context().clone());
         }
         let disposition = self
-            .handle(&delivery.data, &message_id)
+            .handle(&delivery.data, &message_id, shutdown)
             .instrument(span)
             .await;
         match &disposition {
-            Disposition::Sent | Disposition::Duplicate => {
+            Disposition::Sent { .. } | Disposition::Duplicate | Disposition::Recovered => {
                 delivery.acker.ack(BasicAckOptions::default()).await?;
             }
             Disposition::DeadLetter(reason) => {
@@ -321,12 +347,17 @@ impl ReceiptWorker {
     }
 
     /// Decides a delivery's fate, sending the mail if it is due.
-    pub async fn handle(&self, body: &[u8], message_id: &str) -> Disposition {
+    pub async fn handle(
+        &self,
+        body: &[u8],
+        message_id: &str,
+        shutdown: &CancellationToken,
+    ) -> Disposition {
         let message = match ReceiptMessage::decode(body) {
             Ok(message) => message,
             Err(error) => return Disposition::DeadLetter(error.to_string()),
         };
-        match self.send_once(&message, message_id).await {
+        match self.send_once(&message, message_id, shutdown).await {
             Ok(disposition) => disposition,
             Err(HandleError::Mail(MailError::Permanent(error))) => Disposition::DeadLetter(error),
             Err(error) => Disposition::Retry(error.to_string()),
@@ -337,108 +368,326 @@ impl ReceiptWorker {
         &self,
         message: &ReceiptMessage,
         message_id: &str,
+        shutdown: &CancellationToken,
     ) -> Result<Disposition, HandleError> {
+        let receipt = match self.receipt_for(message).await? {
+            Ok(receipt) => receipt,
+            Err(dead_letter) => return Ok(dead_letter),
+        };
+        let ride_id = message.ride_id;
+        let Some(claim) = self.claim(ride_id, message_id, shutdown).await? else {
+            return Ok(Disposition::Retry(
+                "shutting down while another attempt holds the receipt".into(),
+            ));
+        };
         let mut conn = self.pool.get().await?;
-        let mailer = &self.mailer;
-        let outcome = conn
-            .transaction(async |conn| send_in(conn, mailer, message, message_id).await)
+        let already_sent = sent_receipts::table
+            .find(ride_id)
+            .select(sent_receipts::ride_id)
+            .first::<i64>(&mut conn)
+            .await
+            .optional()?
+            .is_some();
+        if already_sent {
+            claim.drop_claim(&mut conn).await?;
+            tracing::info!(ride_id, message_id, "receipt already sent");
+            return Ok(Disposition::Duplicate);
+        }
+        drop(conn);
+        let mut verified = true;
+        if claim.attempts > 1 {
+            // An earlier attempt claimed this receipt and never recorded it: it may have died
+            // after the relay accepted the mail. The relay's record decides.
+            match &self.relay_search {
+                Some(search) => {
+                    let held = search
+                        .holds(&crate::mailer::receipt_message_id(ride_id))
+                        .await;
+                    match held {
+                        Ok(true) => {
+                            let mut conn = self.pool.get().await?;
+                            claim
+                                .record_sent(&mut conn, RECORDED_VIA_RELAY_SEARCH)
+                                .await?;
+                            tracing::warn!(
+                                ride_id,
+                                attempts = claim.attempts,
+                                "an earlier attempt's receipt was found at the relay; not sending again"
+                            );
+                            return Ok(Disposition::Recovered);
+                        }
+                        Ok(false) => {}
+                        Err(error) => {
+                            self.end_lease(&claim).await;
+                            return Err(HandleError::Mail(MailError::Temporary(
+                                telemetry::error_chain(&error),
+                            )));
+                        }
+                    }
+                }
+                None => {
+                    verified = false;
+                    tracing::warn!(
+                        ride_id,
+                        attempts = claim.attempts,
+                        "an earlier attempt may have sent this receipt and MAIL_SEARCH_URL is \
+                         unset, so it cannot be checked: sending again with the same Message-ID"
+                    );
+                }
+            }
+        }
+        let sent = match tokio::time::timeout(self.config.smtp_timeout, self.mailer.send(&receipt))
+            .await
+        {
+            Ok(sent) => sent,
+            Err(_) => Err(MailError::Temporary(
+                "the SMTP conversation timed out".into(),
+            )),
+        };
+        if let Err(error) = sent {
+            match &error {
+                // Refused outright: nothing reached the relay and the message leaves the queue.
+                MailError::Permanent(_) => {
+                    if let Ok(mut conn) = self.pool.get().await {
+                        let _ = claim.drop_claim(&mut conn).await;
+                    }
+                }
+                MailError::Temporary(_) => self.end_lease(&claim).await,
+            }
+            return Err(error.into());
+        }
+        let mut conn = self.pool.get().await?;
+        claim.record_sent(&mut conn, RECORDED_VIA_SMTP).await?;
+        tracing::info!(
+            ride_id,
+            to = %redact::email(&receipt.to),
+            "receipt sent"
+        );
+        Ok(Disposition::Sent { verified })
+    }
+
+    /// The receipt for the message's ride, or the dead-letter disposition when the message names
+    /// a ride that does not exist or is not its user's.
+    async fn receipt_for(
+        &self,
+        message: &ReceiptMessage,
+    ) -> Result<Result<Receipt, Disposition>, HandleError> {
+        let mut conn = self.pool.get().await?;
+        let ride = rides::table
+            .inner_join(users::table)
+            .filter(rides::id.eq(message.ride_id))
+            .select((
+                rides::user_id,
+                rides::amount,
+                rides::currency,
+                rides::stripe_charge_id,
+                rides::created_at,
+                users::email,
+            ))
+            .first::<(
+                i64,
+                i64,
+                String,
+                Option<String>,
+                chrono::DateTime<chrono::Utc>,
+                String,
+            )>(&mut conn)
+            .await
+            .optional()?;
+        let Some((user_id, amount, currency, charge_id, created_at, email)) = ride else {
+            return Ok(Err(Disposition::DeadLetter(format!(
+                "unknown ride {}",
+                message.ride_id
+            ))));
+        };
+        if user_id != message.user_id {
+            return Ok(Err(Disposition::DeadLetter(format!(
+                "ride {} does not belong to user {}",
+                message.ride_id, message.user_id
+            ))));
+        }
+        Ok(Ok(Receipt {
+            ride_id: message.ride_id,
+            to: email,
+            // The ride row is authoritative; the message only names the ride.
+            amount,
+            currency,
+            charge_id: charge_id.unwrap_or_else(|| message.charge_id.clone()),
+            ride_created_at: created_at,
+        }))
+    }
+
+    /// Claims the ride's receipt, waiting out another attempt's lease. `None` if shutdown came
+    /// first.
+    async fn claim(
+        &self,
+        ride_id: i64,
+        message_id: &str,
+        shutdown: &CancellationToken,
+    ) -> Result<Option<Claim>, HandleError> {
+        loop {
+            let wait = {
+                let mut conn = self.pool.get().await?;
+                match Claim::take(&mut conn, ride_id, message_id, self.config.claim_lease).await? {
+                    Ok(claim) => return Ok(Some(claim)),
+                    Err(wait) => wait,
+                }
+            };
+            if shutdown.is_cancelled() {
+                return Ok(None);
+            }
+            tracing::info!(
+                ride_id,
+                ?wait,
+                "another attempt holds this receipt; waiting for it"
+            );
+            // A little past the lease's end, so the claim has lapsed when we look again.
+            crate::shutdown::sleep(
+                shutdown,
+                wait.min(self.config.claim_lease) + Duration::from_millis(20),
+            )
             .await;
-        match outcome {
-            Ok(disposition) => Ok(disposition),
-            // Dead-lettering decisions are made inside and must roll back too (nothing written).
-            Err(SendInError::Decided(disposition)) => Ok(disposition),
-            Err(SendInError::Failed(error)) => Err(error),
+        }
+    }
+
+    /// Best effort: a lease that is not ended here simply runs out.
+    async fn end_lease(&self, claim: &Claim) {
+        if let Ok(mut conn) = self.pool.get().await
+            && let Err(error) = claim.end_lease(&mut conn).await
+        {
+            tracing::warn!(error = %error, ride_id = claim.ride_id, "could not end a receipt claim's lease");
         }
     }
 }
 
-/// Errors that abort the transaction. `Decided` carries a disposition that needs a rollback.
+/// One attempt's claim on a ride's receipt. `attempts` is its fencing token: a later attempt
+/// that took the claim over has a higher count, and this one can no longer record or drop it.
 #[derive(Debug)]
-enum SendInError {
-    Decided(Disposition),
-    Failed(HandleError),
+struct Claim {
+    ride_id: i64,
+    message_id: String,
+    attempts: i32,
 }
 
-impl From<diesel::result::Error> for SendInError {
-    fn from(error: diesel::result::Error) -> Self {
-        SendInError::Failed(error.into())
-    }
+#[derive(QueryableByName)]
+struct Attempts {
+    #[diesel(sql_type = Integer)]
+    attempts: i32,
 }
 
-async fn send_in(
-    conn: &mut AsyncPgConnection,
-    mailer: &Mailer,
-    message: &ReceiptMessage,
-    message_id: &str,
-) -> Result<Disposition, SendInError> {
-    let ride = rides::table
-        .inner_join(users::table)
-        .filter(rides::id.eq(message.ride_id))
-        .select((
-            rides::user_id,
-            rides::amount,
-            rides::currency,
-            rides::stripe_charge_id,
-            rides::created_at,
-            users::email,
-        ))
-        .first::<(
-            i64,
-            i64,
-            String,
-            Option<String>,
-            chrono::DateTime<chrono::Utc>,
-            String,
-        )>(conn)
+#[derive(QueryableByName)]
+struct Remaining {
+    #[diesel(sql_type = Double)]
+    secs: f64,
+}
+
+impl Claim {
+    /// Takes the claim if nobody holds it or its holder's lease ran out; otherwise returns how
+    /// long that lease still runs. Autocommit: the claim must be durable before any mail leaves.
+    async fn take(
+        conn: &mut AsyncPgConnection,
+        ride_id: i64,
+        message_id: &str,
+        lease: Duration,
+    ) -> Result<Result<Claim, Duration>, diesel::result::Error> {
+        let taken = diesel::sql_query(
+            "INSERT INTO receipt_claims (ride_id, message_id, claimed_until) \
+             VALUES ($1, $2, now() + make_interval(secs => $3)) \
+             ON CONFLICT (ride_id) DO UPDATE \
+                SET attempts = receipt_claims.attempts + 1, \
+                    claimed_until = EXCLUDED.claimed_until, \
+                    message_id = EXCLUDED.message_id \
+              WHERE receipt_claims.claimed_until <= now() \
+             RETURNING attempts",
+        )
+        .bind::<BigInt, _>(ride_id)
+        .bind::<Text, _>(message_id)
+        .bind::<Double, _>(lease.as_secs_f64())
+        .get_result::<Attempts>(conn)
         .await
         .optional()?;
-    let Some((user_id, amount, currency, charge_id, created_at, email)) = ride else {
-        return Err(SendInError::Decided(Disposition::DeadLetter(format!(
-            "unknown ride {}",
-            message.ride_id
-        ))));
-    };
-    if user_id != message.user_id {
-        return Err(SendInError::Decided(Disposition::DeadLetter(format!(
-            "ride {} does not belong to user {}",
-            message.ride_id, message.user_id
-        ))));
+        if let Some(Attempts { attempts }) = taken {
+            return Ok(Ok(Claim {
+                ride_id,
+                message_id: message_id.to_owned(),
+                attempts,
+            }));
+        }
+        let remaining = diesel::sql_query(
+            "SELECT GREATEST(EXTRACT(EPOCH FROM claimed_until - now()), 0)::float8 AS secs \
+               FROM receipt_claims WHERE ride_id = $1",
+        )
+        .bind::<BigInt, _>(ride_id)
+        .get_result::<Remaining>(conn)
+        .await
+        .optional()?;
+        // No row: the holder finished between the two statements; look again at once.
+        let secs = remaining.map_or(0.0, |r| r.secs);
+        Ok(Err(
+            Duration::try_from_secs_f64(secs).unwrap_or(Duration::ZERO)
+        ))
     }
-    let inserted = diesel::insert_into(sent_receipts::table)
-        .values(NewSentReceipt {
-            ride_id: message.ride_id,
-            message_id,
-        })
-        .on_conflict_do_nothing()
+
+    /// Records the receipt as sent and releases the claim, in one transaction.
+    async fn record_sent(
+        &self,
+        conn: &mut AsyncPgConnection,
+        recorded_via: &str,
+    ) -> Result<(), diesel::result::Error> {
+        let released = conn
+            .transaction(async |conn| {
+                diesel::insert_into(sent_receipts::table)
+                    .values(NewSentReceipt {
+                        ride_id: self.ride_id,
+                        message_id: &self.message_id,
+                        recorded_via,
+                    })
+                    .on_conflict_do_nothing()
+                    .execute(conn)
+                    .await?;
+                self.delete(conn).await
+            })
+            .await?;
+        if !released {
+            // Only possible if a send outlived the lease, which the configuration check
+            // (lease > SMTP timeout) and the send's own timeout rule out.
+            tracing::error!(
+                ride_id = self.ride_id,
+                "a receipt claim was taken over while its mail was being sent; the rider may get it twice"
+            );
+        }
+        Ok(())
+    }
+
+    /// Drops the claim without recording a send (a duplicate, or a relay that refused the mail).
+    async fn drop_claim(&self, conn: &mut AsyncPgConnection) -> Result<(), diesel::result::Error> {
+        self.delete(conn).await.map(|_| ())
+    }
+
+    async fn delete(&self, conn: &mut AsyncPgConnection) -> Result<bool, diesel::result::Error> {
+        let deleted = diesel::delete(
+            receipt_claims::table
+                .filter(receipt_claims::ride_id.eq(self.ride_id))
+                .filter(receipt_claims::attempts.eq(self.attempts)),
+        )
         .execute(conn)
         .await?;
-    if inserted == 0 {
-        tracing::info!(
-            ride_id = message.ride_id,
-            message_id,
-            "receipt already sent"
-        );
-        return Ok(Disposition::Duplicate);
+        Ok(deleted == 1)
     }
-    let receipt = Receipt {
-        ride_id: message.ride_id,
-        to: email,
-        // The ride row is authoritative; the message only names the ride.
-        amount,
-        currency,
-        charge_id: charge_id.unwrap_or_else(|| message.charge_id.clone()),
-        ride_created_at: created_at,
-    };
-    mailer
-        .send(&receipt)
+
+    /// Ends the lease now, keeping the attempt count, so the next attempt starts at once and
+    /// checks the relay first.
+    async fn end_lease(&self, conn: &mut AsyncPgConnection) -> Result<(), diesel::result::Error> {
+        diesel::update(
+            receipt_claims::table
+                .filter(receipt_claims::ride_id.eq(self.ride_id))
+                .filter(receipt_claims::attempts.eq(self.attempts)),
+        )
+        .set(receipt_claims::claimed_until.eq(diesel::dsl::now))
+        .execute(conn)
         .await
-        .map_err(|error| SendInError::Failed(error.into()))?;
-    tracing::info!(
-        ride_id = message.ride_id,
-        to = %redact::email(&receipt.to),
-        "receipt sent"
-    );
-    Ok(Disposition::Sent)
+        .map(|_| ())
+    }
 }
 
 fn record(

@@ -29,6 +29,7 @@ use workers::{
     mail_sink::MailSink,
     mailer::Mailer,
     receipts::ReceiptWorker,
+    relay_search::RelaySearch,
     topology::Topology,
 };
 
@@ -224,6 +225,8 @@ pub fn receipts_config(smtp_url: &str) -> ReceiptsConfig {
         prefetch: 4,
         retry_base_delay: Duration::from_millis(20),
         retry_max_delay: Duration::from_millis(200),
+        mail_search_url: None,
+        claim_lease: Duration::from_secs(30),
     }
 }
 
@@ -234,9 +237,27 @@ pub async fn mail_sink() -> MailSink {
 }
 
 pub fn receipt_worker(pool: &Pool, broker: &TestBroker, sink: &MailSink) -> Arc<ReceiptWorker> {
-    let config = receipts_config(&sink.smtp_url());
+    receipt_worker_with(pool, broker, sink, None)
+}
+
+/// A receipt worker that asks `search_url` (the sink's `serve_search`) before re-sending.
+pub fn receipt_worker_with(
+    pool: &Pool,
+    broker: &TestBroker,
+    sink: &MailSink,
+    search_url: Option<&str>,
+) -> Arc<ReceiptWorker> {
+    let mut config = receipts_config(&sink.smtp_url());
+    config.mail_search_url = search_url.map(str::to_owned);
     let mailer = Mailer::new(&config.smtp_url, &config.from, config.smtp_timeout).unwrap();
-    ReceiptWorker::new(pool.clone(), mailer, broker.topology.clone(), config)
+    let search = search_url.map(|url| RelaySearch::new(url, Duration::from_secs(5)).unwrap());
+    ReceiptWorker::new(
+        pool.clone(),
+        mailer,
+        search,
+        broker.topology.clone(),
+        config,
+    )
 }
 
 /// A TCP proxy the test can sever (every connection dropped, new ones refused) and restore,

@@ -1,10 +1,17 @@
 //! The receipt worker against a real SMTP conversation with the in-test mail sink.
 
+use std::time::Duration;
+
 use api_server::testing::{GOOD_CARD, TestApp, new_key, ride_request};
-use diesel::QueryDsl;
+use diesel::{ExpressionMethods, QueryDsl};
 use diesel_async::RunQueryDsl;
-use schema::schema::sent_receipts;
-use workers::{mailer::receipt_message_id, message::ReceiptMessage};
+use schema::schema::{receipt_claims, sent_receipts};
+use workers::{
+    mail_sink::MailSink,
+    mailer::{Mailer, Receipt, receipt_message_id},
+    message::ReceiptMessage,
+    relay_search::RelaySearch,
+};
 
 use crate::common::{self, TestBroker};
 
@@ -186,4 +193,293 @@ async fn a_permanent_smtp_failure_is_dead_lettered() {
     );
     assert_eq!(sent_count(&app).await, 0);
     broker.cleanup().await;
+}
+
+/// The state a receipt worker leaves when it dies between the relay's `250` and its commit
+/// (`mailed`), or between committing its claim and sending (`!mailed`): an unrecorded claim whose
+/// lease `lease_left` from now (negative: already lapsed).
+async fn leave_crashed_claim(
+    app: &TestApp,
+    sink: &MailSink,
+    ride_id: i64,
+    mailed: bool,
+    lease_left_secs: f64,
+) {
+    let mut conn = app.pool.get().await.unwrap();
+    diesel::sql_query(
+        "INSERT INTO receipt_claims (ride_id, message_id, claimed_until) \
+         VALUES ($1, 'crashed-attempt', now() + make_interval(secs => $2))",
+    )
+    .bind::<diesel::sql_types::BigInt, _>(ride_id)
+    .bind::<diesel::sql_types::Double, _>(lease_left_secs)
+    .execute(&mut conn)
+    .await
+    .unwrap();
+    if mailed {
+        let mailer = Mailer::new(
+            &sink.smtp_url(),
+            "receipts@rocketrides.test",
+            Duration::from_secs(5),
+        )
+        .unwrap();
+        mailer
+            .send(&Receipt {
+                ride_id,
+                to: "rider@example.com".into(),
+                amount: 2000,
+                currency: "usd".into(),
+                charge_id: "pi_crashed".into(),
+                ride_created_at: chrono::Utc::now(),
+            })
+            .await
+            .unwrap();
+    }
+}
+
+/// A paid ride whose receipt message is queued, the sink, and a receipt worker that asks the
+/// sink's message search (or has none).
+struct Scene {
+    app: TestApp,
+    broker: TestBroker,
+    sink: MailSink,
+    ride_id: i64,
+    worker: std::sync::Arc<workers::receipts::ReceiptWorker>,
+}
+
+async fn scene(with_search: bool) -> Scene {
+    let app = TestApp::spawn().await;
+    let broker = TestBroker::new().await;
+    let sink = common::mail_sink().await;
+    let search = match with_search {
+        true => Some(
+            sink.serve_search("127.0.0.1:0".parse().unwrap())
+                .await
+                .unwrap(),
+        ),
+        false => None,
+    };
+    let ride_id = paid_ride(&app, &broker).await;
+    let worker = common::receipt_worker_with(&app.pool, &broker, &sink, search.as_deref());
+    Scene {
+        app,
+        broker,
+        sink,
+        ride_id,
+        worker,
+    }
+}
+
+async fn claims_left(app: &TestApp) -> i64 {
+    let mut conn = app.pool.get().await.unwrap();
+    receipt_claims::table
+        .count()
+        .get_result(&mut conn)
+        .await
+        .unwrap()
+}
+
+async fn recorded_via(app: &TestApp, ride_id: i64) -> String {
+    let mut conn = app.pool.get().await.unwrap();
+    sent_receipts::table
+        .filter(sent_receipts::ride_id.eq(ride_id))
+        .select(sent_receipts::recorded_via)
+        .first(&mut conn)
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_receipt_mailed_by_a_crashed_attempt_is_found_at_the_relay_not_sent_again() {
+    let Scene {
+        app,
+        broker,
+        sink,
+        ride_id,
+        worker,
+    } = scene(true).await;
+    leave_crashed_claim(&app, &sink, ride_id, true, -1.0).await;
+    assert_eq!(sink.received().len(), 1);
+
+    let summary = worker.run_once(&broker.session.channel).await.unwrap();
+    assert_eq!((summary.recovered, summary.sent), (1, 0), "{summary:?}");
+    assert_eq!(sink.received().len(), 1, "the rider got one mail");
+    assert_eq!(sent_count(&app).await, 1);
+    assert_eq!(recorded_via(&app, ride_id).await, "relay_search");
+    assert_eq!(claims_left(&app).await, 0);
+    assert_eq!(broker.depth(&broker.topology.receipts_queue).await, 0);
+    broker.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_claim_whose_mail_never_reached_the_relay_is_sent_once() {
+    let Scene {
+        app,
+        broker,
+        sink,
+        ride_id,
+        worker,
+    } = scene(true).await;
+    leave_crashed_claim(&app, &sink, ride_id, false, -1.0).await;
+
+    let summary = worker.run_once(&broker.session.channel).await.unwrap();
+    assert_eq!(
+        (summary.sent, summary.recovered, summary.unverified_resends),
+        (1, 0, 0),
+        "{summary:?}"
+    );
+    let mails = sink.received();
+    assert_eq!(mails.len(), 1);
+    assert_eq!(mails[0].message_id(), Some(receipt_message_id(ride_id)));
+    assert_eq!(recorded_via(&app, ride_id).await, "smtp");
+    assert_eq!(claims_left(&app).await, 0);
+    broker.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn without_a_relay_search_an_unrecorded_claim_is_resent_and_counted() {
+    let Scene {
+        app,
+        broker,
+        sink,
+        ride_id,
+        worker,
+    } = scene(false).await;
+    leave_crashed_claim(&app, &sink, ride_id, true, -1.0).await;
+
+    let summary = worker.run_once(&broker.session.channel).await.unwrap();
+    assert_eq!(
+        (summary.sent, summary.unverified_resends),
+        (1, 1),
+        "{summary:?}"
+    );
+    // The documented fallback: a second copy with the same Message-ID rather than none.
+    let mails = sink.received();
+    assert_eq!(mails.len(), 2);
+    assert!(
+        mails
+            .iter()
+            .all(|m| m.message_id() == Some(receipt_message_id(ride_id)))
+    );
+    assert_eq!(sent_count(&app).await, 1);
+    broker.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_live_claim_holds_off_a_second_sender_until_its_lease_ends() {
+    let Scene {
+        app,
+        broker,
+        sink,
+        ride_id,
+        worker,
+    } = scene(true).await;
+    // Another attempt is (as far as anyone can tell) still talking to the relay for 3 s.
+    leave_crashed_claim(&app, &sink, ride_id, false, 3.0).await;
+
+    let channel = broker.session.channel.clone();
+    let pass = tokio::spawn(async move { worker.run_once(&channel).await });
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    assert!(
+        sink.received().is_empty(),
+        "sent while another attempt held the claim"
+    );
+    let summary = pass.await.unwrap().unwrap();
+    assert_eq!((summary.sent, summary.retried), (1, 0), "{summary:?}");
+    assert_eq!(sink.received().len(), 1);
+    assert_eq!(claims_left(&app).await, 0);
+    broker.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_relay_search_that_fails_is_a_temporary_failure_not_a_blind_resend() {
+    let Scene {
+        app,
+        broker,
+        sink,
+        ride_id,
+        worker,
+    } = scene(true).await;
+    leave_crashed_claim(&app, &sink, ride_id, true, -1.0).await;
+    sink.fail_next_searches(1);
+
+    let summary = worker.run_once(&broker.session.channel).await.unwrap();
+    assert_eq!(
+        (summary.retried, summary.recovered, summary.sent),
+        (1, 1, 0),
+        "{summary:?}"
+    );
+    assert_eq!(sink.received().len(), 1);
+    assert_eq!(recorded_via(&app, ride_id).await, "relay_search");
+    broker.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_temporary_failure_ends_the_claim_so_the_retry_need_not_wait_for_the_lease() {
+    let Scene {
+        app,
+        broker,
+        sink,
+        ride_id,
+        worker,
+    } = scene(true).await;
+    sink.fail_next(1, 451);
+    // The lease (30 s in the test config) would stall the retry if the failure kept it.
+    let pass = tokio::time::timeout(
+        Duration::from_secs(20),
+        worker.run_once(&broker.session.channel),
+    )
+    .await
+    .expect("the retry waited for the failed attempt's lease")
+    .unwrap();
+    assert_eq!((pass.retried, pass.sent), (1, 1), "{pass:?}");
+    assert_eq!(sink.received().len(), 1);
+    assert_eq!(recorded_via(&app, ride_id).await, "smtp");
+    broker.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_restarted_sink_still_answers_for_the_mail_it_stored() {
+    let dir = std::env::temp_dir().join(format!("rides-sink-{}", uuid::Uuid::new_v4().simple()));
+    let sink = MailSink::spawn("127.0.0.1:0".parse().unwrap(), Some(dir.clone()))
+        .await
+        .unwrap();
+    let mailer = Mailer::new(
+        &sink.smtp_url(),
+        "receipts@rocketrides.test",
+        Duration::from_secs(5),
+    )
+    .unwrap();
+    let receipt = Receipt {
+        ride_id: 7,
+        to: "rider@example.com".into(),
+        amount: 2000,
+        currency: "usd".into(),
+        charge_id: "pi_1".into(),
+        ride_created_at: chrono::Utc::now(),
+    };
+    mailer.send(&receipt).await.unwrap();
+    drop(sink);
+
+    let restarted = MailSink::spawn("127.0.0.1:0".parse().unwrap(), Some(dir.clone()))
+        .await
+        .unwrap();
+    let url = restarted
+        .serve_search("127.0.0.1:0".parse().unwrap())
+        .await
+        .unwrap();
+    let search = RelaySearch::new(&url, Duration::from_secs(5)).unwrap();
+    assert!(search.holds(&receipt_message_id(7)).await.unwrap());
+    assert!(
+        search
+            .holds("ride-7.receipt@rocketrides.test")
+            .await
+            .unwrap()
+    );
+    assert!(!search.holds(&receipt_message_id(8)).await.unwrap());
+    assert!(!search.holds(&receipt_message_id(77)).await.unwrap());
+    let unsupported = reqwest::get(format!("{url}/api/v1/search?query=subject:receipt"))
+        .await
+        .unwrap();
+    assert_eq!(unsupported.status(), reqwest::StatusCode::BAD_REQUEST);
+    std::fs::remove_dir_all(dir).unwrap();
 }
