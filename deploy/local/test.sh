@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Runs every check the project has: formatting, clippy, and the full test suite under nextest
-# against real PostgreSQL and RabbitMQ (started or installed here when absent).
+# Runs every check the project has: formatting, clippy, the full test suite under nextest
+# against real PostgreSQL and RabbitMQ (started or installed here when absent), then the short
+# crash-and-fault campaign (proof/run.sh --short; skip it with PROOF=0).
 set -euo pipefail
 # shellcheck source=deploy/local/lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
@@ -19,3 +20,7 @@ log "deploy/validate.sh (Dockerfile, compose, Kubernetes manifests, offline)"
 deploy/validate.sh
 log "cargo nextest run --workspace"
 cargo nextest run --workspace --locked --profile "${NEXTEST_PROFILE:-default}" "$@"
+if [[ "${PROOF:-1}" != 0 ]]; then
+  log "proof/run.sh --short (crash-and-fault campaign, about 90 s)"
+  proof/run.sh --short
+fi

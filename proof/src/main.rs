@@ -1,11 +1,17 @@
 //! `proof`: a crash-and-fault campaign against the real Rocket Rides processes on loopback.
 //!
-//! It starts fake-stripe, the api-server, a mail sink, the enqueuer and the receipt worker as
-//! separate child processes (plus `completer --once` / `reaper --once` passes), drives CreateRide
-//! with concurrent retrying clients while SIGKILLing the api-server and the workers and injecting
-//! provider faults, then drains the system and checks exactly-once charging and receipting
-//! against PostgreSQL, fake-stripe's ledger and the mail sink's directory. Any violation is
-//! printed with the offending key and makes the process exit non-zero. See docs/reliability.md.
+//! It starts its own PostgreSQL cluster and RabbitMQ node ([`services`]), fake-stripe, two
+//! api-servers (the second with a pool of two connections, to exhaust it), a mail sink, the
+//! enqueuer and the receipt worker as separate child processes (plus `completer --once` /
+//! `reaper --once` passes), and drives CreateRide with concurrent retrying clients spread over
+//! both api-servers. Meanwhile it SIGKILLs the api-servers (at random, and at every crash point
+//! of `api_server::fault`) and the workers, stalls an api-server past the lock timeout, restarts
+//! PostgreSQL and RabbitMQ, and injects provider faults. Then it drains the system and checks
+//! exactly-once charging and receipting against PostgreSQL, fake-stripe's ledger and the mail
+//! sink's directory. Any violation is printed with the offending key and makes the process exit
+//! non-zero. See docs/reliability.md.
+
+mod services;
 
 use std::{
     collections::{BTreeMap, HashMap, HashSet},
@@ -16,7 +22,7 @@ use std::{
         Arc,
         atomic::{AtomicBool, AtomicU64, Ordering},
     },
-    time::{Duration, Instant, SystemTime, UNIX_EPOCH},
+    time::{Duration, Instant},
 };
 
 use anyhow::{Context, bail};
@@ -101,11 +107,36 @@ struct Args {
     stripe_port: u16,
     #[arg(long, default_value_t = 2625)]
     smtp_port: u16,
-    /// Do not fail on a duplicate receipt mail (same Message-ID) whose second copy follows a
-    /// receipts-worker SIGKILL that fell between the two copies: the send-then-commit window
-    /// docs/workers.md accepts. Such duplicates are still counted and listed.
+    /// The mail sink's message search (MAIL_SEARCH_URL for the receipt worker).
+    #[arg(long, default_value_t = 8626)]
+    mail_search_port: u16,
+    /// The second api-server (pool of 1 connection, 100 ms pool timeout).
+    #[arg(long, default_value_t = 50252)]
+    grpc_port_b: u16,
+    /// Run against the shared PostgreSQL and RabbitMQ (--admin-url, --amqp-url) instead of
+    /// private ones; their restarts are then skipped.
     #[arg(long)]
-    allow_crash_window_duplicates: bool,
+    shared_services: bool,
+    /// Port of the private PostgreSQL cluster.
+    #[arg(long, default_value_t = 55433)]
+    pg_port: u16,
+    /// Port of the private RabbitMQ node (its distribution port is this + 20000).
+    #[arg(long, default_value_t = 5683)]
+    amqp_port: u16,
+    /// Mean seconds between PostgreSQL fast-shutdown restarts.
+    #[arg(long, default_value_t = 20.0)]
+    pg_restart_every_secs: f64,
+    /// Mean seconds between RabbitMQ restarts.
+    #[arg(long, default_value_t = 25.0)]
+    rabbit_restart_every_secs: f64,
+    /// Mean seconds between stalls of an api-server (SIGSTOP for longer than the lock timeout,
+    /// then SIGCONT): the other api-server takes the stalled attempts' keys over.
+    #[arg(long, default_value_t = 15.0)]
+    stall_every_secs: f64,
+    /// Do not arm the api-server's crash points (needed when its binary lacks the
+    /// `fault-injection` feature; proof/run.sh builds it with the feature).
+    #[arg(long)]
+    no_crash_points: bool,
     /// Keep the database (and the RabbitMQ queues) after the run.
     #[arg(long)]
     keep: bool,
@@ -113,13 +144,6 @@ struct Args {
 
 const STRIPE_KEY: &str = "sk_test_proof_campaign";
 const LOCK_TIMEOUT_SECS: &str = "6";
-
-fn now_nanos() -> i128 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_nanos() as i128)
-        .unwrap_or_default()
-}
 
 // ---------------------------------------------------------------------------------------------
 // Child processes
@@ -134,9 +158,54 @@ struct Proc {
     port: Option<u16>,
     child: Option<Child>,
     starts: u64,
+    /// Arms one crash point per start (api-servers only).
+    arming: Option<Arc<Arming>>,
+}
+
+/// Hands each api-server start the next crash point, round-robin, to fire on a random hit, so
+/// that every point is crashed on purpose in every run. Disarmed for the final drain.
+struct Arming {
+    next: AtomicU64,
+    armed: AtomicBool,
+    rng: std::sync::Mutex<StdRng>,
+    log: PathBuf,
+}
+
+impl Arming {
+    fn env(&self) -> Vec<(String, String)> {
+        if !AtomicBool::load(&self.armed, Ordering::SeqCst) {
+            return Vec::new();
+        }
+        let points = api_server::fault::CRASH_POINTS;
+        let n = self.next.fetch_add(1, Ordering::SeqCst) as usize;
+        let after: u64 = self.rng.lock().map_or(1, |mut r| r.random_range(1..=12));
+        vec![
+            (
+                "FAULT_CRASH_POINT".to_owned(),
+                points[n % points.len()].to_owned(),
+            ),
+            ("FAULT_CRASH_AFTER".to_owned(), after.to_string()),
+            ("FAULT_CRASH_LOG".to_owned(), self.log.display().to_string()),
+        ]
+    }
+
+    /// How often each point fired, from the log the api-servers append to as they crash.
+    fn fired(&self) -> BTreeMap<String, u64> {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        text.lines()
+            .filter(|l| !l.is_empty())
+            .fold(BTreeMap::new(), |mut m, l| {
+                *m.entry(l.to_owned()).or_default() += 1;
+                m
+            })
+    }
 }
 
 impl Proc {
+    fn pid(&self) -> Option<u32> {
+        self.child.as_ref().and_then(Child::id)
+    }
+
     async fn start(&mut self) -> anyhow::Result<()> {
         let out = OpenOptions::new()
             .create(true)
@@ -144,9 +213,11 @@ impl Proc {
             .open(&self.log)
             .with_context(|| format!("opening {}", self.log.display()))?;
         let err = out.try_clone()?;
+        let armed = self.arming.as_ref().map(|a| a.env()).unwrap_or_default();
         let child = Command::new(&self.bin)
             .args(&self.args)
             .envs(self.env.iter().cloned())
+            .envs(armed)
             .stdin(Stdio::null())
             .stdout(Stdio::from(out))
             .stderr(Stdio::from(err))
@@ -375,7 +446,9 @@ async fn call(
 struct ClientCtx {
     id: u32,
     user: User,
-    rpc: RideServiceClient<Channel>,
+    /// One per api-server; each attempt picks one at random, as a load balancer would.
+    rpcs: Vec<RideServiceClient<Channel>>,
+    faults: Arc<Counters>,
     run_id: String,
     traffic_end: Instant,
     hard_end: Instant,
@@ -413,7 +486,13 @@ async fn run_client(ctx: ClientCtx, seed: u64) -> Vec<KeyRecord> {
             } else {
                 Duration::from_secs(20)
             };
-            let answer = match call(&ctx.rpc, &ctx.user, &key, params, timeout).await {
+            let server = rng.random_range(0..ctx.rpcs.len());
+            let answer = match call(&ctx.rpcs[server], &ctx.user, &key, params, timeout).await {
+                Ok(Err(status)) if server == 1 && reason_of(&status) == "DATABASE_UNAVAILABLE" => {
+                    ctx.faults
+                        .add("pool_exhaustion/api-b answered DATABASE_UNAVAILABLE", 1);
+                    classify(Err(status))
+                }
                 Ok(result) => classify(result),
                 Err(()) if drop_mid => {
                     ctx.attempts.add("CLIENT/DROPPED_MID_REQUEST", 1);
@@ -477,6 +556,21 @@ fn exp_delay(rng: &mut StdRng, mean_secs: f64) -> Duration {
     Duration::from_secs_f64((-u.ln() * mean_secs).clamp(0.3, mean_secs * 4.0))
 }
 
+/// Rare faults (restarts, stalls) come first at a random point of the traffic window's middle,
+/// so even a short run has each at least once; then every `mean_secs` on average.
+fn rare_fault_delay(
+    rng: &mut StdRng,
+    first: &mut bool,
+    traffic: Duration,
+    mean_secs: f64,
+) -> Duration {
+    if std::mem::take(first) {
+        traffic.mul_f64(rng.random_range(0.15..0.5))
+    } else {
+        exp_delay(rng, mean_secs)
+    }
+}
+
 async fn sleep_unless_stopped(stop: &AtomicBool, d: Duration) -> bool {
     let end = Instant::now() + d;
     while Instant::now() < end {
@@ -496,13 +590,50 @@ async fn kill_and_restart(
 ) -> anyhow::Result<()> {
     let mut p = proc.lock().await;
     if let Some(status) = p.exited() {
-        faults.add(format!("unexpected_exit/{}", p.name), 1);
+        faults.add(format!("self_exit/{}", p.name), 1);
         eprintln!("proof: {} had exited on its own ({status})", p.name);
     }
     p.kill().await;
     faults.add(label, 1);
     tokio::time::sleep(pause).await;
-    p.start().await
+    start_or_count(&mut p, faults).await;
+    Ok(())
+}
+
+/// Starts `p`; a failure (say, while PostgreSQL is down) is counted and left to the supervisor,
+/// which tries again.
+async fn start_or_count(p: &mut Proc, faults: &Counters) {
+    if let Err(error) = p.start().await {
+        faults.add(format!("restart_failed/{}", p.name), 1);
+        eprintln!("proof: cannot start {}: {error:#}", p.name);
+        p.kill().await;
+    }
+}
+
+/// Restarts any child that died by itself (a crash point, or a bug) or failed to start.
+async fn supervise(procs: &[Arc<Mutex<Proc>>], faults: &Counters) {
+    for proc in procs {
+        let mut p = proc.lock().await;
+        if let Some(status) = p.exited() {
+            faults.add(format!("self_exit/{}", p.name), 1);
+            if p.arming.is_none() {
+                eprintln!("proof: {} exited on its own ({status})", p.name);
+            }
+            p.kill().await;
+        }
+        if p.child.is_none() {
+            start_or_count(&mut p, faults).await;
+        }
+    }
+}
+
+/// SIGSTOP / SIGCONT by pid.
+async fn signal(pid: u32, sig: &str) -> bool {
+    Command::new("kill")
+        .args([sig, &pid.to_string()])
+        .status()
+        .await
+        .is_ok_and(|s| s.success())
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -707,14 +838,57 @@ async fn campaign(args: Args) -> anyhow::Result<bool> {
     let log_dir = out_dir.join("logs");
     std::fs::create_dir_all(&mail_dir)?;
     std::fs::create_dir_all(&log_dir)?;
-    for port in [args.grpc_port, args.stripe_port, args.smtp_port] {
+    for port in [
+        args.grpc_port,
+        args.grpc_port_b,
+        args.stripe_port,
+        args.smtp_port,
+        args.mail_search_port,
+        args.pg_port,
+        args.amqp_port,
+    ] {
         if port_in_use(port).await {
             bail!("127.0.0.1:{port} is already in use (another proof run?)");
         }
     }
+    // Private servers, so that restarting them disturbs nobody; the shared ones otherwise.
+    let services_dir = std::env::temp_dir().join(format!("rides-proof-{run_id}"));
+    let pg = match (args.shared_services, services::Postgres::find_binaries()) {
+        (false, Some(bin)) => Some(
+            services::Postgres::init_and_start(bin, &services_dir.join("pg"), args.pg_port).await?,
+        ),
+        (false, None) => {
+            println!("proof: no PostgreSQL server binaries: using --admin-url, restarts skipped");
+            None
+        }
+        (true, _) => None,
+    };
+    let rabbit = if !args.shared_services && services::Rabbit::available() {
+        match services::Rabbit::start_new(&services_dir.join("rabbitmq"), args.amqp_port, &run_id)
+            .await
+        {
+            Ok(rabbit) => Some(rabbit),
+            Err(error) => {
+                if let Some(pg) = &pg {
+                    let _ = pg.stop_fast().await;
+                }
+                return Err(error);
+            }
+        }
+    } else {
+        if !args.shared_services {
+            println!("proof: no RabbitMQ server binaries: using --amqp-url, restarts skipped");
+        }
+        None
+    };
+    let admin_url = pg
+        .as_ref()
+        .map_or_else(|| args.admin_url.clone(), services::Postgres::admin_url);
+    let amqp_url = rabbit
+        .as_ref()
+        .map_or_else(|| args.amqp_url.clone(), services::Rabbit::url);
     let db_name = format!("proof_{run_id}");
-    let admin_base = args
-        .admin_url
+    let admin_base = admin_url
         .rsplit_once('/')
         .map(|(base, _)| base.to_owned())
         .context("admin url has no database part")?;
@@ -724,6 +898,7 @@ async fn campaign(args: Args) -> anyhow::Result<bool> {
     let grpc_addr = format!("127.0.0.1:{}", args.grpc_port);
     let stripe_base = format!("http://127.0.0.1:{}", args.stripe_port);
     let smtp_addr = format!("127.0.0.1:{}", args.smtp_port);
+    let mail_search_url = format!("http://127.0.0.1:{}", args.mail_search_port);
     println!(
         "proof: run {run_id}, seed {seed}, {}s of traffic, {} clients, database {db_name}, out {}",
         duration.as_secs(),
@@ -734,6 +909,7 @@ async fn campaign(args: Args) -> anyhow::Result<bool> {
     let env: Vec<(String, String)> = [
         ("DATABASE_URL", database_url.as_str()),
         ("DATABASE_POOL_SIZE", "8"),
+        ("DATABASE_POOL_TIMEOUT_MS", "2000"),
         ("GRPC_LISTEN_ADDR", grpc_addr.as_str()),
         ("STRIPE_API_BASE", stripe_base.as_str()),
         ("STRIPE_SECRET_KEY", STRIPE_KEY),
@@ -742,10 +918,12 @@ async fn campaign(args: Args) -> anyhow::Result<bool> {
         ("INTERNAL_API_TOKEN", internal_token.as_str()),
         ("METRICS_LISTEN_ADDR", "off"),
         ("RUST_LOG", "info"),
-        ("AMQP_URL", args.amqp_url.as_str()),
+        ("AMQP_URL", amqp_url.as_str()),
         ("AMQP_TOPOLOGY_PREFIX", prefix.as_str()),
         ("SMTP_URL", &format!("smtp://{smtp_addr}")),
-        ("SMTP_TIMEOUT_SECS", "10"),
+        ("SMTP_TIMEOUT_SECS", "2"),
+        ("RECEIPTS_CLAIM_LEASE_SECS", "5"),
+        ("MAIL_SEARCH_URL", mail_search_url.as_str()),
         ("RECEIPTS_RETRY_BASE_MS", "200"),
         ("RECEIPTS_RETRY_MAX_MS", "2000"),
         ("ENQUEUER_IDLE_MAX_MS", "500"),
@@ -764,22 +942,19 @@ async fn campaign(args: Args) -> anyhow::Result<bool> {
     .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
     .collect();
 
+    let services = Arc::new(Services {
+        pg,
+        rabbit,
+        dir: services_dir,
+    });
     // Fresh database: `api-server migrate` creates it.
-    let migrate = Command::new(bin_dir.join("api-server"))
-        .arg("migrate")
-        .envs(env.iter().cloned())
-        .kill_on_drop(true)
-        .output()
-        .await
-        .context("running api-server migrate")?;
-    if !migrate.status.success() {
-        bail!(
-            "api-server migrate failed: {}",
-            String::from_utf8_lossy(&migrate.stderr)
-        );
+    let migrated = migrate(&bin_dir, &env).await;
+    if migrated.is_err() {
+        services.stop(args.keep).await;
     }
+    migrated?;
     let guard = DbGuard {
-        admin_url: args.admin_url.clone(),
+        admin_url: admin_url.clone(),
         name: db_name.clone(),
         keep: args.keep,
         prefix: prefix.clone(),
@@ -800,11 +975,62 @@ async fn campaign(args: Args) -> anyhow::Result<bool> {
             grpc_addr,
             started,
             db_name: db_name.clone(),
+            services: Arc::clone(&services),
         },
     )
     .await;
-    guard.cleanup().await;
+    if services.pg.is_none() {
+        guard.cleanup().await;
+    }
+    services.stop(args.keep).await;
     result
+}
+
+async fn migrate(bin_dir: &Path, env: &[(String, String)]) -> anyhow::Result<()> {
+    let migrate = Command::new(bin_dir.join("api-server"))
+        .arg("migrate")
+        .envs(env.iter().cloned())
+        .kill_on_drop(true)
+        .output()
+        .await
+        .context("running api-server migrate")?;
+    if !migrate.status.success() {
+        bail!(
+            "api-server migrate failed: {}",
+            String::from_utf8_lossy(&migrate.stderr)
+        );
+    }
+    Ok(())
+}
+
+/// The private servers, if the campaign runs its own.
+struct Services {
+    pg: Option<services::Postgres>,
+    rabbit: Option<services::Rabbit>,
+    dir: PathBuf,
+}
+
+impl Services {
+    async fn stop(&self, keep: bool) {
+        if let Some(rabbit) = &self.rabbit
+            && let Err(error) = rabbit.stop().await
+        {
+            eprintln!("proof: stopping RabbitMQ: {error:#}");
+        }
+        if let Some(pg) = &self.pg
+            && let Err(error) = pg.stop_fast().await
+        {
+            eprintln!("proof: stopping PostgreSQL: {error:#}");
+        }
+        if keep {
+            println!(
+                "proof: kept the private servers' data in {}",
+                self.dir.display()
+            );
+        } else if self.pg.is_some() || self.rabbit.is_some() {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
 }
 
 struct DbGuard {
@@ -861,6 +1087,7 @@ struct RunSetup {
     grpc_addr: String,
     started: Instant,
     db_name: String,
+    services: Arc<Services>,
 }
 
 async fn run_once(
@@ -913,7 +1140,14 @@ async fn run(args: &Args, s: RunSetup) -> anyhow::Result<bool> {
         port,
         child: None,
         starts: 0,
+        arming: None,
     };
+    let arming = Arc::new(Arming {
+        next: AtomicU64::new(0),
+        armed: AtomicBool::new(!args.no_crash_points),
+        rng: std::sync::Mutex::new(StdRng::seed_from_u64(s.seed.wrapping_add(4))),
+        log: s.out_dir.join("crash-points.log"),
+    });
     let mut stripe = make(
         "fake-stripe",
         s.bin_dir.join("fake-stripe"),
@@ -930,17 +1164,44 @@ async fn run(args: &Args, s: RunSetup) -> anyhow::Result<bool> {
             format!("127.0.0.1:{}", args.smtp_port),
             "--dir".into(),
             s.mail_dir.display().to_string(),
+            "--http-listen".into(),
+            format!("127.0.0.1:{}", args.mail_search_port),
         ],
         Some(args.smtp_port),
     );
     sink.start().await?;
-    let api = Arc::new(Mutex::new(make(
+    let mut api_a = make(
         "api-server",
         s.bin_dir.join("api-server"),
         vec!["serve".into()],
         Some(args.grpc_port),
-    )));
+    );
+    api_a.arming = Some(Arc::clone(&arming));
+    // The second api-server has a pool of one connection for everything its share of the
+    // clients sends: pool exhaustion, answered with UNAVAILABLE and retried.
+    let mut api_b = make(
+        "api-server-b",
+        s.bin_dir.join("api-server"),
+        vec!["serve".into()],
+        Some(args.grpc_port_b),
+    );
+    api_b.arming = Some(Arc::clone(&arming));
+    api_b.env.extend(
+        [
+            (
+                "GRPC_LISTEN_ADDR",
+                format!("127.0.0.1:{}", args.grpc_port_b),
+            ),
+            ("DATABASE_POOL_SIZE", "1".to_owned()),
+            ("DATABASE_POOL_TIMEOUT_MS", "100".to_owned()),
+        ]
+        .map(|(k, v)| (k.to_owned(), v)),
+    );
+    let api = Arc::new(Mutex::new(api_a));
+    let api_b = Arc::new(Mutex::new(api_b));
     api.lock().await.start().await?;
+    api_b.lock().await.start().await?;
+    let apis = [Arc::clone(&api), Arc::clone(&api_b)];
     let enqueuer = Arc::new(Mutex::new(make(
         "enqueuer",
         workers_bin.clone(),
@@ -988,7 +1249,6 @@ async fn run(args: &Args, s: RunSetup) -> anyhow::Result<bool> {
     let retries = Arc::new(AtomicU64::new(0));
     let stop_faults = Arc::new(AtomicBool::new(false));
     let stop_maintenance = Arc::new(AtomicBool::new(false));
-    let receipts_kills: Arc<std::sync::Mutex<Vec<i128>>> = Arc::default();
     let http = reqwest::Client::builder()
         .timeout(Duration::from_secs(10))
         .no_proxy()
@@ -1001,13 +1261,18 @@ async fn run(args: &Args, s: RunSetup) -> anyhow::Result<bool> {
     // Clients.
     let mut clients: Vec<JoinHandle<Vec<KeyRecord>>> = Vec::new();
     for (i, user) in users.iter().enumerate() {
-        let channel = Channel::from_shared(format!("http://{}", s.grpc_addr))?
-            .connect_timeout(Duration::from_secs(1))
-            .connect_lazy();
+        let mut rpcs = Vec::new();
+        for port in [args.grpc_port, args.grpc_port_b] {
+            let channel = Channel::from_shared(format!("http://127.0.0.1:{port}"))?
+                .connect_timeout(Duration::from_secs(1))
+                .connect_lazy();
+            rpcs.push(RideServiceClient::new(channel));
+        }
         let ctx = ClientCtx {
             id: i as u32,
             user: user.clone(),
-            rpc: RideServiceClient::new(channel),
+            rpcs,
+            faults: Arc::clone(&faults),
             run_id: s.run_id.clone(),
             traffic_end,
             hard_end,
@@ -1022,19 +1287,112 @@ async fn run(args: &Args, s: RunSetup) -> anyhow::Result<bool> {
         )));
     }
 
-    // Fault: api-server SIGKILL + restart.
-    let api_killer = {
-        let (api, faults, stop) = (
+    // Supervisor: restarts whatever died by itself (crash points) until the very end.
+    let stop_supervisor = Arc::new(AtomicBool::new(false));
+    let supervisor = {
+        let procs = vec![
             Arc::clone(&api),
-            Arc::clone(&faults),
-            Arc::clone(&stop_faults),
-        );
+            Arc::clone(&api_b),
+            Arc::clone(&enqueuer),
+            Arc::clone(&receipts),
+        ];
+        let (faults, stop) = (Arc::clone(&faults), Arc::clone(&stop_supervisor));
+        tokio::spawn(async move {
+            while !AtomicBool::load(&stop, Ordering::Relaxed) {
+                supervise(&procs, &faults).await;
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        })
+    };
+    // Fault: api-server SIGKILL + restart, at random moments.
+    let api_killer = {
+        let (apis, faults, stop) = (apis.clone(), Arc::clone(&faults), Arc::clone(&stop_faults));
         let mean = args.api_kill_every_secs;
         let mut rng = StdRng::seed_from_u64(s.seed.wrapping_add(1));
         tokio::spawn(async move {
             while sleep_unless_stopped(&stop, exp_delay(&mut rng, mean)).await {
                 let pause = Duration::from_millis(rng.random_range(0..800));
-                kill_and_restart(&api, pause, &faults, "sigkill/api-server").await?;
+                let which = &apis[rng.random_range(0..apis.len())];
+                kill_and_restart(which, pause, &faults, "sigkill/api-server (random moment)")
+                    .await?;
+            }
+            anyhow::Ok(())
+        })
+    };
+    // Fault: an api-server stalls (SIGSTOP) for longer than the lock timeout, then resumes. Its
+    // in-flight attempts' keys are taken over by retries on the other api-server meanwhile;
+    // when it resumes, their fencing tokens are gone.
+    let staller = {
+        let (apis, faults, stop) = (apis.clone(), Arc::clone(&faults), Arc::clone(&stop_faults));
+        let (mean, traffic, mut first) = (args.stall_every_secs, s.duration, true);
+        let lock_timeout: f64 = LOCK_TIMEOUT_SECS.parse().unwrap_or(6.0);
+        let mut rng = StdRng::seed_from_u64(s.seed.wrapping_add(5));
+        tokio::spawn(async move {
+            while sleep_unless_stopped(&stop, rare_fault_delay(&mut rng, &mut first, traffic, mean))
+                .await
+            {
+                let which = &apis[rng.random_range(0..apis.len())];
+                let Some(pid) = which.lock().await.pid() else {
+                    continue;
+                };
+                if signal(pid, "-STOP").await {
+                    faults.add("stall/api-server SIGSTOP past the lock timeout", 1);
+                    let stall = lock_timeout + rng.random_range(0.5..2.5);
+                    tokio::time::sleep(Duration::from_secs_f64(stall)).await;
+                    signal(pid, "-CONT").await;
+                }
+            }
+            anyhow::Ok(())
+        })
+    };
+    // Fault: PostgreSQL fast shutdown and restart under load.
+    let pg_restarter = {
+        let (services, faults, stop) = (
+            Arc::clone(&s.services),
+            Arc::clone(&faults),
+            Arc::clone(&stop_faults),
+        );
+        let (mean, traffic, mut first) = (args.pg_restart_every_secs, s.duration, true);
+        let mut rng = StdRng::seed_from_u64(s.seed.wrapping_add(6));
+        tokio::spawn(async move {
+            let Some(pg) = &services.pg else {
+                faults.add("restart/postgresql SKIPPED (shared server)", 1);
+                return anyhow::Ok(());
+            };
+            while sleep_unless_stopped(&stop, rare_fault_delay(&mut rng, &mut first, traffic, mean))
+                .await
+            {
+                pg.stop_fast().await?;
+                faults.add("restart/postgresql (fast shutdown)", 1);
+                let down = Duration::from_millis(rng.random_range(200..2500));
+                tokio::time::sleep(down).await;
+                pg.start().await?;
+            }
+            anyhow::Ok(())
+        })
+    };
+    // Fault: RabbitMQ stop and start, during drains and consumption.
+    let rabbit_restarter = {
+        let (services, faults, stop) = (
+            Arc::clone(&s.services),
+            Arc::clone(&faults),
+            Arc::clone(&stop_faults),
+        );
+        let (mean, traffic, mut first) = (args.rabbit_restart_every_secs, s.duration, true);
+        let mut rng = StdRng::seed_from_u64(s.seed.wrapping_add(7));
+        tokio::spawn(async move {
+            let Some(rabbit) = &services.rabbit else {
+                faults.add("restart/rabbitmq SKIPPED (shared server)", 1);
+                return anyhow::Ok(());
+            };
+            while sleep_unless_stopped(&stop, rare_fault_delay(&mut rng, &mut first, traffic, mean))
+                .await
+            {
+                rabbit.stop().await?;
+                faults.add("restart/rabbitmq", 1);
+                let down = Duration::from_millis(rng.random_range(200..2000));
+                tokio::time::sleep(down).await;
+                rabbit.start().await?;
             }
             anyhow::Ok(())
         })
@@ -1047,7 +1405,6 @@ async fn run(args: &Args, s: RunSetup) -> anyhow::Result<bool> {
             Arc::clone(&faults),
             Arc::clone(&stop_faults),
         );
-        let kills = Arc::clone(&receipts_kills);
         let mean = args.worker_kill_every_secs;
         let mut rng = StdRng::seed_from_u64(s.seed.wrapping_add(2));
         tokio::spawn(async move {
@@ -1056,9 +1413,6 @@ async fn run(args: &Args, s: RunSetup) -> anyhow::Result<bool> {
                 if rng.random_bool(0.5) {
                     kill_and_restart(&enq, pause, &faults, "sigkill/enqueuer").await?;
                 } else {
-                    if let Ok(mut k) = kills.lock() {
-                        k.push(now_nanos());
-                    }
                     kill_and_restart(&rec, pause, &faults, "sigkill/receipts").await?;
                 }
             }
@@ -1138,7 +1492,14 @@ async fn run(args: &Args, s: RunSetup) -> anyhow::Result<bool> {
 
     tokio::time::sleep_until(traffic_end.into()).await;
     stop_faults.store(true, Ordering::Relaxed);
-    for task in [api_killer, worker_killer, stripe_faulter] {
+    for task in [
+        api_killer,
+        worker_killer,
+        stripe_faulter,
+        staller,
+        pg_restarter,
+        rabbit_restarter,
+    ] {
         task.await??;
     }
     let _ = progress.await;
@@ -1150,12 +1511,19 @@ async fn run(args: &Args, s: RunSetup) -> anyhow::Result<bool> {
         "proof: traffic stopped after {}s; faults off; waiting for clients",
         traffic_start.elapsed().as_secs()
     );
-    {
-        // Make sure the api-server is up (a kill may have raced the stop).
-        let mut a = api.lock().await;
-        if a.child.is_none() || a.exited().is_some() {
-            a.start().await?;
+    // Disarm: restart both api-servers without crash points for the drain and the replays.
+    arming.armed.store(false, Ordering::SeqCst);
+    for proc in &apis {
+        let mut p = proc.lock().await;
+        if let Some(pid) = p.pid() {
+            // A stalled server must not stay stopped (SIGCONT is harmless otherwise).
+            signal(pid, "-CONT").await;
         }
+        if p.exited().is_some() {
+            faults.add(format!("self_exit/{}", p.name), 1);
+        }
+        p.kill().await;
+        p.start().await?;
     }
     let mut records: Vec<KeyRecord> = Vec::new();
     for client in clients {
@@ -1368,6 +1736,13 @@ async fn run(args: &Args, s: RunSetup) -> anyhow::Result<bool> {
         .into_iter()
         .map(|r| r.id)
         .collect();
+    // Receipts whose sending attempt died after the relay took the mail: the crash window, closed.
+    let recovered_at_relay = count(
+        &mut conn,
+        "SELECT count(*) AS n FROM sent_receipts WHERE recorded_via = 'relay_search'",
+    )
+    .await?;
+    let claims_left = count(&mut conn, "SELECT count(*) AS n FROM receipt_claims").await?;
     let staged_rides: Vec<i64> = diesel::sql_query("SELECT job_args::text AS t FROM staged_jobs")
         .load::<TextRow>(&mut conn)
         .await?
@@ -1388,7 +1763,10 @@ async fn run(args: &Args, s: RunSetup) -> anyhow::Result<bool> {
     drop(conn);
 
     // Stop every child before judging (the database and ledger are read).
+    stop_supervisor.store(true, Ordering::Relaxed);
+    let _ = supervisor.await;
     api.lock().await.kill().await;
+    api_b.lock().await.kill().await;
     enqueuer.lock().await.kill().await;
     receipts.lock().await.kill().await;
     sink.kill().await;
@@ -1419,19 +1797,6 @@ async fn run(args: &Args, s: RunSetup) -> anyhow::Result<bool> {
             ),
         }
     }
-    let receipts_kill_times = receipts_kills.lock().map(|k| k.clone()).unwrap_or_default();
-    // A duplicate is "in the crash window" when a receipts SIGKILL fell between its first copy
-    // (minus 100 ms of clock slack) and its second.
-    let in_crash_window = |stamps: &[i128]| -> bool {
-        let mut sorted = stamps.to_vec();
-        sorted.sort_unstable();
-        sorted.windows(2).all(|w| {
-            receipts_kill_times
-                .iter()
-                .any(|k| *k >= w[0] - 100_000_000 && *k <= w[1])
-        })
-    };
-    let crash_window_duplicates = std::cell::Cell::new(0_u64);
     // Per-ride receipt/charge checks for a ride that must be charged exactly once.
     let check_charged_ride = |v: &mut Violations,
                               key: &str,
@@ -1485,33 +1850,10 @@ async fn run(args: &Args, s: RunSetup) -> anyhow::Result<bool> {
             );
         }
         let mails = mail.get(&ride.id).map_or(&[][..], Vec::as_slice);
-        if mails.len() > 1 && in_crash_window(mails) {
-            crash_window_duplicates.set(crash_window_duplicates.get() + 1);
-            eprintln!(
-                "proof: ride {} (key {key}) mailed {} times, a receipts SIGKILL between the copies",
-                ride.id,
-                mails.len()
-            );
-        }
-        if mails.len() != 1
-            && !(args.allow_crash_window_duplicates && mails.len() > 1 && in_crash_window(mails))
-        {
-            let note = if mails.len() > 1 {
-                if in_crash_window(mails) {
-                    "(same Message-ID; a receipts SIGKILL fell between the copies: the send-then-commit window)"
-                } else {
-                    "(same Message-ID; NO receipts SIGKILL between the copies)"
-                }
-            } else {
-                ""
-            };
+        if mails.len() != 1 {
             v.add(
                 "one_mail",
-                format!(
-                    "key {key}: ride {} has {} mails {note}",
-                    ride.id,
-                    mails.len()
-                ),
+                format!("key {key}: ride {} has {} mails", ride.id, mails.len()),
             );
         }
     };
@@ -1655,6 +1997,40 @@ async fn run(args: &Args, s: RunSetup) -> anyhow::Result<bool> {
             }
         }
     }
+    // Crash points: every one fired, and the api-servers died of nothing else.
+    let crash_points_fired = arming.fired();
+    if !args.no_crash_points {
+        for point in api_server::fault::CRASH_POINTS {
+            if !crash_points_fired.contains_key(*point) {
+                v.add(
+                    "crash_points_fired",
+                    format!("crash point {point} never fired (is the api-server built with the fault-injection feature?)"),
+                );
+            }
+        }
+    }
+    let fault_counts = faults.snapshot();
+    let api_self_exits = fault_counts
+        .get("self_exit/api-server")
+        .copied()
+        .unwrap_or(0)
+        + fault_counts
+            .get("self_exit/api-server-b")
+            .copied()
+            .unwrap_or(0);
+    let crashes: u64 = crash_points_fired.values().sum();
+    if api_self_exits > crashes {
+        v.add(
+            "no_unexpected_exit",
+            format!("the api-servers exited {api_self_exits} times on their own but crash points fired {crashes} times: see logs/api-server*.log"),
+        );
+    }
+    if claims_left > 0 {
+        v.add(
+            "one_mail",
+            format!("{claims_left} receipt claims were never resolved"),
+        );
+    }
     // Global ledger checks.
     for (ride, pis) in &succeeded_by_ride {
         if pis.len() > 1 {
@@ -1754,7 +2130,18 @@ async fn run(args: &Args, s: RunSetup) -> anyhow::Result<bool> {
             "one_receipt",
             "exactly one receipt (staged or sent) per charged ride, all drained",
         ),
-        ("one_mail", "exactly one mail per charged ride"),
+        (
+            "one_mail",
+            "exactly one mail per charged ride, no claim left",
+        ),
+        (
+            "crash_points_fired",
+            "every api-server crash point fired at least once",
+        ),
+        (
+            "no_unexpected_exit",
+            "api-servers exited only at crash points or by our kills",
+        ),
         (
             "no_double_charge",
             "no ride has two succeeded PaymentIntents",
@@ -1830,8 +2217,9 @@ async fn run(args: &Args, s: RunSetup) -> anyhow::Result<bool> {
             "succeeded_payment_intents": ledger.iter().filter(|p| p.status == "succeeded").count(),
             "sent_receipts": sent_receipts.len(),
             "mails": mail.values().map(Vec::len).sum::<usize>(),
-            "rides_mailed_twice_in_receipts_crash_window": crash_window_duplicates.get(),
-            "receipts_sigkill_unix_nanos": receipts_kill_times.iter().map(|k| k.to_string()).collect::<Vec<_>>(),
+            "receipts_recorded_from_the_relay_search": recovered_at_relay,
+            "receipt_claims_left": claims_left,
+            "crash_points_fired": crash_points_fired,
             "keys_needing_attention": attention_by_reason,
         },
         "replays": replay_stats,

@@ -1,0 +1,265 @@
+//! A PostgreSQL cluster and a RabbitMQ node of the campaign's own, so that it can restart them
+//! under load without disturbing anything else on the machine (the test suite, a `run.sh`
+//! stack). Both come from the machine's Debian packages; when the binaries are missing the
+//! campaign runs against the shared servers and reports those faults as skipped.
+
+use std::{
+    path::{Path, PathBuf},
+    process::Stdio,
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context, bail};
+use tokio::process::Command;
+
+/// Runs `program args` (as the `postgres` user when we are root: PostgreSQL refuses to run as
+/// root) and fails with its output when it fails.
+async fn run(program: &Path, args: &[&str], as_postgres: bool) -> anyhow::Result<()> {
+    let mut command = if as_postgres {
+        let mut c = Command::new("runuser");
+        c.args(["-u", "postgres", "--"]).arg(program);
+        c
+    } else {
+        Command::new(program)
+    };
+    let output = command
+        .args(args)
+        .stdin(Stdio::null())
+        .kill_on_drop(true)
+        .output()
+        .await
+        .with_context(|| format!("running {}", program.display()))?;
+    if !output.status.success() {
+        bail!(
+            "{} {} failed: {}{}",
+            program.display(),
+            args.join(" "),
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+    Ok(())
+}
+
+async fn is_root() -> bool {
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .await
+        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
+}
+
+async fn wait_for_port(port: u16, timeout: Duration) -> anyhow::Result<()> {
+    let deadline = Instant::now() + timeout;
+    while tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .is_err()
+    {
+        if Instant::now() > deadline {
+            bail!("127.0.0.1:{port} not open after {timeout:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    Ok(())
+}
+
+pub struct Postgres {
+    bin: PathBuf,
+    data: PathBuf,
+    log: PathBuf,
+    port: u16,
+    as_postgres: bool,
+}
+
+impl Postgres {
+    /// The newest installed server's binaries (`/usr/lib/postgresql/<major>/bin`).
+    pub fn find_binaries() -> Option<PathBuf> {
+        let mut majors: Vec<(u32, PathBuf)> = std::fs::read_dir("/usr/lib/postgresql")
+            .ok()?
+            .filter_map(Result::ok)
+            .filter_map(|e| {
+                let major = e.file_name().to_str()?.parse().ok()?;
+                let bin = e.path().join("bin");
+                bin.join("pg_ctl").exists().then_some((major, bin))
+            })
+            .collect();
+        majors.sort();
+        majors.pop().map(|(_, bin)| bin)
+    }
+
+    /// `initdb` into `dir` (trust auth on loopback) and start on `port`.
+    pub async fn init_and_start(bin: PathBuf, dir: &Path, port: u16) -> anyhow::Result<Postgres> {
+        let as_postgres = is_root().await;
+        std::fs::create_dir_all(dir)?;
+        if as_postgres {
+            run(
+                Path::new("chown"),
+                &["postgres:postgres", &dir.display().to_string()],
+                false,
+            )
+            .await?;
+        }
+        let data = dir.join("data");
+        run(
+            &bin.join("initdb"),
+            &[
+                "-D",
+                &data.display().to_string(),
+                "-U",
+                "postgres",
+                "--auth=trust",
+                "--no-sync",
+                "-E",
+                "UTF8",
+            ],
+            as_postgres,
+        )
+        .await?;
+        let pg = Postgres {
+            bin,
+            log: dir.join("postgres.log"),
+            data,
+            port,
+            as_postgres,
+        };
+        pg.start().await?;
+        Ok(pg)
+    }
+
+    pub fn admin_url(&self) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
+    }
+
+    pub async fn start(&self) -> anyhow::Result<()> {
+        let options = format!(
+            "-p {} -c listen_addresses=127.0.0.1 -c unix_socket_directories='{}' -c max_connections=200",
+            self.port,
+            self.data.display()
+        );
+        run(
+            &self.bin.join("pg_ctl"),
+            &[
+                "-D",
+                &self.data.display().to_string(),
+                "-l",
+                &self.log.display().to_string(),
+                "-o",
+                &options,
+                "-w",
+                "-t",
+                "60",
+                "start",
+            ],
+            self.as_postgres,
+        )
+        .await
+    }
+
+    /// Fast shutdown: open transactions are rolled back, every session is cut.
+    pub async fn stop_fast(&self) -> anyhow::Result<()> {
+        run(
+            &self.bin.join("pg_ctl"),
+            &[
+                "-D",
+                &self.data.display().to_string(),
+                "-m",
+                "fast",
+                "-w",
+                "-t",
+                "60",
+                "stop",
+            ],
+            self.as_postgres,
+        )
+        .await
+    }
+}
+
+pub struct Rabbit {
+    dir: PathBuf,
+    port: u16,
+    node: String,
+}
+
+const RABBIT_BIN: &str = "/usr/lib/rabbitmq/bin";
+
+impl Rabbit {
+    pub fn available() -> bool {
+        Path::new(RABBIT_BIN).join("rabbitmq-server").exists()
+    }
+
+    /// A node named after `run_id` listening on `port` only, with no plugins, its data in `dir`.
+    pub async fn start_new(dir: &Path, port: u16, run_id: &str) -> anyhow::Result<Rabbit> {
+        std::fs::create_dir_all(dir)?;
+        std::fs::write(dir.join("enabled_plugins"), "[].\n")?;
+        std::fs::write(dir.join("rabbitmq-env.conf"), "")?;
+        std::fs::write(
+            dir.join("rabbitmq.conf"),
+            format!("listeners.tcp.1 = 127.0.0.1:{port}\nloopback_users = none\n"),
+        )?;
+        let rabbit = Rabbit {
+            dir: dir.to_path_buf(),
+            port,
+            node: format!("proof-{run_id}@localhost"),
+        };
+        rabbit.start().await?;
+        Ok(rabbit)
+    }
+
+    pub fn url(&self) -> String {
+        format!("amqp://guest:guest@127.0.0.1:{}/%2f", self.port)
+    }
+
+    fn env(&self) -> Vec<(&'static str, String)> {
+        let d = |name: &str| self.dir.join(name).display().to_string();
+        vec![
+            ("RABBITMQ_NODENAME", self.node.clone()),
+            ("RABBITMQ_CONF_ENV_FILE", d("rabbitmq-env.conf")),
+            ("RABBITMQ_CONFIG_FILE", d("rabbitmq.conf")),
+            ("RABBITMQ_ADVANCED_CONFIG_FILE", d("advanced.config")),
+            ("RABBITMQ_ENABLED_PLUGINS_FILE", d("enabled_plugins")),
+            ("RABBITMQ_MNESIA_BASE", d("mnesia")),
+            ("RABBITMQ_LOG_BASE", d("log")),
+            ("RABBITMQ_PID_FILE", d("pid")),
+            (
+                "RABBITMQ_DIST_PORT",
+                (u32::from(self.port) + 20_000).to_string(),
+            ),
+            ("ERL_EPMD_ADDRESS", "127.0.0.1".to_owned()),
+        ]
+    }
+
+    pub async fn start(&self) -> anyhow::Result<()> {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.join("server.out"))?;
+        // Detached on purpose: the node must outlive this handle between a stop and a start.
+        Command::new(Path::new(RABBIT_BIN).join("rabbitmq-server"))
+            .envs(self.env())
+            .stdin(Stdio::null())
+            .stdout(Stdio::from(log.try_clone()?))
+            .stderr(Stdio::from(log))
+            .spawn()
+            .context("starting rabbitmq-server")?;
+        wait_for_port(self.port, Duration::from_secs(90)).await
+    }
+
+    /// A clean stop of the whole node (`rabbitmqctl stop`): every connection is closed.
+    pub async fn stop(&self) -> anyhow::Result<()> {
+        let output = Command::new(Path::new(RABBIT_BIN).join("rabbitmqctl"))
+            .args(["-n", &self.node, "stop"])
+            .envs(self.env())
+            .stdin(Stdio::null())
+            .kill_on_drop(true)
+            .output()
+            .await?;
+        if !output.status.success() {
+            bail!(
+                "rabbitmqctl stop failed: {}",
+                String::from_utf8_lossy(&output.stderr)
+            );
+        }
+        Ok(())
+    }
+}
