@@ -123,7 +123,11 @@ impl From<RideView> for Ride {
     }
 }
 
-fn idempotency_key(metadata: &MetadataMap) -> Result<IdempotencyKey, Status> {
+/// The validated key from `idempotency-key` metadata, or the `INVALID_IDEMPOTENCY_KEY` status.
+///
+/// Public only so that the fuzz target `idempotency_key` (in `fuzz/`, outside the workspace) runs
+/// exactly what a CreateRide call does with the metadata value.
+pub fn idempotency_key(metadata: &MetadataMap) -> Result<IdempotencyKey, Status> {
     let raw = metadata
         .get(IDEMPOTENCY_KEY_HEADER)
         .ok_or_else(|| status::invalid_key("the idempotency-key metadata is required"))?;
