@@ -6,6 +6,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::header::{ALLOW, AUTHORIZATION, CONTENT_TYPE};
@@ -510,9 +511,13 @@ async fn create(
             crate::stopped(stop).await;
             return Err(ConnectionFault::Timeout);
         }
-        Some(FaultMode::ChargeThenDrop) | None => {}
+        Some(FaultMode::ChargeThenDrop | FaultMode::Slow) | None => {}
     }
-    let response = match create_inner(state, req).await {
+    let extra_delay = match fault {
+        Some(FaultMode::Slow) => state.config.slow_fault_delay,
+        _ => Duration::ZERO,
+    };
+    let response = match create_inner(state, req, extra_delay).await {
         Ok(response) => response,
         Err(e) => e.response(),
     };
@@ -525,6 +530,7 @@ async fn create(
 async fn create_inner(
     state: &Arc<State>,
     req: Request<Incoming>,
+    extra_delay: Duration,
 ) -> Result<HttpResponse, ApiError> {
     let api_key = authenticate(req.headers(), state)?;
     let idempotency_key = match req.headers().get("idempotency-key") {
@@ -584,7 +590,7 @@ async fn create_inner(
     // Run the charge in its own task: like the real Stripe, a charge that has started
     // completes even if the client hangs up during the (simulated) provider latency.
     let task_state = Arc::clone(state);
-    let latency = state.config.latency;
+    let latency = state.config.latency + extra_delay;
     let stored = tokio::spawn(async move {
         if !latency.is_zero() {
             tokio::time::sleep(latency).await;

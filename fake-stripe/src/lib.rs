@@ -47,6 +47,8 @@ pub struct Config {
     pub idempotency_window: Duration,
     /// Simulated provider latency for each executed `POST /v1/payment_intents`.
     pub latency: Duration,
+    /// The extra latency of a call hit by the `slow` fault.
+    pub slow_fault_delay: Duration,
 }
 
 impl Default for Config {
@@ -55,6 +57,7 @@ impl Default for Config {
             api_key: None,
             idempotency_window: Duration::from_secs(24 * 60 * 60),
             latency: Duration::ZERO,
+            slow_fault_delay: Duration::from_secs(8),
         }
     }
 }
@@ -66,6 +69,7 @@ impl std::fmt::Debug for Config {
             .field("api_key", &self.api_key.as_ref().map(|_| "<redacted>"))
             .field("idempotency_window", &self.idempotency_window)
             .field("latency", &self.latency)
+            .field("slow_fault_delay", &self.slow_fault_delay)
             .finish()
     }
 }

@@ -31,6 +31,9 @@ struct Args {
     /// Simulated provider latency added to each executed charge.
     #[arg(long, default_value_t = 0)]
     latency_ms: u64,
+    /// Extra latency of a call hit by the `slow` fault (`POST /_faults {"mode":"slow"}`).
+    #[arg(long, default_value_t = 8_000)]
+    slow_fault_ms: u64,
 }
 
 #[tokio::main]
@@ -47,6 +50,7 @@ async fn main() -> anyhow::Result<()> {
         api_key: args.api_key,
         idempotency_window: Duration::from_secs(args.idempotency_window_secs),
         latency: Duration::from_millis(args.latency_ms),
+        slow_fault_delay: Duration::from_millis(args.slow_fault_ms),
     };
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await

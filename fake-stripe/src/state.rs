@@ -51,6 +51,11 @@ pub enum FaultMode {
     /// Charge and store the result under the idempotency key, then close the connection
     /// without writing a response: the classic "did my charge go through?" case.
     ChargeThenDrop,
+    /// Execute the charge, but only after `Config::slow_fault_delay` (default 8 s): longer than
+    /// any client's timeout and than the api-server's key lock. The idempotency key stays in
+    /// flight meanwhile, so a retry with it gets 409 `idempotency_key_in_use`, and once the charge
+    /// is done, its stored result.
+    Slow,
 }
 
 /// A response frozen for idempotent replay: Stripe replays status and body verbatim.

@@ -159,6 +159,47 @@ async fn charge_then_drop_charges_and_the_retry_replays_the_same_intent() {
 }
 
 #[tokio::test]
+async fn a_slow_charge_keeps_its_key_in_flight_then_replays_one_intent() {
+    let fs = FakeStripe::spawn(Config {
+        slow_fault_delay: Duration::from_millis(600),
+        ..Config::default()
+    })
+    .await
+    .unwrap();
+    fs.inject_faults(FaultMode::Slow, 1);
+    let form = ride_charge("ride_9");
+    let impatient = reqwest::Client::builder()
+        .timeout(Duration::from_millis(150))
+        .build()
+        .unwrap();
+    let err = create_with(&impatient, &fs, KEY, Some("ride_9-charge"), &form)
+        .await
+        .unwrap_err();
+    assert!(err.is_timeout(), "{err:?}");
+    // A second attempt while the first is still charging: Stripe's 409, nothing charged twice.
+    let c = client();
+    let (status, _, body) = parts(
+        create_with(&c, &fs, KEY, Some("ride_9-charge"), &form)
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(status, 409);
+    assert_eq!(body["error"]["code"], "idempotency_key_in_use");
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let (status, replayed, pi) = parts(
+        create_with(&c, &fs, KEY, Some("ride_9-charge"), &form)
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert_eq!((status, replayed), (200, true), "the slow charge completed");
+    let ledger = fs.payment_intents();
+    assert_eq!(ledger.len(), 1);
+    assert_eq!(pi["id"], ledger[0].id.as_str());
+}
+
+#[tokio::test]
 async fn idempotency_key_expires_after_the_window() {
     let fs = FakeStripe::spawn(Config {
         idempotency_window: Duration::from_secs(1),
