@@ -631,7 +631,8 @@ impl Rides {
             .select(Ride::as_select())
             .first(&mut conn)
             .await
-            .map_err(|error| CreateRideError::Internal(Box::new(error)))
+            // Through StoreError, so that a lost connection is UNAVAILABLE like everywhere else.
+            .map_err(|error| StoreError::from(error).into())
     }
 
     /// One of `user_id`'s own rides; `None` for anyone else's or an unknown id.

@@ -169,6 +169,10 @@ struct Arming {
     armed: AtomicBool,
     rng: std::sync::Mutex<StdRng>,
     log: PathBuf,
+    /// The armed point fires on a pass drawn from this range: late enough that a server spends
+    /// most of its life serving, early enough that every point fires in the run (several times
+    /// in a short one, dozens in a long one).
+    after: (u64, u64),
 }
 
 impl Arming {
@@ -178,7 +182,11 @@ impl Arming {
         }
         let points = api_server::fault::CRASH_POINTS;
         let n = self.next.fetch_add(1, Ordering::SeqCst) as usize;
-        let after: u64 = self.rng.lock().map_or(1, |mut r| r.random_range(1..=12));
+        let (low, high) = self.after;
+        let after: u64 = self
+            .rng
+            .lock()
+            .map_or(1, |mut r| r.random_range(low..=high));
         vec![
             (
                 "FAULT_CRASH_POINT".to_owned(),
@@ -792,11 +800,17 @@ async fn main() {
                 2
             }
         },
-        _ = tokio::signal::ctrl_c() => {
+        () = interrupted() => {
             eprintln!("proof: interrupted; children are killed on drop");
             130
         }
     };
+    // The private servers are daemons, not children: stop them explicitly.
+    if code == 130
+        && let Some(services) = RUNNING_SERVICES.get()
+    {
+        services.stop(false).await;
+    }
     // Dropping the campaign future above killed every child (kill_on_drop).
     std::process::exit(code);
 }
@@ -947,6 +961,7 @@ async fn campaign(args: Args) -> anyhow::Result<bool> {
         rabbit,
         dir: services_dir,
     });
+    let _ = RUNNING_SERVICES.set(Arc::clone(&services));
     // Fresh database: `api-server migrate` creates it.
     let migrated = migrate(&bin_dir, &env).await;
     if migrated.is_err() {
@@ -1002,6 +1017,24 @@ async fn migrate(bin_dir: &Path, env: &[(String, String)]) -> anyhow::Result<()>
     }
     Ok(())
 }
+
+/// Ctrl-C or SIGTERM.
+async fn interrupted() {
+    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+        Ok(term) => term,
+        Err(_) => {
+            let _ = tokio::signal::ctrl_c().await;
+            return;
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+}
+
+/// The private servers of this run, for the interrupt path.
+static RUNNING_SERVICES: std::sync::OnceLock<Arc<Services>> = std::sync::OnceLock::new();
 
 /// The private servers, if the campaign runs its own.
 struct Services {
@@ -1147,6 +1180,7 @@ async fn run(args: &Args, s: RunSetup) -> anyhow::Result<bool> {
         armed: AtomicBool::new(!args.no_crash_points),
         rng: std::sync::Mutex::new(StdRng::seed_from_u64(s.seed.wrapping_add(4))),
         log: s.out_dir.join("crash-points.log"),
+        after: if args.long { (10, 80) } else { (3, 25) },
     });
     let mut stripe = make(
         "fake-stripe",
@@ -1427,7 +1461,10 @@ async fn run(args: &Args, s: RunSetup) -> anyhow::Result<bool> {
         let mut rng = StdRng::seed_from_u64(s.seed.wrapping_add(3));
         tokio::spawn(async move {
             while sleep_unless_stopped(&stop, exp_delay(&mut rng, mean)).await {
-                let mode = ["error_500", "timeout", "charge_then_drop"][rng.random_range(0..3)];
+                // `slow`: the charge completes 8 s later, past the api-server's Stripe timeout and its
+                // key lock, so retries take the key over while the first charge is still running.
+                let mode =
+                    ["error_500", "timeout", "charge_then_drop", "slow"][rng.random_range(0..4)];
                 let n: u64 = rng.random_range(1..=3);
                 let ok = http
                     .post(format!("{base}/_faults"))
