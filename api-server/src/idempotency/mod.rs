@@ -4,8 +4,9 @@
 //!
 //! # Isolation level
 //! Every transaction here runs at READ COMMITTED. What must be serialised is all the work done
-//! for one key, and that is done explicitly: each phase first takes the key row's lock
-//! (`SELECT … FOR NO KEY UPDATE`) and checks its fencing token in the same transaction, so two
+//! for one key, and that is done explicitly: each phase is one statement (its own implicit
+//! transaction) whose first step takes the key row's lock (`SELECT … FOR NO KEY UPDATE`) and
+//! checks its fencing token, and whose writes all depend on that step ([`fence`]), so two
 //! attempts on one key run their phases strictly one after the other, and an attempt whose lock
 //! was taken over finds its token gone and commits nothing. Work on different keys shares no rows
 //! that need to be read consistently, so SERIALIZABLE would only add false conflicts (the seed's
@@ -20,17 +21,20 @@ use std::{future::Future, time::Duration};
 
 use chrono::{DateTime, Utc};
 use diesel::{
-    ExpressionMethods, OptionalExtension, QueryDsl, SelectableHelper,
+    ExpressionMethods, OptionalExtension, QueryDsl, QueryableByName, SelectableHelper,
     result::{DatabaseErrorKind, Error as DieselError},
+    sql_types::{self, BigInt, Bool, Integer, Jsonb, Text},
 };
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
+use futures_util::FutureExt;
 use rand::Rng;
 use schema::{
     Pool, PoolError, RecoveryPoint,
-    models::{IdempotencyKey as KeyRow, NewIdempotencyKey},
+    models::IdempotencyKey as KeyRow,
+    prepared::{Statement, prepared},
     schema::idempotency_keys,
 };
-use scoped_futures::ScopedBoxFuture;
+use scoped_futures::{ScopedBoxFuture, ScopedFutureExt};
 use uuid::Uuid;
 
 pub use key::{IdempotencyKey, InvalidKey, MAX_LEN, MIN_LEN};
@@ -158,9 +162,9 @@ where
     }
 }
 
-/// Claims `key` for `user_id`: inserts it, or decides a replay or a mismatch from a plain read,
-/// or locks and inspects the existing row. Every decision is arbitrated by PostgreSQL: the unique
-/// index for a new key, the row lock for one that may need work.
+/// Claims `key` for `user_id`: inserts it, or decides a replay or a mismatch from the row that is
+/// already there, or locks and inspects that row. Every decision is arbitrated by PostgreSQL: the
+/// unique index for a new key, the row lock for one that may need work.
 #[tracing::instrument(
     name = "claim",
     skip_all,
@@ -175,18 +179,20 @@ pub async fn claim(
     lock_timeout: Duration,
 ) -> Result<Claimed, StoreError> {
     let lock_timeout = chrono::Duration::from_std(lock_timeout).unwrap_or(chrono::Duration::MAX);
-    // Each round pays only for what the key needs: a new key is one autocommit INSERT; a replay or
-    // a mismatch one plain read; only a key that may need work takes the row lock. A round ends
-    // without a decision only if the key was reaped between two steps, so a few rounds suffice.
+    // Each round pays only for what the key needs: a new key, a replay and a mismatch are one
+    // statement (`insert_or_read`); only a key that may need work takes the row lock. A round ends
+    // without a decision only if another claim inserted the key after this one's snapshot, or the
+    // key was reaped between two steps, so a few rounds suffice.
     for _ in 0..CLAIM_ROUNDS {
-        let inserted = retry_transient(policy, || async {
+        let found = retry_transient(policy, || async {
             let mut conn = pool.get().await.map_err(StoreError::Unavailable)?;
-            insert_new(&mut conn, user_id, key, request).await
+            insert_or_read(&mut conn, user_id, key, request).await
         })
         .await?;
-        let decided = match inserted {
-            Some(claimed) => Some(claimed),
-            None => match decide_without_lock(pool, user_id, key, request).await? {
+        let decided = match found {
+            None => None,
+            Some(Found::Inserted(claimed)) => Some(claimed),
+            Some(Found::Existing(row)) => match decide_without_lock(*row, request)? {
                 Some(claimed) => Some(claimed),
                 None => {
                     retry_transient(policy, || async {
@@ -213,67 +219,97 @@ pub async fn claim(
 /// How many insert/inspect rounds a claim makes before giving up on a key that keeps vanishing.
 const CLAIM_ROUNDS: usize = 5;
 
-/// Inserts the key, locked by a fresh token, unless it exists. One statement, so no explicit
-/// transaction: `ON CONFLICT DO NOTHING` waits for a concurrent inserter of the same key and then
-/// yields to it.
-async fn insert_new(
+/// Every column of `idempotency_keys` that [`KeyRow`] reads, by name.
+macro_rules! key_columns {
+    () => {
+        "id, created_at, idempotency_key, last_run_at, locked_at, lock_token, request_method, \
+         request_path, request_params, response_code, response_body, recovery_point, user_id"
+    };
+}
+
+/// The claim's one statement. The key row if it exists (a replay, a mismatch or a resumption is
+/// decided from it without a lock); otherwise the key inserted, locked by a fresh token.
+/// `ON CONFLICT DO NOTHING` waits for a concurrent inserter of the same key and then yields to it;
+/// that key is newer than this statement's snapshot, so no row comes back and the claim looks
+/// again. A key that exists inserts nothing, so a replay writes nothing and burns no sequence
+/// value.
+struct InsertOrRead;
+
+impl Statement for InsertOrRead {
+    const SQL: &'static str = concat!(
+        "WITH existing AS (SELECT ",
+        key_columns!(),
+        " FROM idempotency_keys WHERE user_id = $1 AND idempotency_key = $2), \
+         inserted AS (INSERT INTO idempotency_keys (user_id, idempotency_key, lock_token, \
+         request_method, request_path, request_params, recovery_point, locked_at) \
+         SELECT $1, $2, $3, $4, $5, $6, 'started', now() WHERE NOT EXISTS (SELECT FROM existing) \
+         ON CONFLICT (user_id, idempotency_key) DO NOTHING RETURNING ",
+        key_columns!(),
+        ") SELECT ",
+        key_columns!(),
+        ", true AS inserted FROM inserted UNION ALL SELECT ",
+        key_columns!(),
+        ", false FROM existing"
+    );
+}
+
+#[derive(QueryableByName)]
+struct InsertOrReadRow {
+    #[diesel(embed)]
+    key: KeyRow,
+    #[diesel(sql_type = Bool)]
+    inserted: bool,
+}
+
+enum Found {
+    Inserted(Claimed),
+    Existing(Box<KeyRow>),
+}
+
+/// Runs [`InsertOrRead`]; `None` if a concurrent claim inserted the key meanwhile.
+async fn insert_or_read(
     conn: &mut AsyncPgConnection,
     user_id: i64,
     key: &IdempotencyKey,
     request: &RequestSignature,
-) -> Result<Option<Claimed>, StoreError> {
+) -> Result<Option<Found>, StoreError> {
     let token = Uuid::new_v4();
-    let inserted = diesel::insert_into(idempotency_keys::table)
-        .values((
-            NewIdempotencyKey {
-                idempotency_key: key.as_str(),
-                lock_token: token,
-                request_method: request.method,
-                request_path: request.path,
-                request_params: &request.params,
-                recovery_point: RecoveryPoint::Started,
-                user_id,
-            },
-            idempotency_keys::locked_at.eq(diesel::dsl::now),
-        ))
-        .on_conflict((idempotency_keys::user_id, idempotency_keys::idempotency_key))
-        .do_nothing()
-        .returning((idempotency_keys::id, idempotency_keys::created_at))
-        .get_result::<(i64, DateTime<Utc>)>(conn)
-        .await
-        .optional()?;
-    Ok(inserted.map(|(key_id, created_at)| Claimed {
-        claim: Claim::Execute(Lease {
-            key_id,
-            user_id,
-            token,
-            recovery_point: RecoveryPoint::Started,
-        }),
-        key_created_at: created_at,
+    let row = prepared::<InsertOrRead, _>(|q| {
+        q.bind::<BigInt, _>(user_id)
+            .bind::<Text, _>(key.as_str())
+            .bind::<sql_types::Uuid, _>(token)
+            .bind::<Text, _>(request.method)
+            .bind::<Text, _>(request.path)
+            .bind::<Jsonb, _>(&request.params)
+    })
+    .get_result::<InsertOrReadRow>(conn)
+    .await
+    .optional()?;
+    Ok(row.map(|InsertOrReadRow { key, inserted }| {
+        if inserted {
+            Found::Inserted(Claimed {
+                claim: Claim::Execute(Lease {
+                    key_id: key.id,
+                    user_id,
+                    token,
+                    recovery_point: RecoveryPoint::Started,
+                }),
+                key_created_at: key.created_at,
+            })
+        } else {
+            Found::Existing(Box::new(key))
+        }
     }))
 }
 
-/// The read-only fast path of a claim. A finished key never changes again, and neither do the
-/// parameters a key is bound to, so a replay or a mismatch can be decided from one plain read:
-/// no row lock, no transaction id, no WAL flush. Anything else (a new key, or one that may need
-/// work) goes through the locking claim.
-async fn decide_without_lock(
-    pool: &Pool,
-    user_id: i64,
-    key: &IdempotencyKey,
+/// The read-only decisions of a claim. A finished key never changes again, and neither do the
+/// parameters a key is bound to, so a replay or a mismatch can be decided from a plain read: no
+/// row lock, no transaction id, no WAL flush. `None` for a key that may need work, which goes
+/// through the locking claim.
+fn decide_without_lock(
+    row: KeyRow,
     request: &RequestSignature,
 ) -> Result<Option<Claimed>, StoreError> {
-    let mut conn = pool.get().await.map_err(StoreError::Unavailable)?;
-    let row = idempotency_keys::table
-        .filter(idempotency_keys::user_id.eq(user_id))
-        .filter(idempotency_keys::idempotency_key.eq(key.as_str()))
-        .select(KeyRow::as_select())
-        .first::<KeyRow>(&mut conn)
-        .await
-        .optional()?;
-    let Some(row) = row else {
-        return Ok(None);
-    };
     let claim = if !binds(&row, request) {
         Claim::Mismatch
     } else if row.recovery_point == RecoveryPoint::Finished {
@@ -372,36 +408,73 @@ async fn lock_existing(
     }))
 }
 
-/// Runs one atomic phase: a READ COMMITTED transaction that first proves `lease` still owns the
-/// key (taking the key row's lock for the rest of the transaction), then runs `work`. Transient
-/// conflicts re-run the whole phase. `work` must be safe to run again from the start, which it is
-/// because a failed attempt's transaction was rolled back.
+/// The fence every phase statement starts with, as a CTE named `fence` (binds: `$1` the key id,
+/// `$2` the lease's token). It locks the key row and yields it only while the token is this
+/// lease's; each of the phase's writes selects from it (directly or through a write that does),
+/// so a lease that was taken over writes nothing and its statement returns no row. The row lock
+/// is taken before any write, and held until the statement's implicit transaction commits, so
+/// two attempts on one key still run their phases one after the other. A concurrent takeover
+/// makes the lock wait for it and then re-check the token on the newest row version (READ
+/// COMMITTED's re-check of locked rows), so it is never missed.
+macro_rules! fence {
+    () => {
+        "fence AS (SELECT id FROM idempotency_keys WHERE id = $1 AND lock_token = $2 \
+         FOR NO KEY UPDATE)"
+    };
+}
+pub(crate) use fence;
+
+/// The `SET` list that finishes a key: the outcome (`$code`, `$body` binds), the final recovery
+/// point, and the lock cleared.
+macro_rules! finish_key {
+    ($code:literal, $body:literal) => {
+        concat!(
+            "UPDATE idempotency_keys SET recovery_point = 'finished', response_code = ",
+            $code,
+            ", response_body = ",
+            $body,
+            ", locked_at = NULL, lock_token = NULL"
+        )
+    };
+}
+pub(crate) use finish_key;
+
+/// What a phase statement returns when it committed: the key it moved on.
+#[derive(QueryableByName)]
+pub struct KeyMoved {
+    #[diesel(sql_type = BigInt)]
+    pub id: i64,
+}
+
+/// Runs one atomic phase: `statement` is ONE SQL statement, run outside any explicit transaction
+/// (so in its own implicit READ COMMITTED transaction, which commits the phase's writes and its
+/// recovery point together), that starts with [`fence`] and returns a row only if the fence
+/// passed. No row means this lease no longer owns the key: [`StoreError::LockLost`], and nothing
+/// was written. Transient conflicts re-run the statement; a failed run was rolled back whole.
+///
+/// One statement is one round trip: the key row's lock is held only while PostgreSQL executes it,
+/// never while this process waits for a CPU between statements.
 pub async fn atomic_phase<'a, T, F>(
     pool: &Pool,
     policy: RetryPolicy,
     lease: &'a Lease,
-    work: F,
+    statement: F,
 ) -> Result<T, StoreError>
 where
     T: Send + 'a,
-    F: for<'c> Fn(&'c mut AsyncPgConnection) -> ScopedBoxFuture<'a, 'c, Result<T, StoreError>>
+    F: for<'c> Fn(
+            &'c mut AsyncPgConnection,
+        ) -> ScopedBoxFuture<'a, 'c, Result<Option<T>, DieselError>>
         + Send
         + Sync
         + 'a,
 {
-    let work = &work;
+    let statement = &statement;
     retry_transient(policy, || async move {
         let mut conn = pool.get().await.map_err(StoreError::Unavailable)?;
-        let done = conn
-            .build_transaction()
-            .read_committed()
-            .run(async |conn| {
-                fence(conn, lease).await?;
-                let done = work(conn).await?;
-                crate::fault::crash_point(crash_point_name(lease.recovery_point, false));
-                Ok::<T, StoreError>(done)
-            })
-            .await?;
+        // The phase's work is decided; it becomes durable when this statement commits.
+        crate::fault::crash_point(crash_point_name(lease.recovery_point, false));
+        let done = statement(&mut conn).await?.ok_or(StoreError::LockLost)?;
         crate::fault::crash_point(crash_point_name(lease.recovery_point, true));
         Ok(done)
     })
@@ -421,62 +494,41 @@ fn crash_point_name(point: RecoveryPoint, committed: bool) -> &'static str {
     }
 }
 
-/// Locks the key row and checks the fencing token. Must be the first statement of a phase.
-async fn fence(conn: &mut AsyncPgConnection, lease: &Lease) -> Result<(), StoreError> {
-    idempotency_keys::table
-        .filter(idempotency_keys::id.eq(lease.key_id))
-        .filter(idempotency_keys::lock_token.eq(lease.token))
-        .select(idempotency_keys::id)
-        .for_no_key_update()
-        .first::<i64>(conn)
-        .await
-        .optional()?
-        .map(|_| ())
-        .ok_or(StoreError::LockLost)
+/// Finishes the key with `response` and nothing else (a final outcome reached without further
+/// writes, such as a declined card), as the atomic phase of `lease.recovery_point`.
+struct FinishKey;
+
+impl Statement for FinishKey {
+    const SQL: &'static str = concat!(
+        "WITH ",
+        fence!(),
+        " ",
+        finish_key!("$3", "$4"),
+        " FROM fence WHERE idempotency_keys.id = fence.id AND idempotency_keys.lock_token = $2 \
+         RETURNING idempotency_keys.id"
+    );
 }
 
-/// Moves the key to `point`. Call inside an atomic phase, after the phase's own writes.
-pub async fn set_recovery_point(
-    conn: &mut AsyncPgConnection,
-    lease: &Lease,
-    point: RecoveryPoint,
-) -> Result<(), StoreError> {
-    let updated = diesel::update(idempotency_keys::table)
-        .filter(idempotency_keys::id.eq(lease.key_id))
-        .filter(idempotency_keys::lock_token.eq(lease.token))
-        .set(idempotency_keys::recovery_point.eq(point))
-        .execute(conn)
-        .await?;
-    if updated == 1 {
-        Ok(())
-    } else {
-        Err(StoreError::LockLost)
-    }
-}
-
-/// Stores the final outcome, marks the key finished and unlocks it. Call inside an atomic phase.
+/// Stores the final outcome, marks the key finished and unlocks it, in one fenced statement.
 pub async fn finish(
-    conn: &mut AsyncPgConnection,
+    pool: &Pool,
+    policy: RetryPolicy,
     lease: &Lease,
     response: &StoredResponse,
 ) -> Result<(), StoreError> {
-    let updated = diesel::update(idempotency_keys::table)
-        .filter(idempotency_keys::id.eq(lease.key_id))
-        .filter(idempotency_keys::lock_token.eq(lease.token))
-        .set((
-            idempotency_keys::recovery_point.eq(RecoveryPoint::Finished),
-            idempotency_keys::response_code.eq(response.code),
-            idempotency_keys::response_body.eq(&response.body),
-            idempotency_keys::locked_at.eq(None::<DateTime<Utc>>),
-            idempotency_keys::lock_token.eq(None::<Uuid>),
-        ))
-        .execute(conn)
-        .await?;
-    if updated == 1 {
-        Ok(())
-    } else {
-        Err(StoreError::LockLost)
-    }
+    atomic_phase(pool, policy, lease, |conn| {
+        prepared::<FinishKey, _>(|q| {
+            q.bind::<BigInt, _>(lease.key_id)
+                .bind::<sql_types::Uuid, _>(lease.token)
+                .bind::<Integer, _>(response.code)
+                .bind::<Jsonb, _>(&response.body)
+        })
+        .get_result::<KeyMoved>(conn)
+        .map(OptionalExtension::optional)
+        .scope_boxed()
+    })
+    .await
+    .map(|_| ())
 }
 
 /// Unlocks a key this attempt still owns so that a retry may continue at once, without waiting
