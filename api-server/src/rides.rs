@@ -40,8 +40,8 @@ use tracing::Instrument;
 use crate::{
     config::{IdempotencyConfig, Price},
     idempotency::{
-        self, Claim, IdempotencyKey, KeyMoved, Lease, RequestSignature, RetryPolicy, StoreError,
-        StoredResponse,
+        self, Claim, Claimed, IdempotencyKey, KeyMoved, Lease, RequestSignature, RetryPolicy,
+        StoreError, StoredResponse,
     },
     metrics::metrics,
     payments::{ChargeError, ChargeRequest, StripeClient},
@@ -290,7 +290,7 @@ impl Rides {
         key: &IdempotencyKey,
         request: &RideRequest,
     ) -> CreateRideReply {
-        let claimed = match idempotency::claim(
+        let claimed = idempotency::claim(
             &self.pool,
             self.retry,
             request.user.id,
@@ -298,8 +298,59 @@ impl Rides {
             &request.params.signature(),
             self.idempotency.lock_timeout,
         )
-        .await
-        {
+        .await;
+        self.answer(claimed, request).await
+    }
+
+    /// CreateRide for the owner of the API token whose digest is `token_digest`, authenticated
+    /// by the claim's own statement (one round trip for a new key, a replay or a mismatch).
+    /// `None` if no user has this token; nothing is written then. Otherwise the reply, with the
+    /// caller's user id unless the claim failed before it was known.
+    pub async fn authenticate_and_create_ride(
+        &self,
+        token_digest: &[u8; 32],
+        key: &IdempotencyKey,
+        params: RideParams,
+        origin_ip: IpAddr,
+    ) -> Option<(Option<i64>, CreateRideReply)> {
+        let claimed = idempotency::authenticate_and_claim(
+            &self.pool,
+            self.retry,
+            token_digest,
+            key,
+            &params.signature(),
+            self.idempotency.lock_timeout,
+        )
+        .await;
+        match claimed {
+            Ok(None) => None,
+            Ok(Some((user, claimed))) => {
+                let user_id = user.id;
+                let request = RideRequest {
+                    user,
+                    params,
+                    origin_ip,
+                };
+                Some((Some(user_id), self.answer(Ok(claimed), &request).await))
+            }
+            Err(error) => Some((
+                None,
+                CreateRideReply {
+                    key_expires_at: None,
+                    replayed: false,
+                    result: Err(error.into()),
+                },
+            )),
+        }
+    }
+
+    /// Acts on a claim: refuses, replays, or runs the key to a final outcome.
+    async fn answer(
+        &self,
+        claimed: Result<Claimed, StoreError>,
+        request: &RideRequest,
+    ) -> CreateRideReply {
+        let claimed = match claimed {
             Ok(claimed) => claimed,
             Err(error) => {
                 return CreateRideReply {

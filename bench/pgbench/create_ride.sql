@@ -1,15 +1,15 @@
 -- One CreateRide with a fresh key, statement for statement as the api-server sends it
--- (api-server/src/{auth.rs,idempotency/mod.rs,rides.rs}): five statements, no explicit
--- transaction, so each is its own implicit READ COMMITTED transaction:
---   1. auth read by token digest;
---   2. claim: the key row if it exists, else INSERT ... ON CONFLICT DO NOTHING (InsertOrRead);
---   3. phase started: fence (SELECT ... FOR NO KEY UPDATE), INSERT ride, INSERT audit record,
+-- (api-server/src/{idempotency/mod.rs,rides.rs}): four statements, no explicit transaction, so
+-- each is its own implicit READ COMMITTED transaction:
+--   1. authenticate and claim: the user by token digest, and the key row if it exists, else
+--      INSERT ... ON CONFLICT DO NOTHING of the key for that user (ClaimByToken);
+--   2. phase started: fence (SELECT ... FOR NO KEY UPDATE), INSERT ride, INSERT audit record,
 --      UPDATE key to ride_created, returning the ride (CreateRideRecord);
 --   (the provider call, which is not database work and is left out)
---   4. charge recorded: fence, UPDATE ride's charge id, UPDATE key to charge_created (RecordCharge);
---   5. phase charge_created: fence, INSERT staged job, UPDATE key finished with the stored
+--   3. charge recorded: fence, UPDATE ride's charge id, UPDATE key to charge_created (RecordCharge);
+--   4. phase charge_created: fence, INSERT staged job, UPDATE key finished with the stored
 --      response and unlocked (StageReceipt).
--- The ride is not read back: the server keeps the one statement 3 returned (an attempt that
+-- The ride is not read back: the server keeps the one statement 2 returned (an attempt that
 -- resumes a key reads it; a fresh key never does).
 -- Differences: the token digest and lock token are computed in the database (sha256(),
 -- gen_random_uuid()) instead of in the server; values are otherwise of the same size and type.
@@ -17,19 +17,22 @@
 -- must exist with api_token_digest = sha256('pgbench-token-' || id).
 \set uid :user_base + :client_id
 \set k random(1, 999999999999999)
-SELECT id, created_at, email, stripe_customer_id, stripe_payment_method_id, api_token_digest
-  FROM users WHERE api_token_digest = sha256(convert_to('pgbench-token-' || :uid, 'UTF8')) LIMIT 1;
-WITH existing AS (SELECT id, created_at, idempotency_key, last_run_at, locked_at, lock_token, request_method, request_path, request_params, response_code, response_body, recovery_point, user_id
-    FROM idempotency_keys WHERE user_id = :uid AND idempotency_key = 'pgbench-ride-key-' || :client_id || '-' || :k),
+WITH caller AS (SELECT id, created_at, email, stripe_customer_id, stripe_payment_method_id, api_token_digest
+    FROM users WHERE api_token_digest = sha256(convert_to('pgbench-token-' || :uid, 'UTF8'))),
+  existing AS (SELECT id, created_at, idempotency_key, last_run_at, locked_at, lock_token, request_method, request_path, request_params, response_code, response_body, recovery_point, user_id
+    FROM idempotency_keys WHERE user_id = (SELECT id FROM caller) AND idempotency_key = 'pgbench-ride-key-' || :client_id || '-' || :k),
   inserted AS (INSERT INTO idempotency_keys (user_id, idempotency_key, lock_token, request_method, request_path, request_params, recovery_point, locked_at)
-    SELECT :uid, 'pgbench-ride-key-' || :client_id || '-' || :k, gen_random_uuid(), 'POST', '/rides.v1.RideService/CreateRide',
-           '{"origin_lat": 37.7749, "origin_lon": -122.4194, "target_lat": 37.3382, "target_lon": -121.8863}'::jsonb, 'started', now()
+    SELECT caller.id, 'pgbench-ride-key-' || :client_id || '-' || :k, gen_random_uuid(), 'POST', '/rides.v1.RideService/CreateRide',
+           '{"origin_lat": 37.7749, "origin_lon": -122.4194, "target_lat": 37.3382, "target_lon": -121.8863}'::jsonb, 'started', now() FROM caller
     WHERE NOT EXISTS (SELECT FROM existing)
     ON CONFLICT (user_id, idempotency_key) DO NOTHING
-    RETURNING id, created_at, idempotency_key, last_run_at, locked_at, lock_token, request_method, request_path, request_params, response_code, response_body, recovery_point, user_id)
-SELECT id AS key_id, created_at, idempotency_key, last_run_at, locked_at, lock_token AS tok, request_method, request_path, request_params, response_code, response_body, recovery_point, user_id, true AS inserted FROM inserted
-UNION ALL
-SELECT id, created_at, idempotency_key, last_run_at, locked_at, lock_token, request_method, request_path, request_params, response_code, response_body, recovery_point, user_id, false FROM existing \gset
+    RETURNING id, created_at, idempotency_key, last_run_at, locked_at, lock_token, request_method, request_path, request_params, response_code, response_body, recovery_point, user_id),
+  found AS (SELECT id, created_at, idempotency_key, last_run_at, locked_at, lock_token, request_method, request_path, request_params, response_code, response_body, recovery_point, user_id, true AS inserted FROM inserted
+    UNION ALL SELECT id, created_at, idempotency_key, last_run_at, locked_at, lock_token, request_method, request_path, request_params, response_code, response_body, recovery_point, user_id, false FROM existing)
+SELECT caller.id AS caller_id, caller.created_at AS caller_created_at, caller.email, caller.stripe_customer_id, caller.stripe_payment_method_id, caller.api_token_digest,
+       found.id AS key_id, found.created_at, found.idempotency_key, found.last_run_at, found.locked_at, found.lock_token AS tok, found.request_method, found.request_path,
+       found.request_params, found.response_code, found.response_body, found.recovery_point, found.user_id, found.inserted
+  FROM caller, found \gset
 WITH fence AS (SELECT id FROM idempotency_keys WHERE id = :key_id AND lock_token = :tok FOR NO KEY UPDATE),
   ride AS (INSERT INTO rides (idempotency_key_id, origin_lat, origin_lon, target_lat, target_lon, amount, currency, user_id)
     SELECT fence.id, 37.7749, -122.4194, 37.3382, -121.8863, 2000, 'usd', :uid FROM fence

@@ -23,14 +23,14 @@ use chrono::{DateTime, Utc};
 use diesel::{
     ExpressionMethods, OptionalExtension, QueryDsl, QueryableByName, SelectableHelper,
     result::{DatabaseErrorKind, Error as DieselError},
-    sql_types::{self, BigInt, Bool, Integer, Jsonb, Text},
+    sql_types::{self, BigInt, Bool, Bytea, Integer, Jsonb, Text, Timestamptz},
 };
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use futures_util::FutureExt;
 use rand::Rng;
 use schema::{
     Pool, PoolError, RecoveryPoint,
-    models::IdempotencyKey as KeyRow,
+    models::{IdempotencyKey as KeyRow, User},
     prepared::{Statement, prepared},
     schema::idempotency_keys,
 };
@@ -165,11 +165,6 @@ where
 /// Claims `key` for `user_id`: inserts it, or decides a replay or a mismatch from the row that is
 /// already there, or locks and inspects that row. Every decision is arbitrated by PostgreSQL: the
 /// unique index for a new key, the row lock for one that may need work.
-#[tracing::instrument(
-    name = "claim",
-    skip_all,
-    fields(otel.name = "claim idempotency key", db.system.name = "postgresql", rides.claim = tracing::field::Empty)
-)]
 pub async fn claim(
     pool: &Pool,
     policy: RetryPolicy,
@@ -178,7 +173,101 @@ pub async fn claim(
     request: &RequestSignature,
     lock_timeout: Duration,
 ) -> Result<Claimed, StoreError> {
-    let lock_timeout = chrono::Duration::from_std(lock_timeout).unwrap_or(chrono::Duration::MAX);
+    claim_for(
+        pool,
+        policy,
+        Caller::Id(user_id),
+        key,
+        request,
+        lock_timeout,
+    )
+    .await?
+    .map(|(_, claimed)| claimed)
+    .ok_or(StoreError::Database(DieselError::NotFound))
+}
+
+/// [`claim`] for the owner of the API token whose digest is `token_digest`, authenticating in the
+/// same statement: a new key, a replay or a mismatch costs one round trip in all. `None` if no
+/// user has this token (nothing is written then).
+pub async fn authenticate_and_claim(
+    pool: &Pool,
+    policy: RetryPolicy,
+    token_digest: &[u8; 32],
+    key: &IdempotencyKey,
+    request: &RequestSignature,
+    lock_timeout: Duration,
+) -> Result<Option<(User, Claimed)>, StoreError> {
+    claim_for(
+        pool,
+        policy,
+        Caller::Token(token_digest),
+        key,
+        request,
+        lock_timeout,
+    )
+    .await
+}
+
+#[tracing::instrument(
+    name = "claim",
+    skip_all,
+    fields(otel.name = "claim idempotency key", db.system.name = "postgresql", rides.claim = tracing::field::Empty)
+)]
+async fn claim_for(
+    pool: &Pool,
+    policy: RetryPolicy,
+    caller: Caller<'_>,
+    key: &IdempotencyKey,
+    request: &RequestSignature,
+    lock_timeout: Duration,
+) -> Result<Option<(User, Claimed)>, StoreError> {
+    let found = retry_transient(policy, || async {
+        let mut conn = pool.get().await.map_err(StoreError::Unavailable)?;
+        insert_or_read(&mut conn, caller, key, request).await
+    })
+    .await?;
+    let (user, decided) = match found {
+        Some((user, found)) => {
+            let decided = decide(
+                pool,
+                policy,
+                user.id,
+                key,
+                request,
+                chrono_timeout(lock_timeout),
+                found,
+            )
+            .await?;
+            (user, decided)
+        }
+        // No such user, or a claim of this key that committed after the statement's snapshot
+        // (rare): tell them apart with a plain read.
+        None => {
+            let user = match caller {
+                Caller::Id(user_id) => crate::auth::user_by_id(pool, user_id).await?,
+                Caller::Token(digest) => crate::auth::user_by_token_digest(pool, digest).await?,
+            };
+            let Some(user) = user else { return Ok(None) };
+            (user, None)
+        }
+    };
+    let claimed = match decided {
+        Some(claimed) => claimed,
+        None => claim_rounds(pool, policy, user.id, key, request, lock_timeout).await?,
+    };
+    tracing::Span::current().record("rides.claim", claimed.decision());
+    Ok(Some((user, claimed)))
+}
+
+async fn claim_rounds(
+    pool: &Pool,
+    policy: RetryPolicy,
+    user_id: i64,
+    key: &IdempotencyKey,
+    request: &RequestSignature,
+    lock_timeout: Duration,
+) -> Result<Claimed, StoreError> {
+    let lock_timeout = chrono_timeout(lock_timeout);
     // Each round pays only for what the key needs: a new key, a replay and a mismatch are one
     // statement (`insert_or_read`); only a key that may need work takes the row lock. A round ends
     // without a decision only if another claim inserted the key after this one's snapshot, or the
@@ -186,34 +275,52 @@ pub async fn claim(
     for _ in 0..CLAIM_ROUNDS {
         let found = retry_transient(policy, || async {
             let mut conn = pool.get().await.map_err(StoreError::Unavailable)?;
-            insert_or_read(&mut conn, user_id, key, request).await
+            insert_or_read(&mut conn, Caller::Id(user_id), key, request).await
         })
         .await?;
-        let decided = match found {
-            None => None,
-            Some(Found::Inserted(claimed)) => Some(claimed),
-            Some(Found::Existing(row)) => match decide_without_lock(*row, request)? {
-                Some(claimed) => Some(claimed),
-                None => {
-                    retry_transient(policy, || async {
-                        let mut conn = pool.get().await.map_err(StoreError::Unavailable)?;
-                        conn.build_transaction()
-                            .read_committed()
-                            .run(async |conn| {
-                                lock_existing(conn, user_id, key, request, lock_timeout).await
-                            })
-                            .await
-                    })
-                    .await?
-                }
-            },
-        };
-        if let Some(claimed) = decided {
-            tracing::Span::current().record("rides.claim", claimed.decision());
+        let Some((_, found)) = found else { continue };
+        if let Some(claimed) =
+            decide(pool, policy, user_id, key, request, lock_timeout, found).await?
+        {
             return Ok(claimed);
         }
     }
     Err(StoreError::KeyVanished)
+}
+
+fn chrono_timeout(lock_timeout: Duration) -> chrono::Duration {
+    chrono::Duration::from_std(lock_timeout).unwrap_or(chrono::Duration::MAX)
+}
+
+/// What a claim's statement found, decided: at once for a new key, a replay or a mismatch, under
+/// the row lock otherwise. `None` if the key was reaped meanwhile.
+async fn decide(
+    pool: &Pool,
+    policy: RetryPolicy,
+    user_id: i64,
+    key: &IdempotencyKey,
+    request: &RequestSignature,
+    lock_timeout: chrono::Duration,
+    found: Found,
+) -> Result<Option<Claimed>, StoreError> {
+    match found {
+        Found::Inserted(claimed) => Ok(Some(claimed)),
+        Found::Existing(row) => match decide_without_lock(*row, request)? {
+            Some(claimed) => Ok(Some(claimed)),
+            None => {
+                retry_transient(policy, || async {
+                    let mut conn = pool.get().await.map_err(StoreError::Unavailable)?;
+                    conn.build_transaction()
+                        .read_committed()
+                        .run(async |conn| {
+                            lock_existing(conn, user_id, key, request, lock_timeout).await
+                        })
+                        .await
+                })
+                .await
+            }
+        },
+    }
 }
 
 /// How many insert/inspect rounds a claim makes before giving up on a key that keeps vanishing.
@@ -227,34 +334,74 @@ macro_rules! key_columns {
     };
 }
 
-/// The claim's one statement. The key row if it exists (a replay, a mismatch or a resumption is
-/// decided from it without a lock); otherwise the key inserted, locked by a fresh token.
-/// `ON CONFLICT DO NOTHING` waits for a concurrent inserter of the same key and then yields to it;
-/// that key is newer than this statement's snapshot, so no row comes back and the claim looks
-/// again. A key that exists inserts nothing, so a replay writes nothing and burns no sequence
-/// value.
-struct InsertOrRead;
+/// The claim's one statement, for the user `caller` selects (`$1`). The key row if it exists (a
+/// replay, a mismatch or a resumption is decided from it without a lock); otherwise the key
+/// inserted, locked by a fresh token. `ON CONFLICT DO NOTHING` waits for a concurrent inserter of
+/// the same key and then yields to it; that key is newer than this statement's snapshot, so no
+/// row comes back and the claim looks again. A key that exists inserts nothing, so a replay
+/// writes nothing and burns no sequence value; no user, no row and nothing written.
+macro_rules! claim_sql {
+    ($caller:literal) => {
+        concat!(
+            "WITH caller AS (SELECT id, created_at, email, stripe_customer_id, \
+             stripe_payment_method_id, api_token_digest FROM users WHERE ",
+            $caller,
+            "), existing AS (SELECT ",
+            key_columns!(),
+            " FROM idempotency_keys WHERE user_id = (SELECT id FROM caller) \
+             AND idempotency_key = $2), \
+             inserted AS (INSERT INTO idempotency_keys (user_id, idempotency_key, lock_token, \
+             request_method, request_path, request_params, recovery_point, locked_at) \
+             SELECT caller.id, $2, $3, $4, $5, $6, 'started', now() FROM caller \
+             WHERE NOT EXISTS (SELECT FROM existing) \
+             ON CONFLICT (user_id, idempotency_key) DO NOTHING RETURNING ",
+            key_columns!(),
+            "), found AS (SELECT ",
+            key_columns!(),
+            ", true AS inserted FROM inserted UNION ALL SELECT ",
+            key_columns!(),
+            ", false FROM existing) \
+             SELECT caller.id AS caller_id, caller.created_at AS caller_created_at, caller.email, \
+             caller.stripe_customer_id, caller.stripe_payment_method_id, caller.api_token_digest, \
+             found.* FROM caller, found"
+        )
+    };
+}
 
-impl Statement for InsertOrRead {
-    const SQL: &'static str = concat!(
-        "WITH existing AS (SELECT ",
-        key_columns!(),
-        " FROM idempotency_keys WHERE user_id = $1 AND idempotency_key = $2), \
-         inserted AS (INSERT INTO idempotency_keys (user_id, idempotency_key, lock_token, \
-         request_method, request_path, request_params, recovery_point, locked_at) \
-         SELECT $1, $2, $3, $4, $5, $6, 'started', now() WHERE NOT EXISTS (SELECT FROM existing) \
-         ON CONFLICT (user_id, idempotency_key) DO NOTHING RETURNING ",
-        key_columns!(),
-        ") SELECT ",
-        key_columns!(),
-        ", true AS inserted FROM inserted UNION ALL SELECT ",
-        key_columns!(),
-        ", false FROM existing"
-    );
+/// The claim of a user known by id.
+struct ClaimById;
+
+impl Statement for ClaimById {
+    const SQL: &'static str = claim_sql!("id = $1");
+}
+
+/// The claim of the owner of an API token, by its digest: authentication in the same round trip.
+struct ClaimByToken;
+
+impl Statement for ClaimByToken {
+    const SQL: &'static str = claim_sql!("api_token_digest = $1");
+}
+
+#[derive(Clone, Copy)]
+enum Caller<'a> {
+    Id(i64),
+    Token(&'a [u8; 32]),
 }
 
 #[derive(QueryableByName)]
-struct InsertOrReadRow {
+struct ClaimRow {
+    #[diesel(sql_type = BigInt)]
+    caller_id: i64,
+    #[diesel(sql_type = Timestamptz)]
+    caller_created_at: DateTime<Utc>,
+    #[diesel(sql_type = Text)]
+    email: String,
+    #[diesel(sql_type = Text)]
+    stripe_customer_id: String,
+    #[diesel(sql_type = Text)]
+    stripe_payment_method_id: String,
+    #[diesel(sql_type = Bytea)]
+    api_token_digest: Vec<u8>,
     #[diesel(embed)]
     key: KeyRow,
     #[diesel(sql_type = Bool)]
@@ -266,39 +413,57 @@ enum Found {
     Existing(Box<KeyRow>),
 }
 
-/// Runs [`InsertOrRead`]; `None` if a concurrent claim inserted the key meanwhile.
+/// Runs the claim's statement; `None` if there is no such user, or if a concurrent claim inserted
+/// the key meanwhile.
 async fn insert_or_read(
     conn: &mut AsyncPgConnection,
-    user_id: i64,
+    caller: Caller<'_>,
     key: &IdempotencyKey,
     request: &RequestSignature,
-) -> Result<Option<Found>, StoreError> {
+) -> Result<Option<(User, Found)>, StoreError> {
     let token = Uuid::new_v4();
-    let row = prepared::<InsertOrRead, _>(|q| {
-        q.bind::<BigInt, _>(user_id)
-            .bind::<Text, _>(key.as_str())
-            .bind::<sql_types::Uuid, _>(token)
-            .bind::<Text, _>(request.method)
-            .bind::<Text, _>(request.path)
-            .bind::<Jsonb, _>(&request.params)
-    })
-    .get_result::<InsertOrReadRow>(conn)
-    .await
-    .optional()?;
-    Ok(row.map(|InsertOrReadRow { key, inserted }| {
-        if inserted {
+    macro_rules! run {
+        ($statement:ty, $caller_type:ty, $caller:expr) => {
+            prepared::<$statement, _>(|q| {
+                q.bind::<$caller_type, _>($caller)
+                    .bind::<Text, _>(key.as_str())
+                    .bind::<sql_types::Uuid, _>(token)
+                    .bind::<Text, _>(request.method)
+                    .bind::<Text, _>(request.path)
+                    .bind::<Jsonb, _>(&request.params)
+            })
+            .get_result::<ClaimRow>(conn)
+            .await
+            .optional()?
+        };
+    }
+    let row = match caller {
+        Caller::Id(user_id) => run!(ClaimById, BigInt, user_id),
+        Caller::Token(digest) => run!(ClaimByToken, Bytea, digest.as_slice()),
+    };
+    Ok(row.map(|row| {
+        let user = User {
+            id: row.caller_id,
+            created_at: row.caller_created_at,
+            email: row.email,
+            stripe_customer_id: row.stripe_customer_id,
+            stripe_payment_method_id: row.stripe_payment_method_id,
+            api_token_digest: row.api_token_digest,
+        };
+        let found = if row.inserted {
             Found::Inserted(Claimed {
                 claim: Claim::Execute(Lease {
-                    key_id: key.id,
-                    user_id,
+                    key_id: row.key.id,
+                    user_id: user.id,
                     token,
                     recovery_point: RecoveryPoint::Started,
                 }),
-                key_created_at: key.created_at,
+                key_created_at: row.key.created_at,
             })
         } else {
-            Found::Existing(Box::new(key))
-        }
+            Found::Existing(Box::new(row.key))
+        };
+        (user, found)
     }))
 }
 
