@@ -9,8 +9,10 @@
 #
 # Environment: DURATION (s per loadgen run, default 15), PG_DURATION (s per pgbench run, default
 # 15), ENQUEUER_JOBS (default 100000), PG_URL (server, default postgres://postgres@127.0.0.1:5432),
-# AMQP_URL (default amqp://guest:guest@127.0.0.1:5672/%2f), BENCH_OUT (output directory, default
-# target/bench/<run id>), PERF=1 (profile the api-server during new-32 with perf, cpu-clock).
+# AMQP_URL (default amqp://guest:guest@127.0.0.1:5672/%2f), BENCH_SMTP_ADDR (the mail sink, default
+# 127.0.0.1:2625), BENCH_OUT (output directory, default
+# target/bench/<run id>), PERF=1 (profile the api-server during new-32 and replay-32 with perf,
+# cpu-clock).
 # Traffic goes to 127.0.0.1 only.
 set -euo pipefail
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -29,7 +31,7 @@ OUT=${BENCH_OUT:-$REPO_ROOT/target/bench/$RUN_ID}
 RESULTS="$OUT/results.jsonl"
 GRPC_ADDR=127.0.0.1:50151
 STRIPE_ADDR=127.0.0.1:12211
-SMTP_ADDR=127.0.0.1:2625
+SMTP_ADDR=${BENCH_SMTP_ADDR:-127.0.0.1:2625}
 export AMQP_TOPOLOGY_PREFIX="bench-$RUN_ID"
 export METRICS_LISTEN_ADDR=off
 export RUST_LOG=${RUST_LOG:-warn}
@@ -65,7 +67,10 @@ psql_db() { psql "$DATABASE_URL" -X -q -v ON_ERROR_STOP=1 "$@"; }
 
 command -v pgbench >/dev/null || die "pgbench is missing (apt-get install postgresql-client)"
 command -v psql >/dev/null || die "psql is missing (apt-get install postgresql-client)"
-for addr in $GRPC_ADDR $STRIPE_ADDR $SMTP_ADDR; do
+# The mail sink's port only matters to the receipts scenario (another campaign may hold it).
+ports="$GRPC_ADDR $STRIPE_ADDR"
+! wants receipts || ports="$ports $SMTP_ADDR"
+for addr in $ports; do
   port_open "${addr%:*}" "${addr##*:}" && die "$addr is in use: another bench/run.sh running?"
 done
 
@@ -153,31 +158,40 @@ STACK_LATENCY=0
 if wants new-1 || wants new-8 || wants new-32 || wants new-64 || wants replay-32; then
   start_stack 0 16
 fi
+# CPU profile of the api-server while a scenario runs (PERF=1; software clock: this VM has no
+# hardware counters). perf_start before the loadgen run, perf_finish after it.
+perf_pid=
+perf_start() { # scenario
+  perf_pid=
+  [ "${PERF:-0}" = 1 ] && command -v perf >/dev/null || return 0
+  (sleep 2; timeout $((DURATION + 30)) perf record -q -e cpu-clock -F 499 -g -p "${PIDS[api-server]}" \
+    -o "$OUT/perf-api-server-$1.data" -- sleep $((DURATION - 2)) >/dev/null 2>&1) &
+  perf_pid=$!
+}
+perf_finish() { # scenario
+  [ -n "$perf_pid" ] || return 0
+  wait "$perf_pid" || true
+  perf report -i "$OUT/perf-api-server-$1.data" --stdio --no-children --sort dso,sym 2>/dev/null |
+    grep -v '^$' | head -150 >"$OUT/perf-api-server-$1.txt" || true
+  perf report -i "$OUT/perf-api-server-$1.data" --stdio --no-children --sort dso -g none 2>/dev/null |
+    grep '%' | head -20 >"$OUT/perf-api-server-$1-dso.txt" || true
+}
+
 for clients in 1 8 32 64; do
   wants "new-$clients" || continue
   pgbench_ceiling "new-$clients" bench/pgbench/create_ride.sql "$clients"
-  perf_pid=
-  if [ "$clients" = 32 ] && [ "${PERF:-0}" = 1 ] && command -v perf >/dev/null; then
-    # CPU profile of the api-server (software clock: this VM has no hardware counters).
-    (sleep 2; timeout $((DURATION + 30)) perf record -q -e cpu-clock -F 499 -g -p "${PIDS[api-server]}" \
-      -o "$OUT/perf-api-server-new-32.data" -- sleep $((DURATION - 2)) >/dev/null 2>&1) &
-    perf_pid=$!
-  fi
+  [ "$clients" != 32 ] || perf_start "new-32"
   loadgen "new-$clients" --clients "$clients" --duration-secs "$DURATION"
-  if [ -n "$perf_pid" ]; then
-    wait "$perf_pid" || true
-    perf report -i "$OUT/perf-api-server-new-32.data" --stdio --no-children --sort dso,sym 2>/dev/null |
-      grep -v '^$' | head -150 >"$OUT/perf-api-server-new-32.txt" || true
-    perf report -i "$OUT/perf-api-server-new-32.data" --stdio --no-children --sort dso -g none 2>/dev/null |
-      grep '%' | head -20 >"$OUT/perf-api-server-new-32-dso.txt" || true
-  fi
+  [ "$clients" != 32 ] || perf_finish "new-32"
 done
 
 # Replays of finished keys at 32 clients.
 if wants replay-32; then
   pgbench_ceiling replay-32 bench/pgbench/replay_reads.sql 32
   pgbench_ceiling replay-32-as-served bench/pgbench/replay_claim.sql 32
+  perf_start replay-32
   loadgen replay-32 --clients 32 --duration-secs "$DURATION" --replay-ratio 1 --seed-keys-per-client 50
+  perf_finish replay-32
 fi
 
 # Provider latency 250 ms, 500 clients, pool 16. The database sees at most 16 connections, so

@@ -39,7 +39,14 @@ pub fn bearer_token(authorization: &str) -> Option<&str> {
 /// The user a token belongs to. The lookup is by digest through a unique index, so its timing
 /// says nothing about how close a guess came.
 pub async fn authenticate(pool: &Pool, token: &str) -> Result<Option<User>, StoreError> {
-    let digest = token_digest(token);
+    user_by_token_digest(pool, &token_digest(token)).await
+}
+
+/// The user whose token has this digest.
+pub async fn user_by_token_digest(
+    pool: &Pool,
+    digest: &[u8; 32],
+) -> Result<Option<User>, StoreError> {
     let mut conn = pool.get().await.map_err(StoreError::Unavailable)?;
     Ok(users::table
         .filter(users::api_token_digest.eq(digest.as_slice()))

@@ -16,9 +16,10 @@
 //! | `FAULT_CRASH_AFTER` | crash on this hit of the point (default 1) |
 //! | `FAULT_CRASH_LOG` | file the point's name is appended to just before the crash |
 
-/// Every crash point, in the order a CreateRide passes them. `<phase>.before_commit` fires after a
-/// phase's writes, inside its transaction (the crash rolls the phase back); `.after_commit` fires
-/// once the transaction has committed and before the caller learns of it.
+/// Every crash point, in the order a CreateRide passes them. `<phase>.before_commit` fires once the
+/// phase's work is decided, immediately before its one statement is sent (a crash there leaves
+/// nothing of the phase in the database); `.after_commit` fires once the statement (its own
+/// implicit transaction) has committed and before the caller learns of it.
 pub const CRASH_POINTS: &[&str] = &[
     "claim.after_commit",
     "started.before_commit",

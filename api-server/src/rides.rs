@@ -19,13 +19,18 @@ use std::{
 };
 
 use chrono::{DateTime, Utc};
-use diesel::{ExpressionMethods, OptionalExtension, QueryDsl, SelectableHelper};
+use diesel::{
+    ExpressionMethods, OptionalExtension, QueryDsl, SelectableHelper,
+    sql_types::{self, BigInt, Cidr, Double, Integer, Jsonb, Text},
+};
 use diesel_async::RunQueryDsl;
+use futures_util::FutureExt;
 use ipnet::IpNet;
 use schema::{
     Pool, RecoveryPoint, SEND_RIDE_RECEIPT_JOB,
-    models::{NewAuditRecord, NewRide, NewStagedJob, Ride, User},
-    schema::{audit_records, rides, staged_jobs},
+    models::{Ride, User},
+    prepared::{Statement, prepared},
+    schema::rides,
 };
 use scoped_futures::ScopedFutureExt;
 use serde::{Deserialize, Serialize};
@@ -35,8 +40,8 @@ use tracing::Instrument;
 use crate::{
     config::{IdempotencyConfig, Price},
     idempotency::{
-        self, Claim, IdempotencyKey, Lease, RequestSignature, RetryPolicy, StoreError,
-        StoredResponse,
+        self, Claim, Claimed, IdempotencyKey, KeyMoved, Lease, RequestSignature, RetryPolicy,
+        StoreError, StoredResponse,
     },
     metrics::metrics,
     payments::{ChargeError, ChargeRequest, StripeClient},
@@ -287,7 +292,7 @@ impl Rides {
         key: &IdempotencyKey,
         request: &RideRequest,
     ) -> CreateRideReply {
-        let claimed = match idempotency::claim(
+        let claimed = idempotency::claim(
             &self.pool,
             self.retry,
             request.user.id,
@@ -295,8 +300,59 @@ impl Rides {
             &request.params.signature(),
             self.idempotency.lock_timeout,
         )
-        .await
-        {
+        .await;
+        self.answer(claimed, request).await
+    }
+
+    /// CreateRide for the owner of the API token whose digest is `token_digest`, authenticated
+    /// by the claim's own statement (one round trip for a new key, a replay or a mismatch).
+    /// `None` if no user has this token; nothing is written then. Otherwise the reply, with the
+    /// caller's user id unless the claim failed before it was known.
+    pub async fn authenticate_and_create_ride(
+        &self,
+        token_digest: &[u8; 32],
+        key: &IdempotencyKey,
+        params: RideParams,
+        origin_ip: IpAddr,
+    ) -> Option<(Option<i64>, CreateRideReply)> {
+        let claimed = idempotency::authenticate_and_claim(
+            &self.pool,
+            self.retry,
+            token_digest,
+            key,
+            &params.signature(),
+            self.idempotency.lock_timeout,
+        )
+        .await;
+        match claimed {
+            Ok(None) => None,
+            Ok(Some((user, claimed))) => {
+                let user_id = user.id;
+                let request = RideRequest {
+                    user,
+                    params,
+                    origin_ip,
+                };
+                Some((Some(user_id), self.answer(Ok(claimed), &request).await))
+            }
+            Err(error) => Some((
+                None,
+                CreateRideReply {
+                    key_expires_at: None,
+                    replayed: false,
+                    result: Err(error.into()),
+                },
+            )),
+        }
+    }
+
+    /// Acts on a claim: refuses, replays, or runs the key to a final outcome.
+    async fn answer(
+        &self,
+        claimed: Result<Claimed, StoreError>,
+        request: &RideRequest,
+    ) -> CreateRideReply {
+        let claimed = match claimed {
             Ok(claimed) => claimed,
             Err(error) => {
                 return CreateRideReply {
@@ -343,8 +399,10 @@ impl Rides {
         request: &RideRequest,
     ) -> Result<Outcome, CreateRideError> {
         let result = async {
+            // The ride as the last phase left it, so that the next phase need not read it back.
+            let mut ride = None;
             loop {
-                if let Step::Finished(outcome) = self.step(lease, request).await? {
+                if let Step::Finished(outcome) = self.step_with(lease, request, &mut ride).await? {
                     return Ok(outcome);
                 }
             }
@@ -360,12 +418,24 @@ impl Rides {
         result
     }
 
-    /// Runs the phase for `lease.recovery_point` and advances the lease. Public so that tests
-    /// can stop an attempt between phases, as a crash would.
+    /// Runs the phase for `lease.recovery_point` and advances the lease, as an attempt that
+    /// resumes there does (it reads the ride if the phase needs it). Public so that tests can stop
+    /// an attempt between phases, as a crash would.
     pub async fn step(
         &self,
         lease: &mut Lease,
         request: &RideRequest,
+    ) -> Result<Step, CreateRideError> {
+        self.step_with(lease, request, &mut None).await
+    }
+
+    /// [`Rides::step`] with the ride the previous phase of this attempt left in `ride` (or `None`
+    /// to read it), leaving the ride there for the next phase.
+    async fn step_with(
+        &self,
+        lease: &mut Lease,
+        request: &RideRequest,
+        ride: &mut Option<Ride>,
     ) -> Result<Step, CreateRideError> {
         let point = lease.recovery_point;
         let span = tracing::info_span!(
@@ -378,7 +448,7 @@ impl Rides {
         );
         let started = Instant::now();
         let result = self
-            .run_phase(lease, request)
+            .run_phase(lease, request, ride)
             .instrument(span.clone())
             .await;
         span.record("rides.recovery_point.to", lease.recovery_point.as_str());
@@ -399,22 +469,30 @@ impl Rides {
         &self,
         lease: &mut Lease,
         request: &RideRequest,
+        ride: &mut Option<Ride>,
     ) -> Result<Step, CreateRideError> {
         let point = lease.recovery_point;
         let step = match point {
             RecoveryPoint::Started => {
-                self.create_ride_record(lease, request).await?;
+                *ride = Some(self.create_ride_record(lease, request).await?);
                 lease.recovery_point = RecoveryPoint::RideCreated;
                 Step::Advanced
             }
-            RecoveryPoint::RideCreated => match self.charge(lease, request).await? {
-                Some(outcome) => Step::Finished(outcome),
-                None => {
-                    lease.recovery_point = RecoveryPoint::ChargeCreated;
-                    Step::Advanced
+            RecoveryPoint::RideCreated => {
+                let current = self.current_ride(lease, ride.take()).await?;
+                match self.charge(lease, request, current).await? {
+                    Charged::Recorded(charged) => {
+                        *ride = Some(charged);
+                        lease.recovery_point = RecoveryPoint::ChargeCreated;
+                        Step::Advanced
+                    }
+                    Charged::Declined(outcome) => Step::Finished(outcome),
                 }
-            },
-            RecoveryPoint::ChargeCreated => Step::Finished(self.stage_receipt(lease).await?),
+            }
+            RecoveryPoint::ChargeCreated => {
+                let current = self.current_ride(lease, ride.take()).await?;
+                Step::Finished(self.stage_receipt(lease, current).await?)
+            }
             RecoveryPoint::Finished => {
                 return Err(CreateRideError::Internal(
                     "a finished key cannot be run again".into(),
@@ -428,58 +506,61 @@ impl Rides {
         Ok(step)
     }
 
+    /// The key's ride: the one this attempt's previous phase returned, or else read back (an
+    /// attempt that resumes a key). Reading it outside the next phase's statement is safe: only
+    /// the holder of the key's lock changes a ride, by the phase that records the charge, and a
+    /// lease that lost the lock meanwhile is fenced off by that next phase.
+    async fn current_ride(
+        &self,
+        lease: &Lease,
+        ride: Option<Ride>,
+    ) -> Result<Ride, CreateRideError> {
+        match ride {
+            Some(ride) => Ok(ride),
+            None => self.ride_for_key(lease.key_id).await,
+        }
+    }
+
     /// Phase `started`: the ride and its audit record.
     async fn create_ride_record(
         &self,
         lease: &Lease,
         request: &RideRequest,
-    ) -> Result<(), StoreError> {
+    ) -> Result<Ride, StoreError> {
         let params = request.params;
         let price = &self.price;
         let origin_ip = IpNet::from(request.origin_ip);
+        let data = serde_json::to_value(params).unwrap_or_default();
+        let data = &data;
         idempotency::atomic_phase(&self.pool, self.retry, lease, |conn| {
-            async move {
-                let ride: Ride = diesel::insert_into(rides::table)
-                    .values(NewRide {
-                        idempotency_key_id: lease.key_id,
-                        origin_lat: params.origin_lat,
-                        origin_lon: params.origin_lon,
-                        target_lat: params.target_lat,
-                        target_lon: params.target_lon,
-                        amount: price.amount,
-                        currency: &price.currency,
-                        user_id: lease.user_id,
-                    })
-                    .returning(Ride::as_returning())
-                    .get_result(conn)
-                    .await?;
-                let data = serde_json::to_value(params).unwrap_or_default();
-                diesel::insert_into(audit_records::table)
-                    .values(NewAuditRecord {
-                        action: "ride.created",
-                        data: &data,
-                        origin_ip,
-                        resource_id: ride.id,
-                        resource_type: "ride",
-                        user_id: lease.user_id,
-                    })
-                    .execute(conn)
-                    .await?;
-                idempotency::set_recovery_point(conn, lease, RecoveryPoint::RideCreated).await
-            }
+            prepared::<CreateRideRecord, _>(|q| {
+                q.bind::<BigInt, _>(lease.key_id)
+                    .bind::<sql_types::Uuid, _>(lease.token)
+                    .bind::<Double, _>(params.origin_lat)
+                    .bind::<Double, _>(params.origin_lon)
+                    .bind::<Double, _>(params.target_lat)
+                    .bind::<Double, _>(params.target_lon)
+                    .bind::<BigInt, _>(price.amount)
+                    .bind::<Text, _>(price.currency.as_str())
+                    .bind::<BigInt, _>(lease.user_id)
+                    .bind::<Jsonb, _>(data)
+                    .bind::<Cidr, _>(origin_ip)
+            })
+            .get_result::<Ride>(conn)
+            .map(OptionalExtension::optional)
             .scope_boxed()
         })
         .await
     }
 
-    /// Phase `ride_created`: the charge, then its result in one transaction. Returns the final
-    /// outcome if the card was declined.
+    /// Phase `ride_created`: the charge, then its result in one atomic phase: the ride with its
+    /// charge recorded, or the final outcome if the card was declined.
     async fn charge(
         &self,
         lease: &Lease,
         request: &RideRequest,
-    ) -> Result<Option<Outcome>, CreateRideError> {
-        let ride = self.ride_for_key(lease.key_id).await?;
+        ride: Ride,
+    ) -> Result<Charged, CreateRideError> {
         let charge = ChargeRequest {
             amount: ride.amount,
             currency: ride.currency.clone(),
@@ -530,18 +611,21 @@ impl Rides {
                 let ride_id = ride.id;
                 let intent_id = intent.id.as_str();
                 idempotency::atomic_phase(&self.pool, self.retry, lease, |conn| {
-                    async move {
-                        diesel::update(rides::table.find(ride_id))
-                            .set(rides::stripe_charge_id.eq(intent_id))
-                            .execute(conn)
-                            .await?;
-                        idempotency::set_recovery_point(conn, lease, RecoveryPoint::ChargeCreated)
-                            .await
-                    }
+                    prepared::<RecordCharge, _>(|q| {
+                        q.bind::<BigInt, _>(lease.key_id)
+                            .bind::<sql_types::Uuid, _>(lease.token)
+                            .bind::<Text, _>(intent_id)
+                            .bind::<BigInt, _>(ride_id)
+                    })
+                    .get_result::<KeyMoved>(conn)
+                    .map(OptionalExtension::optional)
                     .scope_boxed()
                 })
                 .await?;
-                Ok(None)
+                Ok(Charged::Recorded(Ride {
+                    stripe_charge_id: Some(intent.id),
+                    ..ride
+                }))
             }
             Err(ChargeError::Declined {
                 message,
@@ -552,13 +636,8 @@ impl Rides {
                     message,
                     decline_code,
                 };
-                let stored = outcome.to_stored()?;
-                idempotency::atomic_phase(&self.pool, self.retry, lease, |conn| {
-                    let stored = &stored;
-                    async move { idempotency::finish(conn, lease, stored).await }.scope_boxed()
-                })
-                .await?;
-                Ok(Some(outcome))
+                idempotency::finish(&self.pool, self.retry, lease, &outcome.to_stored()?).await?;
+                Ok(Charged::Declined(outcome))
             }
             Err(error @ ChargeError::Unavailable { .. }) => {
                 Err(CreateRideError::ProviderUnavailable(error))
@@ -582,44 +661,40 @@ impl Rides {
     }
 
     /// Phase `charge_created`: the receipt job and the stored response, then finished.
-    async fn stage_receipt(&self, lease: &Lease) -> Result<Outcome, StoreError> {
+    async fn stage_receipt(&self, lease: &Lease, ride: Ride) -> Result<Outcome, StoreError> {
         // The receipt continues this request's trace: the enqueuer and the receipt worker pick
         // the context up from the job.
         let trace_context = serde_json::to_value(telemetry::inject_current()).unwrap_or_default();
-        let trace_context = &trace_context;
+        let job_args = serde_json::json!({
+            "ride_id": ride.id,
+            "user_id": ride.user_id,
+            "amount": ride.amount,
+            "currency": ride.currency,
+            "charge_id": ride.stripe_charge_id,
+            "created_at": ride.created_at,
+        });
+        let outcome = Outcome::RideCreated {
+            ride: RideView::from(ride),
+            message: PAYMENT_ACCEPTED.to_owned(),
+        };
+        let stored = outcome.to_stored()?;
+        let (trace_context, job_args, stored) = (&trace_context, &job_args, &stored);
         idempotency::atomic_phase(&self.pool, self.retry, lease, |conn| {
-            async move {
-                let ride: Ride = rides::table
-                    .filter(rides::idempotency_key_id.eq(lease.key_id))
-                    .select(Ride::as_select())
-                    .first(conn)
-                    .await?;
-                let job_args = serde_json::json!({
-                    "ride_id": ride.id,
-                    "user_id": ride.user_id,
-                    "amount": ride.amount,
-                    "currency": ride.currency,
-                    "charge_id": ride.stripe_charge_id,
-                    "created_at": ride.created_at,
-                });
-                diesel::insert_into(staged_jobs::table)
-                    .values(NewStagedJob {
-                        job_name: SEND_RIDE_RECEIPT_JOB,
-                        job_args: &job_args,
-                        trace_context,
-                    })
-                    .execute(conn)
-                    .await?;
-                let outcome = Outcome::RideCreated {
-                    ride: RideView::from(ride),
-                    message: PAYMENT_ACCEPTED.to_owned(),
-                };
-                idempotency::finish(conn, lease, &outcome.to_stored()?).await?;
-                Ok(outcome)
-            }
+            prepared::<StageReceipt, _>(|q| {
+                q.bind::<BigInt, _>(lease.key_id)
+                    .bind::<sql_types::Uuid, _>(lease.token)
+                    .bind::<Text, _>(SEND_RIDE_RECEIPT_JOB)
+                    .bind::<Jsonb, _>(job_args)
+                    .bind::<Jsonb, _>(trace_context)
+                    .bind::<Integer, _>(stored.code)
+                    .bind::<Jsonb, _>(&stored.body)
+            })
+            .get_result::<KeyMoved>(conn)
+            .map(OptionalExtension::optional)
             .scope_boxed()
         })
-        .await
+        .await?;
+        Ok(outcome)
     }
 
     async fn ride_for_key(&self, key_id: i64) -> Result<Ride, CreateRideError> {
@@ -651,6 +726,68 @@ impl Rides {
             .optional()?;
         Ok(ride.map(RideView::from))
     }
+}
+
+/// How the charge phase ended.
+enum Charged {
+    /// The charge is recorded on this ride; the key is at `charge_created`.
+    Recorded(Ride),
+    /// The card was declined; the key is finished with this outcome.
+    Declined(Outcome),
+}
+
+/// Phase `started` as one statement: the ride, its audit record and the recovery point
+/// `ride_created`, each step selecting from the one before so that a failed fence writes nothing;
+/// returns the ride.
+struct CreateRideRecord;
+
+impl Statement for CreateRideRecord {
+    const SQL: &'static str = concat!(
+        "WITH ",
+        idempotency::fence!(),
+        ", ride AS (INSERT INTO rides (idempotency_key_id, origin_lat, origin_lon, target_lat, \
+         target_lon, amount, currency, user_id) \
+         SELECT fence.id, $3, $4, $5, $6, $7, $8, $9 FROM fence \
+         RETURNING id, created_at, idempotency_key_id, origin_lat, origin_lon, target_lat, \
+         target_lon, amount, currency, stripe_charge_id, user_id), \
+         audit AS (INSERT INTO audit_records (action, data, origin_ip, resource_id, \
+         resource_type, user_id) \
+         SELECT 'ride.created', $10, $11, ride.id, 'ride', ride.user_id FROM ride) \
+         UPDATE idempotency_keys SET recovery_point = 'ride_created' FROM ride \
+         WHERE idempotency_keys.id = $1 AND idempotency_keys.lock_token = $2 RETURNING ride.*"
+    );
+}
+
+/// The charge's atomic phase as one statement: the PaymentIntent id on the key's ride and the
+/// recovery point `charge_created`.
+struct RecordCharge;
+
+impl Statement for RecordCharge {
+    const SQL: &'static str = concat!(
+        "WITH ",
+        idempotency::fence!(),
+        ", charged AS (UPDATE rides SET stripe_charge_id = $3 FROM fence \
+         WHERE rides.id = $4 AND rides.idempotency_key_id = fence.id RETURNING rides.id) \
+         UPDATE idempotency_keys SET recovery_point = 'charge_created' FROM charged \
+         WHERE idempotency_keys.id = $1 AND idempotency_keys.lock_token = $2 \
+         RETURNING idempotency_keys.id"
+    );
+}
+
+/// Phase `charge_created` as one statement: the receipt job, then the key finished with the
+/// stored response and unlocked.
+struct StageReceipt;
+
+impl Statement for StageReceipt {
+    const SQL: &'static str = concat!(
+        "WITH ",
+        idempotency::fence!(),
+        ", job AS (INSERT INTO staged_jobs (job_name, job_args, trace_context) \
+         SELECT $3, $4, $5 FROM fence RETURNING id) ",
+        idempotency::finish_key!("$6", "$7"),
+        " FROM job WHERE idempotency_keys.id = $1 AND idempotency_keys.lock_token = $2 \
+         RETURNING idempotency_keys.id"
+    );
 }
 
 #[cfg(test)]

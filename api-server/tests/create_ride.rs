@@ -740,6 +740,85 @@ async fn an_attempt_whose_lock_was_taken_over_commits_nothing() {
     );
 }
 
+/// A phase is one statement whose fence waits for the key row's lock. If a takeover holds that
+/// lock, the fence waits for it and then re-checks the token on the row the takeover committed
+/// (not on the statement's older snapshot), so the fenced-off phase writes nothing at all.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_phase_that_waits_for_a_takeover_in_progress_writes_nothing() {
+    use diesel::sql_types::BigInt;
+    use diesel_async::{RunQueryDsl, SimpleAsyncConnection};
+
+    let app = TestApp::spawn().await;
+    let user = app.create_user(GOOD_CARD).await;
+    let key = new_key();
+    let params = ride_params();
+    let request = app.rides_request(&user, params).await;
+    for phases_before in 0..3 {
+        let key = format!("{key}-{phases_before}");
+        let mut first = app.claim(&user, &key, &params).await;
+        for _ in 0..phases_before {
+            app.rides.step(&mut first, &request).await.unwrap();
+        }
+        let rides_before = app.rides().await;
+        let jobs_before = app.staged_jobs().await.len();
+        let point_before = first.recovery_point;
+
+        // A takeover's transaction, not yet committed: it holds the row lock and a new token.
+        let mut takeover = app.db.connect().await;
+        takeover.batch_execute("BEGIN").await.unwrap();
+        diesel::sql_query(
+            "UPDATE idempotency_keys SET lock_token = gen_random_uuid(), locked_at = now() \
+             WHERE id = $1",
+        )
+        .bind::<BigInt, _>(first.key_id)
+        .execute(&mut takeover)
+        .await
+        .unwrap();
+
+        let (rides, phase_request) = (app.rides.clone(), request.clone());
+        let waiting = tokio::spawn(async move {
+            let result = rides.step(&mut first, &phase_request).await;
+            (result, first)
+        });
+        // Only commit once the phase is blocked on the row lock.
+        let mut watcher = app.db.connect().await;
+        for _ in 0..500 {
+            #[derive(diesel::QueryableByName)]
+            struct Waiting {
+                #[diesel(sql_type = BigInt)]
+                n: i64,
+            }
+            let waiting: Waiting = diesel::sql_query(
+                "SELECT count(*) AS n FROM pg_stat_activity \
+                 WHERE datname = current_database() AND wait_event_type = 'Lock'",
+            )
+            .get_result(&mut watcher)
+            .await
+            .unwrap();
+            if waiting.n > 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        takeover.batch_execute("COMMIT").await.unwrap();
+
+        let (result, first) = waiting.await.unwrap();
+        assert!(
+            matches!(result, Err(api_server::rides::CreateRideError::LockLost)),
+            "after {phases_before} phases: {result:?}"
+        );
+        assert_eq!(
+            app.rides().await,
+            rides_before,
+            "no ride written or charged"
+        );
+        assert_eq!(app.staged_jobs().await.len(), jobs_before);
+        let key_row = app.key_row(&user, &key).await.unwrap();
+        assert_eq!(key_row.recovery_point, point_before);
+        assert_ne!(key_row.lock_token, Some(first.token));
+    }
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn fifty_concurrent_identical_requests_make_one_ride_and_one_charge() {
     let app = TestApp::spawn_with(

@@ -7,12 +7,14 @@
 //! - [`models`]: a read struct and an insert struct per table.
 //! - [`RecoveryPoint`]: the closed set of phases a key moves through, stored as TEXT.
 //! - [`pool`]: the bb8 pool of diesel-async connections (pure Rust, no libpq).
+//! - [`prepared`]: hand-written SQL (data-modifying CTEs) that is still prepared once per connection.
 //! - [`migrations`]: `migrations/` embedded in the binary and applied over an async connection.
 //! - `testing` (feature `testing`): one database per test, cloned from a migrated template.
 
 pub mod migrations;
 pub mod models;
 pub mod pool;
+pub mod prepared;
 mod recovery_point;
 pub mod schema;
 #[cfg(feature = "testing")]

@@ -31,7 +31,7 @@ pub struct NewUser<'a> {
     pub api_token_digest: &'a [u8],
 }
 
-#[derive(Clone, Debug, Queryable, Selectable, Identifiable)]
+#[derive(Clone, Debug, Queryable, QueryableByName, Selectable, Identifiable)]
 #[diesel(table_name = idempotency_keys, check_for_backend(diesel::pg::Pg))]
 pub struct IdempotencyKey {
     pub id: i64,
@@ -63,7 +63,7 @@ pub struct NewIdempotencyKey<'a> {
     pub user_id: i64,
 }
 
-#[derive(Clone, Debug, PartialEq, Queryable, Selectable, Identifiable)]
+#[derive(Clone, Debug, PartialEq, Queryable, QueryableByName, Selectable, Identifiable)]
 #[diesel(table_name = rides, check_for_backend(diesel::pg::Pg))]
 pub struct Ride {
     pub id: i64,

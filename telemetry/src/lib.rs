@@ -25,7 +25,11 @@ use opentelemetry_sdk::{
     trace::SdkTracerProvider,
 };
 use tracing_opentelemetry::OpenTelemetrySpanExt;
-use tracing_subscriber::{EnvFilter, Layer, filter::LevelFilter, layer::SubscriberExt};
+use tracing_subscriber::{
+    EnvFilter, Layer, Registry,
+    filter::{LevelFilter, Targets},
+    layer::{Filter, SubscriberExt},
+};
 
 mod metrics_endpoint;
 
@@ -120,7 +124,8 @@ impl Telemetry {
     }
 }
 
-/// Installs the subscriber: the log layer filtered by `RUST_LOG` (default `info`), the
+/// Installs the subscriber: the log layer filtered by `RUST_LOG` (default `info`, see
+/// [`log_filter`]), the
 /// OpenTelemetry layer filtered separately at INFO.
 fn install(
     tracer_provider: &SdkTracerProvider,
@@ -130,7 +135,7 @@ fn install(
     opentelemetry::global::set_text_map_propagator(TraceContextPropagator::new());
     opentelemetry::global::set_tracer_provider(tracer_provider.clone());
     let tracer = tracer_provider.tracer(service_name.to_owned());
-    let log_filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let log_filter = log_filter(std::env::var(EnvFilter::DEFAULT_ENV).ok().as_deref());
     let log_layer = if json {
         tracing_subscriber::fmt::layer()
             .json()
@@ -153,6 +158,28 @@ fn install(
         );
     tracing::subscriber::set_global_default(subscriber)?;
     Ok(())
+}
+
+/// The log output's filter from `RUST_LOG` (default `info`). A list of plain `target=level`
+/// directives, the usual case, becomes a `Targets` filter, which decides once per callsite.
+/// `EnvFilter`, kept for anything else (span and field directives), also takes a lock and a map
+/// lookup on every enter and exit of every span, whether or not it logs: under load that was the
+/// api-server's most expensive tracing work in CPU profiles.
+fn log_filter(spec: Option<&str>) -> Box<dyn Filter<Registry> + Send + Sync> {
+    let spec = spec.unwrap_or("info");
+    match plain_targets(spec) {
+        Some(targets) => Box::new(targets),
+        None => Box::new(EnvFilter::try_new(spec).unwrap_or_else(|_| EnvFilter::new("info"))),
+    }
+}
+
+/// `spec` as a `Targets` filter, if it says nothing `Targets` cannot (an empty spec keeps
+/// `EnvFilter`'s meaning).
+fn plain_targets(spec: &str) -> Option<Targets> {
+    if spec.trim().is_empty() {
+        return None;
+    }
+    spec.parse().ok()
 }
 
 /// The meter every instrument of a process is created from.
@@ -303,5 +330,23 @@ pub mod testing {
             let _ = self.provider.force_flush();
             self.exporter.get_finished_spans().unwrap_or_default()
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tracing::Level;
+
+    use super::*;
+
+    #[test]
+    fn plain_directives_become_targets_and_span_directives_keep_env_filter() {
+        let targets = plain_targets("api_server=debug,warn").unwrap();
+        assert_eq!(targets.default_level(), Some(LevelFilter::WARN));
+        assert!(targets.would_enable("api_server::rides", &Level::DEBUG));
+        assert!(!targets.would_enable("h2::proto", &Level::INFO));
+        assert!(plain_targets("info").is_some());
+        assert!(plain_targets("[rpc{user.id=1}]=debug").is_none());
+        assert!(plain_targets("").is_none());
     }
 }

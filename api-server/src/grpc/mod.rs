@@ -56,6 +56,25 @@ impl RideApi {
         }
     }
 
+    /// The digest of the caller's token if the caller presents a plain user token (not the
+    /// internal credential, no `on-behalf-of-user`): such a caller can be authenticated by the
+    /// claim's own statement. `None` for anything else, which [`RideApi::authenticate`] decides.
+    fn user_token_digest(&self, metadata: &MetadataMap) -> Option<[u8; 32]> {
+        if metadata.get(ON_BEHALF_OF_HEADER).is_some() {
+            return None;
+        }
+        let token = metadata
+            .get("authorization")?
+            .to_str()
+            .ok()
+            .and_then(auth::bearer_token)?;
+        let is_internal = self
+            .internal_api_token
+            .as_ref()
+            .is_some_and(|internal| auth::is_internal_token(token, internal.expose()));
+        (!is_internal).then(|| auth::token_digest(token))
+    }
+
     /// The caller's user: the owner of a user token, or, for the internal credential, the user
     /// named in `on-behalf-of-user`.
     async fn authenticate(&self, metadata: &MetadataMap) -> Result<User, Status> {
@@ -234,36 +253,72 @@ impl RideApi {
                 .insert(REPLAYED_HEADER, MetadataValue::from_static("false"));
             status
         };
-        let user = self.authenticate(request.metadata()).await.map_err(fresh)?;
-        Span::current().record("user.id", user.id);
-        let key = idempotency_key(request.metadata()).map_err(fresh)?;
-        Span::current().record("rides.idempotency_key", key.redacted());
         let origin_ip = request
             .remote_addr()
             .map_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED), |addr| addr.ip());
-        let params = RideParams::try_from(request.into_inner())
-            .map_err(|violations| fresh(status::invalid_params(&violations)))?;
-        let ride_request = RideRequest {
-            user,
-            params,
-            origin_ip,
-        };
+        let key = idempotency_key(request.metadata());
+        let user_token = self.user_token_digest(request.metadata());
+        let (metadata, _, message) = request.into_parts();
+        let params = RideParams::try_from(message);
         let rides = Arc::clone(&self.rides);
-        // Detached from the request: a client that hangs up must not cut a phase or a charge in
-        // half. The attempt runs to its end and unlocks the key.
-        let reply = self
-            .tasks
-            .spawn(
-                async move { rides.create_ride(&key, &ride_request).await }
-                    .instrument(Span::current()),
-            )
+        let reply = match (user_token, key, params) {
+            // The common case, a user's token with a valid request, authenticates in the claim's
+            // own statement.
+            (Some(digest), Ok(key), Ok(params)) => {
+                let redacted_key = key.redacted();
+                let answered = self
+                    .detached(async move {
+                        rides
+                            .authenticate_and_create_ride(&digest, &key, params, origin_ip)
+                            .await
+                    })
+                    .await
+                    .map_err(fresh)?;
+                let Some((user_id, reply)) = answered else {
+                    return Err(fresh(status::invalid_credentials()));
+                };
+                if let Some(user_id) = user_id {
+                    Span::current().record("user.id", user_id);
+                }
+                Span::current().record("rides.idempotency_key", redacted_key);
+                reply
+            }
+            // Anything else is checked in the contract's order: credentials first, then the key,
+            // then the parameters.
+            (_, key, params) => {
+                let user = self.authenticate(&metadata).await.map_err(fresh)?;
+                Span::current().record("user.id", user.id);
+                let key = key.map_err(fresh)?;
+                Span::current().record("rides.idempotency_key", key.redacted());
+                let params =
+                    params.map_err(|violations| fresh(status::invalid_params(&violations)))?;
+                let ride_request = RideRequest {
+                    user,
+                    params,
+                    origin_ip,
+                };
+                self.detached(async move { rides.create_ride(&key, &ride_request).await })
+                    .await
+                    .map_err(fresh)?
+            }
+        };
+        Span::current().record("rides.replayed", reply.replayed);
+        into_response(reply)
+    }
+
+    /// Runs a CreateRide attempt detached from the request: a client that hangs up must not cut
+    /// a phase or a charge in half. The attempt runs to its end and unlocks the key.
+    async fn detached<T: Send + 'static>(
+        &self,
+        attempt: impl Future<Output = T> + Send + 'static,
+    ) -> Result<T, Status> {
+        self.tasks
+            .spawn(attempt.instrument(Span::current()))
             .await
             .map_err(|error| {
                 tracing::error!(%error, "CreateRide task failed");
-                fresh(status::internal())
-            })?;
-        Span::current().record("rides.replayed", reply.replayed);
-        into_response(reply)
+                status::internal()
+            })
     }
 
     async fn get_ride_traced(

@@ -4,8 +4,9 @@
 //!
 //! # Isolation level
 //! Every transaction here runs at READ COMMITTED. What must be serialised is all the work done
-//! for one key, and that is done explicitly: each phase first takes the key row's lock
-//! (`SELECT … FOR NO KEY UPDATE`) and checks its fencing token in the same transaction, so two
+//! for one key, and that is done explicitly: each phase is one statement (its own implicit
+//! transaction) whose first step takes the key row's lock (`SELECT … FOR NO KEY UPDATE`) and
+//! checks its fencing token, and whose writes all depend on that step ([`fence`]), so two
 //! attempts on one key run their phases strictly one after the other, and an attempt whose lock
 //! was taken over finds its token gone and commits nothing. Work on different keys shares no rows
 //! that need to be read consistently, so SERIALIZABLE would only add false conflicts (the seed's
@@ -20,17 +21,20 @@ use std::{future::Future, time::Duration};
 
 use chrono::{DateTime, Utc};
 use diesel::{
-    ExpressionMethods, OptionalExtension, QueryDsl, SelectableHelper,
+    ExpressionMethods, OptionalExtension, QueryDsl, QueryableByName, SelectableHelper,
     result::{DatabaseErrorKind, Error as DieselError},
+    sql_types::{self, BigInt, Bool, Bytea, Integer, Jsonb, Text, Timestamptz},
 };
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
+use futures_util::FutureExt;
 use rand::Rng;
 use schema::{
     Pool, PoolError, RecoveryPoint,
-    models::{IdempotencyKey as KeyRow, NewIdempotencyKey},
+    models::{IdempotencyKey as KeyRow, User},
+    prepared::{Statement, prepared},
     schema::idempotency_keys,
 };
-use scoped_futures::ScopedBoxFuture;
+use scoped_futures::{ScopedBoxFuture, ScopedFutureExt};
 use uuid::Uuid;
 
 pub use key::{IdempotencyKey, InvalidKey, MAX_LEN, MIN_LEN};
@@ -191,14 +195,9 @@ where
     }
 }
 
-/// Claims `key` for `user_id`: inserts it, or decides a replay or a mismatch from a plain read,
-/// or locks and inspects the existing row. Every decision is arbitrated by PostgreSQL: the unique
-/// index for a new key, the row lock for one that may need work.
-#[tracing::instrument(
-    name = "claim",
-    skip_all,
-    fields(otel.name = "claim idempotency key", db.system.name = "postgresql", rides.claim = tracing::field::Empty)
-)]
+/// Claims `key` for `user_id`: inserts it, or decides a replay or a mismatch from the row that is
+/// already there, or locks and inspects that row. Every decision is arbitrated by PostgreSQL: the
+/// unique index for a new key, the row lock for one that may need work.
 pub async fn claim(
     pool: &Pool,
     policy: RetryPolicy,
@@ -207,106 +206,308 @@ pub async fn claim(
     request: &RequestSignature,
     lock_timeout: Duration,
 ) -> Result<Claimed, StoreError> {
-    let lock_timeout = chrono::Duration::from_std(lock_timeout).unwrap_or(chrono::Duration::MAX);
-    // Each round pays only for what the key needs: a new key is one autocommit INSERT; a replay or
-    // a mismatch one plain read; only a key that may need work takes the row lock. A round ends
-    // without a decision only if the key was reaped between two steps, so a few rounds suffice.
+    claim_for(
+        pool,
+        policy,
+        Caller::Id(user_id),
+        key,
+        request,
+        lock_timeout,
+    )
+    .await?
+    .map(|(_, claimed)| claimed)
+    .ok_or(StoreError::Database(DieselError::NotFound))
+}
+
+/// [`claim`] for the owner of the API token whose digest is `token_digest`, authenticating in the
+/// same statement: a new key, a replay or a mismatch costs one round trip in all. `None` if no
+/// user has this token (nothing is written then).
+pub async fn authenticate_and_claim(
+    pool: &Pool,
+    policy: RetryPolicy,
+    token_digest: &[u8; 32],
+    key: &IdempotencyKey,
+    request: &RequestSignature,
+    lock_timeout: Duration,
+) -> Result<Option<(User, Claimed)>, StoreError> {
+    claim_for(
+        pool,
+        policy,
+        Caller::Token(token_digest),
+        key,
+        request,
+        lock_timeout,
+    )
+    .await
+}
+
+#[tracing::instrument(
+    name = "claim",
+    skip_all,
+    fields(otel.name = "claim idempotency key", db.system.name = "postgresql", rides.claim = tracing::field::Empty)
+)]
+async fn claim_for(
+    pool: &Pool,
+    policy: RetryPolicy,
+    caller: Caller<'_>,
+    key: &IdempotencyKey,
+    request: &RequestSignature,
+    lock_timeout: Duration,
+) -> Result<Option<(User, Claimed)>, StoreError> {
+    let found = retry_transient(policy, || async {
+        let mut conn = pool.get().await.map_err(StoreError::Unavailable)?;
+        insert_or_read(&mut conn, caller, key, request).await
+    })
+    .await?;
+    let (user, decided) = match found {
+        Some((user, found)) => {
+            let decided = decide(
+                pool,
+                policy,
+                user.id,
+                key,
+                request,
+                chrono_timeout(lock_timeout),
+                found,
+            )
+            .await?;
+            (user, decided)
+        }
+        // No such user, or a claim of this key that committed after the statement's snapshot
+        // (rare): tell them apart with a plain read.
+        None => {
+            let user = match caller {
+                Caller::Id(user_id) => crate::auth::user_by_id(pool, user_id).await?,
+                Caller::Token(digest) => crate::auth::user_by_token_digest(pool, digest).await?,
+            };
+            let Some(user) = user else { return Ok(None) };
+            (user, None)
+        }
+    };
+    let claimed = match decided {
+        Some(claimed) => claimed,
+        None => claim_rounds(pool, policy, user.id, key, request, lock_timeout).await?,
+    };
+    tracing::Span::current().record("rides.claim", claimed.decision());
+    Ok(Some((user, claimed)))
+}
+
+async fn claim_rounds(
+    pool: &Pool,
+    policy: RetryPolicy,
+    user_id: i64,
+    key: &IdempotencyKey,
+    request: &RequestSignature,
+    lock_timeout: Duration,
+) -> Result<Claimed, StoreError> {
+    let lock_timeout = chrono_timeout(lock_timeout);
+    // Each round pays only for what the key needs: a new key, a replay and a mismatch are one
+    // statement (`insert_or_read`); only a key that may need work takes the row lock. A round ends
+    // without a decision only if another claim inserted the key after this one's snapshot, or the
+    // key was reaped between two steps, so a few rounds suffice.
     for _ in 0..CLAIM_ROUNDS {
-        let inserted = retry_transient(policy, || async {
+        let found = retry_transient(policy, || async {
             let mut conn = pool.get().await.map_err(StoreError::Unavailable)?;
-            insert_new(&mut conn, user_id, key, request).await
+            insert_or_read(&mut conn, Caller::Id(user_id), key, request).await
         })
         .await?;
-        let decided = match inserted {
-            Some(claimed) => Some(claimed),
-            None => match decide_without_lock(pool, user_id, key, request).await? {
-                Some(claimed) => Some(claimed),
-                None => {
-                    retry_transient(policy, || async {
-                        let mut conn = pool.get().await.map_err(StoreError::Unavailable)?;
-                        conn.build_transaction()
-                            .read_committed()
-                            .run(async |conn| {
-                                lock_existing(conn, user_id, key, request, lock_timeout).await
-                            })
-                            .await
-                    })
-                    .await?
-                }
-            },
-        };
-        if let Some(claimed) = decided {
-            tracing::Span::current().record("rides.claim", claimed.decision());
+        let Some((_, found)) = found else { continue };
+        if let Some(claimed) =
+            decide(pool, policy, user_id, key, request, lock_timeout, found).await?
+        {
             return Ok(claimed);
         }
     }
     Err(StoreError::KeyVanished)
 }
 
+fn chrono_timeout(lock_timeout: Duration) -> chrono::Duration {
+    chrono::Duration::from_std(lock_timeout).unwrap_or(chrono::Duration::MAX)
+}
+
+/// What a claim's statement found, decided: at once for a new key, a replay or a mismatch, under
+/// the row lock otherwise. `None` if the key was reaped meanwhile.
+async fn decide(
+    pool: &Pool,
+    policy: RetryPolicy,
+    user_id: i64,
+    key: &IdempotencyKey,
+    request: &RequestSignature,
+    lock_timeout: chrono::Duration,
+    found: Found,
+) -> Result<Option<Claimed>, StoreError> {
+    match found {
+        Found::Inserted(claimed) => Ok(Some(claimed)),
+        Found::Existing(row) => match decide_without_lock(*row, request)? {
+            Some(claimed) => Ok(Some(claimed)),
+            None => {
+                retry_transient(policy, || async {
+                    let mut conn = pool.get().await.map_err(StoreError::Unavailable)?;
+                    conn.build_transaction()
+                        .read_committed()
+                        .run(async |conn| {
+                            lock_existing(conn, user_id, key, request, lock_timeout).await
+                        })
+                        .await
+                })
+                .await
+            }
+        },
+    }
+}
+
 /// How many insert/inspect rounds a claim makes before giving up on a key that keeps vanishing.
 const CLAIM_ROUNDS: usize = 5;
 
-/// Inserts the key, locked by a fresh token, unless it exists. One statement, so no explicit
-/// transaction: `ON CONFLICT DO NOTHING` waits for a concurrent inserter of the same key and then
-/// yields to it.
-async fn insert_new(
+/// Every column of `idempotency_keys` that [`KeyRow`] reads, by name.
+macro_rules! key_columns {
+    () => {
+        "id, created_at, idempotency_key, last_run_at, locked_at, lock_token, request_method, \
+         request_path, request_params, response_code, response_body, recovery_point, user_id"
+    };
+}
+
+/// The claim's one statement, for the user `caller` selects (`$1`). The key row if it exists (a
+/// replay, a mismatch or a resumption is decided from it without a lock); otherwise the key
+/// inserted, locked by a fresh token. `ON CONFLICT DO NOTHING` waits for a concurrent inserter of
+/// the same key and then yields to it; that key is newer than this statement's snapshot, so no
+/// row comes back and the claim looks again. A key that exists inserts nothing, so a replay
+/// writes nothing and burns no sequence value; no user, no row and nothing written.
+macro_rules! claim_sql {
+    ($caller:literal) => {
+        concat!(
+            "WITH caller AS (SELECT id, created_at, email, stripe_customer_id, \
+             stripe_payment_method_id, api_token_digest FROM users WHERE ",
+            $caller,
+            "), existing AS (SELECT ",
+            key_columns!(),
+            " FROM idempotency_keys WHERE user_id = (SELECT id FROM caller) \
+             AND idempotency_key = $2), \
+             inserted AS (INSERT INTO idempotency_keys (user_id, idempotency_key, lock_token, \
+             request_method, request_path, request_params, recovery_point, locked_at) \
+             SELECT caller.id, $2, $3, $4, $5, $6, 'started', now() FROM caller \
+             WHERE NOT EXISTS (SELECT FROM existing) \
+             ON CONFLICT (user_id, idempotency_key) DO NOTHING RETURNING ",
+            key_columns!(),
+            "), found AS (SELECT ",
+            key_columns!(),
+            ", true AS inserted FROM inserted UNION ALL SELECT ",
+            key_columns!(),
+            ", false FROM existing) \
+             SELECT caller.id AS caller_id, caller.created_at AS caller_created_at, caller.email, \
+             caller.stripe_customer_id, caller.stripe_payment_method_id, caller.api_token_digest, \
+             found.* FROM caller, found"
+        )
+    };
+}
+
+/// The claim of a user known by id.
+struct ClaimById;
+
+impl Statement for ClaimById {
+    const SQL: &'static str = claim_sql!("id = $1");
+}
+
+/// The claim of the owner of an API token, by its digest: authentication in the same round trip.
+struct ClaimByToken;
+
+impl Statement for ClaimByToken {
+    const SQL: &'static str = claim_sql!("api_token_digest = $1");
+}
+
+#[derive(Clone, Copy)]
+enum Caller<'a> {
+    Id(i64),
+    Token(&'a [u8; 32]),
+}
+
+#[derive(QueryableByName)]
+struct ClaimRow {
+    #[diesel(sql_type = BigInt)]
+    caller_id: i64,
+    #[diesel(sql_type = Timestamptz)]
+    caller_created_at: DateTime<Utc>,
+    #[diesel(sql_type = Text)]
+    email: String,
+    #[diesel(sql_type = Text)]
+    stripe_customer_id: String,
+    #[diesel(sql_type = Text)]
+    stripe_payment_method_id: String,
+    #[diesel(sql_type = Bytea)]
+    api_token_digest: Vec<u8>,
+    #[diesel(embed)]
+    key: KeyRow,
+    #[diesel(sql_type = Bool)]
+    inserted: bool,
+}
+
+enum Found {
+    Inserted(Claimed),
+    Existing(Box<KeyRow>),
+}
+
+/// Runs the claim's statement; `None` if there is no such user, or if a concurrent claim inserted
+/// the key meanwhile.
+async fn insert_or_read(
     conn: &mut AsyncPgConnection,
-    user_id: i64,
+    caller: Caller<'_>,
     key: &IdempotencyKey,
     request: &RequestSignature,
-) -> Result<Option<Claimed>, StoreError> {
+) -> Result<Option<(User, Found)>, StoreError> {
     let token = Uuid::new_v4();
-    let inserted = diesel::insert_into(idempotency_keys::table)
-        .values((
-            NewIdempotencyKey {
-                idempotency_key: key.as_str(),
-                lock_token: token,
-                request_method: request.method,
-                request_path: request.path,
-                request_params: &request.params,
-                recovery_point: RecoveryPoint::Started,
-                user_id,
-            },
-            idempotency_keys::locked_at.eq(diesel::dsl::now),
-        ))
-        .on_conflict((idempotency_keys::user_id, idempotency_keys::idempotency_key))
-        .do_nothing()
-        .returning((idempotency_keys::id, idempotency_keys::created_at))
-        .get_result::<(i64, DateTime<Utc>)>(conn)
-        .await
-        .optional()?;
-    Ok(inserted.map(|(key_id, created_at)| Claimed {
-        claim: Claim::Execute(Lease {
-            key_id,
-            user_id,
-            token,
-            recovery_point: RecoveryPoint::Started,
-        }),
-        key_created_at: created_at,
+    macro_rules! run {
+        ($statement:ty, $caller_type:ty, $caller:expr) => {
+            prepared::<$statement, _>(|q| {
+                q.bind::<$caller_type, _>($caller)
+                    .bind::<Text, _>(key.as_str())
+                    .bind::<sql_types::Uuid, _>(token)
+                    .bind::<Text, _>(request.method)
+                    .bind::<Text, _>(request.path)
+                    .bind::<Jsonb, _>(&request.params)
+            })
+            .get_result::<ClaimRow>(conn)
+            .await
+            .optional()?
+        };
+    }
+    let row = match caller {
+        Caller::Id(user_id) => run!(ClaimById, BigInt, user_id),
+        Caller::Token(digest) => run!(ClaimByToken, Bytea, digest.as_slice()),
+    };
+    Ok(row.map(|row| {
+        let user = User {
+            id: row.caller_id,
+            created_at: row.caller_created_at,
+            email: row.email,
+            stripe_customer_id: row.stripe_customer_id,
+            stripe_payment_method_id: row.stripe_payment_method_id,
+            api_token_digest: row.api_token_digest,
+        };
+        let found = if row.inserted {
+            Found::Inserted(Claimed {
+                claim: Claim::Execute(Lease {
+                    key_id: row.key.id,
+                    user_id: user.id,
+                    token,
+                    recovery_point: RecoveryPoint::Started,
+                }),
+                key_created_at: row.key.created_at,
+            })
+        } else {
+            Found::Existing(Box::new(row.key))
+        };
+        (user, found)
     }))
 }
 
-/// The read-only fast path of a claim. A finished key never changes again, and neither do the
-/// parameters a key is bound to, so a replay or a mismatch can be decided from one plain read:
-/// no row lock, no transaction id, no WAL flush. Anything else (a new key, or one that may need
-/// work) goes through the locking claim.
-async fn decide_without_lock(
-    pool: &Pool,
-    user_id: i64,
-    key: &IdempotencyKey,
+/// The read-only decisions of a claim. A finished key never changes again, and neither do the
+/// parameters a key is bound to, so a replay or a mismatch can be decided from a plain read: no
+/// row lock, no transaction id, no WAL flush. `None` for a key that may need work, which goes
+/// through the locking claim.
+fn decide_without_lock(
+    row: KeyRow,
     request: &RequestSignature,
 ) -> Result<Option<Claimed>, StoreError> {
-    let mut conn = pool.get().await.map_err(StoreError::Unavailable)?;
-    let row = idempotency_keys::table
-        .filter(idempotency_keys::user_id.eq(user_id))
-        .filter(idempotency_keys::idempotency_key.eq(key.as_str()))
-        .select(KeyRow::as_select())
-        .first::<KeyRow>(&mut conn)
-        .await
-        .optional()?;
-    let Some(row) = row else {
-        return Ok(None);
-    };
     let claim = if !binds(&row, request) {
         Claim::Mismatch
     } else if row.recovery_point == RecoveryPoint::Finished {
@@ -405,36 +606,73 @@ async fn lock_existing(
     }))
 }
 
-/// Runs one atomic phase: a READ COMMITTED transaction that first proves `lease` still owns the
-/// key (taking the key row's lock for the rest of the transaction), then runs `work`. Transient
-/// conflicts re-run the whole phase. `work` must be safe to run again from the start, which it is
-/// because a failed attempt's transaction was rolled back.
+/// The fence every phase statement starts with, as a CTE named `fence` (binds: `$1` the key id,
+/// `$2` the lease's token). It locks the key row and yields it only while the token is this
+/// lease's; each of the phase's writes selects from it (directly or through a write that does),
+/// so a lease that was taken over writes nothing and its statement returns no row. The row lock
+/// is taken before any write, and held until the statement's implicit transaction commits, so
+/// two attempts on one key still run their phases one after the other. A concurrent takeover
+/// makes the lock wait for it and then re-check the token on the newest row version (READ
+/// COMMITTED's re-check of locked rows), so it is never missed.
+macro_rules! fence {
+    () => {
+        "fence AS (SELECT id FROM idempotency_keys WHERE id = $1 AND lock_token = $2 \
+         FOR NO KEY UPDATE)"
+    };
+}
+pub(crate) use fence;
+
+/// The `SET` list that finishes a key: the outcome (`$code`, `$body` binds), the final recovery
+/// point, and the lock cleared.
+macro_rules! finish_key {
+    ($code:literal, $body:literal) => {
+        concat!(
+            "UPDATE idempotency_keys SET recovery_point = 'finished', response_code = ",
+            $code,
+            ", response_body = ",
+            $body,
+            ", locked_at = NULL, lock_token = NULL"
+        )
+    };
+}
+pub(crate) use finish_key;
+
+/// What a phase statement returns when it committed: the key it moved on.
+#[derive(QueryableByName)]
+pub struct KeyMoved {
+    #[diesel(sql_type = BigInt)]
+    pub id: i64,
+}
+
+/// Runs one atomic phase: `statement` is ONE SQL statement, run outside any explicit transaction
+/// (so in its own implicit READ COMMITTED transaction, which commits the phase's writes and its
+/// recovery point together), that starts with [`fence`] and returns a row only if the fence
+/// passed. No row means this lease no longer owns the key: [`StoreError::LockLost`], and nothing
+/// was written. Transient conflicts re-run the statement; a failed run was rolled back whole.
+///
+/// One statement is one round trip: the key row's lock is held only while PostgreSQL executes it,
+/// never while this process waits for a CPU between statements.
 pub async fn atomic_phase<'a, T, F>(
     pool: &Pool,
     policy: RetryPolicy,
     lease: &'a Lease,
-    work: F,
+    statement: F,
 ) -> Result<T, StoreError>
 where
     T: Send + 'a,
-    F: for<'c> Fn(&'c mut AsyncPgConnection) -> ScopedBoxFuture<'a, 'c, Result<T, StoreError>>
+    F: for<'c> Fn(
+            &'c mut AsyncPgConnection,
+        ) -> ScopedBoxFuture<'a, 'c, Result<Option<T>, DieselError>>
         + Send
         + Sync
         + 'a,
 {
-    let work = &work;
+    let statement = &statement;
     retry_transient(policy, || async move {
         let mut conn = pool.get().await.map_err(StoreError::Unavailable)?;
-        let done = conn
-            .build_transaction()
-            .read_committed()
-            .run(async |conn| {
-                fence(conn, lease).await?;
-                let done = work(conn).await?;
-                crate::fault::crash_point(crash_point_name(lease.recovery_point, false));
-                Ok::<T, StoreError>(done)
-            })
-            .await?;
+        // The phase's work is decided; it becomes durable when this statement commits.
+        crate::fault::crash_point(crash_point_name(lease.recovery_point, false));
+        let done = statement(&mut conn).await?.ok_or(StoreError::LockLost)?;
         crate::fault::crash_point(crash_point_name(lease.recovery_point, true));
         Ok(done)
     })
@@ -454,62 +692,41 @@ fn crash_point_name(point: RecoveryPoint, committed: bool) -> &'static str {
     }
 }
 
-/// Locks the key row and checks the fencing token. Must be the first statement of a phase.
-async fn fence(conn: &mut AsyncPgConnection, lease: &Lease) -> Result<(), StoreError> {
-    idempotency_keys::table
-        .filter(idempotency_keys::id.eq(lease.key_id))
-        .filter(idempotency_keys::lock_token.eq(lease.token))
-        .select(idempotency_keys::id)
-        .for_no_key_update()
-        .first::<i64>(conn)
-        .await
-        .optional()?
-        .map(|_| ())
-        .ok_or(StoreError::LockLost)
+/// Finishes the key with `response` and nothing else (a final outcome reached without further
+/// writes, such as a declined card), as the atomic phase of `lease.recovery_point`.
+struct FinishKey;
+
+impl Statement for FinishKey {
+    const SQL: &'static str = concat!(
+        "WITH ",
+        fence!(),
+        " ",
+        finish_key!("$3", "$4"),
+        " FROM fence WHERE idempotency_keys.id = fence.id AND idempotency_keys.lock_token = $2 \
+         RETURNING idempotency_keys.id"
+    );
 }
 
-/// Moves the key to `point`. Call inside an atomic phase, after the phase's own writes.
-pub async fn set_recovery_point(
-    conn: &mut AsyncPgConnection,
-    lease: &Lease,
-    point: RecoveryPoint,
-) -> Result<(), StoreError> {
-    let updated = diesel::update(idempotency_keys::table)
-        .filter(idempotency_keys::id.eq(lease.key_id))
-        .filter(idempotency_keys::lock_token.eq(lease.token))
-        .set(idempotency_keys::recovery_point.eq(point))
-        .execute(conn)
-        .await?;
-    if updated == 1 {
-        Ok(())
-    } else {
-        Err(StoreError::LockLost)
-    }
-}
-
-/// Stores the final outcome, marks the key finished and unlocks it. Call inside an atomic phase.
+/// Stores the final outcome, marks the key finished and unlocks it, in one fenced statement.
 pub async fn finish(
-    conn: &mut AsyncPgConnection,
+    pool: &Pool,
+    policy: RetryPolicy,
     lease: &Lease,
     response: &StoredResponse,
 ) -> Result<(), StoreError> {
-    let updated = diesel::update(idempotency_keys::table)
-        .filter(idempotency_keys::id.eq(lease.key_id))
-        .filter(idempotency_keys::lock_token.eq(lease.token))
-        .set((
-            idempotency_keys::recovery_point.eq(RecoveryPoint::Finished),
-            idempotency_keys::response_code.eq(response.code),
-            idempotency_keys::response_body.eq(&response.body),
-            idempotency_keys::locked_at.eq(None::<DateTime<Utc>>),
-            idempotency_keys::lock_token.eq(None::<Uuid>),
-        ))
-        .execute(conn)
-        .await?;
-    if updated == 1 {
-        Ok(())
-    } else {
-        Err(StoreError::LockLost)
-    }
+    atomic_phase(pool, policy, lease, |conn| {
+        prepared::<FinishKey, _>(|q| {
+            q.bind::<BigInt, _>(lease.key_id)
+                .bind::<sql_types::Uuid, _>(lease.token)
+                .bind::<Integer, _>(response.code)
+                .bind::<Jsonb, _>(&response.body)
+        })
+        .get_result::<KeyMoved>(conn)
+        .map(OptionalExtension::optional)
+        .scope_boxed()
+    })
+    .await
+    .map(|_| ())
 }
 
 /// Unlocks a key this attempt still owns so that a retry may continue at once, without waiting
