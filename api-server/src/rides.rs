@@ -134,6 +134,19 @@ impl RideParams {
     }
 }
 
+/// The `send_ride_receipt` job's arguments. Public because an operator finishing a key by hand
+/// (`workers admin key finish`) must stage exactly what this service stages.
+pub fn receipt_job_args(ride: &Ride) -> serde_json::Value {
+    serde_json::json!({
+        "ride_id": ride.id,
+        "user_id": ride.user_id,
+        "amount": ride.amount,
+        "currency": ride.currency,
+        "charge_id": ride.stripe_charge_id,
+        "created_at": ride.created_at,
+    })
+}
+
 /// A ride as the API shows it.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct RideView {
@@ -665,14 +678,7 @@ impl Rides {
         // The receipt continues this request's trace: the enqueuer and the receipt worker pick
         // the context up from the job.
         let trace_context = serde_json::to_value(telemetry::inject_current()).unwrap_or_default();
-        let job_args = serde_json::json!({
-            "ride_id": ride.id,
-            "user_id": ride.user_id,
-            "amount": ride.amount,
-            "currency": ride.currency,
-            "charge_id": ride.stripe_charge_id,
-            "created_at": ride.created_at,
-        });
+        let job_args = receipt_job_args(&ride);
         let outcome = Outcome::RideCreated {
             ride: RideView::from(ride),
             message: PAYMENT_ACCEPTED.to_owned(),

@@ -8,7 +8,7 @@
 //! token gone and commits nothing (`IDEMPOTENCY_KEY_LOCK_LOST`). What fencing cannot stop is a
 //! provider call the holder has already started, which is why a live lock needs `--force`.
 
-use api_server::rides::{Outcome, PAYMENT_ACCEPTED, RideView};
+use api_server::rides::{Outcome, PAYMENT_ACCEPTED, RideView, receipt_job_args};
 use chrono::{DateTime, Utc};
 use diesel::{
     ExpressionMethods, OptionalExtension, QueryDsl, Queryable, QueryableByName, Selectable,
@@ -825,18 +825,6 @@ async fn plan_succeeded(
     Ok(Outcome::RideCreated {
         ride: RideView::from(ride),
         message: PAYMENT_ACCEPTED.to_owned(),
-    })
-}
-
-/// The `send_ride_receipt` job args, field for field as the api-server's `stage_receipt`.
-fn receipt_job_args(ride: &Ride) -> Value {
-    json!({
-        "ride_id": ride.id,
-        "user_id": ride.user_id,
-        "amount": ride.amount,
-        "currency": ride.currency,
-        "charge_id": ride.stripe_charge_id,
-        "created_at": ride.created_at,
     })
 }
 
