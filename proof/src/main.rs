@@ -1018,6 +1018,56 @@ async fn migrate(bin_dir: &Path, env: &[(String, String)]) -> anyhow::Result<()>
     Ok(())
 }
 
+/// One of the private servers the campaign restarts.
+#[derive(Clone, Copy)]
+enum ServerKind {
+    Postgres,
+    Rabbit,
+}
+
+impl ServerKind {
+    fn label(self) -> &'static str {
+        match self {
+            ServerKind::Postgres => "restart/postgresql (fast shutdown)",
+            ServerKind::Rabbit => "restart/rabbitmq",
+        }
+    }
+
+    /// How long the server stays down, in milliseconds.
+    fn downtime_ms(self) -> std::ops::Range<u64> {
+        match self {
+            ServerKind::Postgres => 200..2500,
+            ServerKind::Rabbit => 200..2000,
+        }
+    }
+}
+
+/// Stops and starts `kind` at random moments until traffic stops; counts it as skipped when the
+/// campaign runs on the shared server.
+async fn restart_at_random(
+    services: Arc<Services>,
+    kind: ServerKind,
+    faults: Arc<Counters>,
+    stop: Arc<AtomicBool>,
+    mut rng: StdRng,
+    traffic: Duration,
+    mean: f64,
+) -> anyhow::Result<()> {
+    if !services.runs(kind) {
+        let name = kind.label().split(' ').next().unwrap_or_default();
+        faults.add(format!("{name} SKIPPED (shared server)"), 1);
+        return Ok(());
+    }
+    let mut first = true;
+    while sleep_unless_stopped(&stop, rare_fault_delay(&mut rng, &mut first, traffic, mean)).await {
+        services.stop_server(kind).await?;
+        faults.add(kind.label(), 1);
+        tokio::time::sleep(Duration::from_millis(rng.random_range(kind.downtime_ms()))).await;
+        services.start_server(kind).await?;
+    }
+    Ok(())
+}
+
 /// Ctrl-C or SIGTERM.
 async fn interrupted() {
     let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
@@ -1044,6 +1094,30 @@ struct Services {
 }
 
 impl Services {
+    fn runs(&self, kind: ServerKind) -> bool {
+        match kind {
+            ServerKind::Postgres => self.pg.is_some(),
+            ServerKind::Rabbit => self.rabbit.is_some(),
+        }
+    }
+
+    /// Fast shutdown for PostgreSQL, a whole-node stop for RabbitMQ; nothing for a shared server.
+    async fn stop_server(&self, kind: ServerKind) -> anyhow::Result<()> {
+        match (kind, &self.pg, &self.rabbit) {
+            (ServerKind::Postgres, Some(pg), _) => pg.stop_fast().await,
+            (ServerKind::Rabbit, _, Some(rabbit)) => rabbit.stop().await,
+            _ => Ok(()),
+        }
+    }
+
+    async fn start_server(&self, kind: ServerKind) -> anyhow::Result<()> {
+        match (kind, &self.pg, &self.rabbit) {
+            (ServerKind::Postgres, Some(pg), _) => pg.start().await,
+            (ServerKind::Rabbit, _, Some(rabbit)) => rabbit.start().await,
+            _ => Ok(()),
+        }
+    }
+
     async fn stop(&self, keep: bool) {
         if let Some(rabbit) = &self.rabbit
             && let Err(error) = rabbit.stop().await
@@ -1379,58 +1453,21 @@ async fn run(args: &Args, s: RunSetup) -> anyhow::Result<bool> {
             anyhow::Ok(())
         })
     };
-    // Fault: PostgreSQL fast shutdown and restart under load.
-    let pg_restarter = {
+    // Fault: PostgreSQL fast shutdown and restart under load; RabbitMQ stop and start during
+    // drains and consumption.
+    let restarter = |kind: ServerKind, mean: f64, salt: u64| {
         let (services, faults, stop) = (
             Arc::clone(&s.services),
             Arc::clone(&faults),
             Arc::clone(&stop_faults),
         );
-        let (mean, traffic, mut first) = (args.pg_restart_every_secs, s.duration, true);
-        let mut rng = StdRng::seed_from_u64(s.seed.wrapping_add(6));
-        tokio::spawn(async move {
-            let Some(pg) = &services.pg else {
-                faults.add("restart/postgresql SKIPPED (shared server)", 1);
-                return anyhow::Ok(());
-            };
-            while sleep_unless_stopped(&stop, rare_fault_delay(&mut rng, &mut first, traffic, mean))
-                .await
-            {
-                pg.stop_fast().await?;
-                faults.add("restart/postgresql (fast shutdown)", 1);
-                let down = Duration::from_millis(rng.random_range(200..2500));
-                tokio::time::sleep(down).await;
-                pg.start().await?;
-            }
-            anyhow::Ok(())
-        })
+        let rng = StdRng::seed_from_u64(s.seed.wrapping_add(salt));
+        tokio::spawn(restart_at_random(
+            services, kind, faults, stop, rng, s.duration, mean,
+        ))
     };
-    // Fault: RabbitMQ stop and start, during drains and consumption.
-    let rabbit_restarter = {
-        let (services, faults, stop) = (
-            Arc::clone(&s.services),
-            Arc::clone(&faults),
-            Arc::clone(&stop_faults),
-        );
-        let (mean, traffic, mut first) = (args.rabbit_restart_every_secs, s.duration, true);
-        let mut rng = StdRng::seed_from_u64(s.seed.wrapping_add(7));
-        tokio::spawn(async move {
-            let Some(rabbit) = &services.rabbit else {
-                faults.add("restart/rabbitmq SKIPPED (shared server)", 1);
-                return anyhow::Ok(());
-            };
-            while sleep_unless_stopped(&stop, rare_fault_delay(&mut rng, &mut first, traffic, mean))
-                .await
-            {
-                rabbit.stop().await?;
-                faults.add("restart/rabbitmq", 1);
-                let down = Duration::from_millis(rng.random_range(200..2000));
-                tokio::time::sleep(down).await;
-                rabbit.start().await?;
-            }
-            anyhow::Ok(())
-        })
-    };
+    let pg_restarter = restarter(ServerKind::Postgres, args.pg_restart_every_secs, 6);
+    let rabbit_restarter = restarter(ServerKind::Rabbit, args.rabbit_restart_every_secs, 7);
     // Fault: enqueuer / receipt worker SIGKILL + restart.
     let worker_killer = {
         let (enq, rec, faults, stop) = (

@@ -389,7 +389,7 @@ impl ReceiptWorker {
             .optional()?
             .is_some();
         if already_sent {
-            claim.drop_claim(&mut conn).await?;
+            claim.delete(&mut conn).await?;
             tracing::info!(ride_id, message_id, "receipt already sent");
             return Ok(Disposition::Duplicate);
         }
@@ -449,7 +449,7 @@ impl ReceiptWorker {
                 // Refused outright: nothing reached the relay and the message leaves the queue.
                 MailError::Permanent(_) => {
                     if let Ok(mut conn) = self.pool.get().await {
-                        let _ = claim.drop_claim(&mut conn).await;
+                        let _ = claim.delete(&mut conn).await;
                     }
                 }
                 MailError::Temporary(_) => self.end_lease(&claim).await,
@@ -659,11 +659,8 @@ impl Claim {
         Ok(())
     }
 
-    /// Drops the claim without recording a send (a duplicate, or a relay that refused the mail).
-    async fn drop_claim(&self, conn: &mut AsyncPgConnection) -> Result<(), diesel::result::Error> {
-        self.delete(conn).await.map(|_| ())
-    }
-
+    /// Deletes the claim if it is still this attempt's; also how a claim is dropped without a
+    /// send (a duplicate, or a relay that refused the mail). True if it was still ours.
     async fn delete(&self, conn: &mut AsyncPgConnection) -> Result<bool, diesel::result::Error> {
         let deleted = diesel::delete(
             receipt_claims::table
