@@ -9,7 +9,9 @@
 #
 # Environment: DURATION (s per loadgen run, default 15), PG_DURATION (s per pgbench run, default
 # 15), ENQUEUER_JOBS (default 100000), PG_URL (server, default postgres://postgres@127.0.0.1:5432),
-# AMQP_URL (default amqp://guest:guest@127.0.0.1:5672/%2f), BENCH_SMTP_ADDR (the mail sink, default
+# AMQP_URL (default amqp://guest:guest@127.0.0.1:5672/%2f), RUNTIME_THREADS (tokio worker threads of
+# the api-server and of loadgen, default 1: on 2 cores shared with PostgreSQL a second thread
+# per process mostly adds wake-ups and steals), BENCH_SMTP_ADDR (the mail sink, default
 # 127.0.0.1:2625), BENCH_OUT (output directory, default
 # target/bench/<run id>), PERF=1 (profile the api-server during new-32 and replay-32 with perf,
 # cpu-clock).
@@ -22,6 +24,7 @@ export PATH="$HOME/.cargo/bin:$PATH"
 DURATION=${DURATION:-15}
 PG_DURATION=${PG_DURATION:-15}
 ENQUEUER_JOBS=${ENQUEUER_JOBS:-100000}
+RUNTIME_THREADS=${RUNTIME_THREADS:-1}
 PG_URL=${PG_URL:-postgres://postgres@127.0.0.1:5432}
 export AMQP_URL=${AMQP_URL:-amqp://guest:guest@127.0.0.1:5672/%2f}
 RUN_ID="$(date +%Y%m%d%H%M%S)_$$"
@@ -121,7 +124,7 @@ start_stack() { # provider latency ms, pool size
   stop api-server; stop fake-stripe
   start fake-stripe "$BIN/fake-stripe" --listen "$STRIPE_ADDR" --latency-ms "$1"
   wait_for_port "$STRIPE_ADDR" fake-stripe
-  DATABASE_POOL_SIZE=$2 start api-server "$BIN/api-server" serve
+  DATABASE_POOL_SIZE=$2 TOKIO_WORKER_THREADS=$RUNTIME_THREADS start api-server "$BIN/api-server" serve
   wait_for_port "$GRPC_ADDR" api-server
   STACK_LATENCY=$1
 }
@@ -147,7 +150,7 @@ loadgen() { # scenario args...
   log "loadgen $scenario $* (load $(la))"
   local cpu=()
   [ -z "${PIDS[fake-stripe]:-}" ] || cpu+=(--cpu-pid "fake-stripe=${PIDS[fake-stripe]}")
-  "$BIN/loadgen" --target "http://$GRPC_ADDR" --stripe-base "http://$STRIPE_ADDR" \
+  TOKIO_WORKER_THREADS=$RUNTIME_THREADS "$BIN/loadgen" --target "http://$GRPC_ADDR" --stripe-base "http://$STRIPE_ADDR" \
     --database-url "$DATABASE_URL" --scenario "$scenario" --provider-latency-ms "$STACK_LATENCY" \
     --server-pid "${PIDS[api-server]}" "${cpu[@]}" --json-out "$RESULTS" "$@" \
     2>&1 | tee "$OUT/logs/loadgen-$scenario.log" || log "loadgen $scenario: check FAILED or run failed"

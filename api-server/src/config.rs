@@ -5,6 +5,8 @@ use std::{fmt, net::SocketAddr, str::FromStr, time::Duration};
 
 pub use telemetry::Secret;
 
+use crate::idempotency::ClaimBatching;
+
 #[derive(Clone, Debug)]
 pub struct Config {
     pub database: DatabaseConfig,
@@ -52,6 +54,8 @@ pub struct IdempotencyConfig {
     pub lock_timeout: Duration,
     /// How long a key lives before the reaper retires it.
     pub key_ttl: Duration,
+    /// How concurrent claims share statements.
+    pub claim_batching: ClaimBatching,
 }
 
 /// The price of a ride, in the currency's smallest unit.
@@ -128,6 +132,17 @@ impl Config {
                         .max(1)
                         .into(),
                 ) * 3600,
+                claim_batching: ClaimBatching {
+                    max_size: vars
+                        .parse("CLAIM_BATCH_SIZE", ClaimBatching::default().max_size)?
+                        .max(1),
+                    in_flight: vars
+                        .parse(
+                            "CLAIM_BATCHES_IN_FLIGHT",
+                            ClaimBatching::default().in_flight,
+                        )?
+                        .max(1),
+                },
             },
             price,
             serving: ServingConfig {

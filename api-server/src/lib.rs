@@ -45,6 +45,8 @@ impl App {
             config.database.url.expose(),
             config.database.pool_size,
             config.database.pool_timeout,
+            // Every api-server statement finds its rows by key; see `PlanCache::Generic`.
+            schema::PlanCache::Generic,
         );
         let stripe = StripeClient::new(&config.stripe)?;
         let pool_gauge = metrics::observe_pool(&pool);

@@ -40,8 +40,8 @@ use tracing::Instrument;
 use crate::{
     config::{IdempotencyConfig, Price},
     idempotency::{
-        self, Claim, Claimed, IdempotencyKey, KeyMoved, Lease, RequestSignature, RetryPolicy,
-        StoreError, StoredResponse,
+        self, Claim, ClaimBatcher, Claimed, IdempotencyKey, KeyMoved, Lease, RequestSignature,
+        RetryPolicy, StoreError, StoredResponse,
     },
     metrics::metrics,
     payments::{ChargeError, ChargeRequest, StripeClient},
@@ -272,6 +272,8 @@ pub struct RideRequest {
 /// The ride service's domain logic, shared by every request.
 pub struct Rides {
     pool: Pool,
+    /// Groups concurrent claims by token into shared statements.
+    claims: Arc<ClaimBatcher>,
     stripe: StripeClient,
     price: Price,
     idempotency: IdempotencyConfig,
@@ -285,17 +287,24 @@ impl Rides {
         price: Price,
         idempotency: IdempotencyConfig,
     ) -> Arc<Rides> {
+        let retry = RetryPolicy::default();
         Arc::new(Rides {
+            claims: ClaimBatcher::new(pool.clone(), retry, idempotency.claim_batching),
             pool,
             stripe,
             price,
             idempotency,
-            retry: RetryPolicy::default(),
+            retry,
         })
     }
 
     pub fn pool(&self) -> &Pool {
         &self.pool
+    }
+
+    /// The claim batcher, whose counts tell how many claims shared statements.
+    pub fn claim_batcher(&self) -> &ClaimBatcher {
+        &self.claims
     }
 
     /// Runs CreateRide to a final outcome or an error, claiming the key first. On any error that
@@ -330,6 +339,7 @@ impl Rides {
     ) -> Option<(Option<i64>, CreateRideReply)> {
         let claimed = idempotency::authenticate_and_claim(
             &self.pool,
+            &self.claims,
             self.retry,
             token_digest,
             key,

@@ -1326,7 +1326,12 @@ async fn run(args: &Args, s: RunSetup) -> anyhow::Result<bool> {
     receipts.lock().await.start().await?;
 
     // Users: the first `declined_clients` clients decline.
-    let pool = schema::build_pool(&s.database_url, 4, Duration::from_secs(30));
+    let pool = schema::build_pool(
+        &s.database_url,
+        4,
+        Duration::from_secs(30),
+        schema::PlanCache::Auto,
+    );
     let mut users = Vec::new();
     for i in 0..args.clients {
         let declining = i < args.declined_clients;

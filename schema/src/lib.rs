@@ -20,7 +20,7 @@ pub mod schema;
 #[cfg(feature = "testing")]
 pub mod testing;
 
-pub use pool::{DbConn, Pool, PoolError, build_pool};
+pub use pool::{DbConn, PlanCache, Pool, PoolError, build_pool};
 pub use recovery_point::{RecoveryPoint, UnknownRecoveryPoint};
 
 /// Job name of the receipt staged when a ride is paid for.

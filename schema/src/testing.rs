@@ -20,7 +20,7 @@ use diesel::{QueryableByName, sql_types::BigInt};
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
 use rand::Rng;
 
-use crate::{Pool, build_pool};
+use crate::{PlanCache, Pool, build_pool};
 
 const DEFAULT_ADMIN_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres";
 /// Arbitrary, fixed: serialises template builds across test processes.
@@ -78,7 +78,12 @@ impl TestDatabase {
     }
 
     pub fn pool(&self, max_size: u32) -> Pool {
-        build_pool(&self.url, max_size, Duration::from_secs(30))
+        build_pool(
+            &self.url,
+            max_size,
+            Duration::from_secs(30),
+            PlanCache::Auto,
+        )
     }
 
     pub async fn connect(&self) -> AsyncPgConnection {

@@ -109,6 +109,7 @@ async fn run(cli: Cli, shutdown: tokio_util::sync::CancellationToken) -> anyhow:
             config.database_url.expose(),
             config.database_pool_size,
             Duration::from_secs(30),
+            schema::PlanCache::Auto,
         )
     };
     let topology = Topology::from_prefix(&config.topology_prefix, config.receipt_delivery_limit);

@@ -17,7 +17,7 @@
 
 mod key;
 
-use std::{future::Future, time::Duration};
+use std::{future::Future, sync::Arc, time::Duration};
 
 use chrono::{DateTime, Utc};
 use diesel::{
@@ -37,6 +37,7 @@ use schema::{
 use scoped_futures::{ScopedBoxFuture, ScopedFutureExt};
 use uuid::Uuid;
 
+pub use batch::{BatchCounts, ClaimBatcher, ClaimBatching};
 pub use key::{IdempotencyKey, InvalidKey, MAX_LEN, MIN_LEN};
 
 /// What identifies a request beyond its key: a key reused for anything else is refused.
@@ -208,6 +209,7 @@ pub async fn claim(
 ) -> Result<Claimed, StoreError> {
     claim_for(
         pool,
+        None,
         policy,
         Caller::Id(user_id),
         key,
@@ -220,10 +222,11 @@ pub async fn claim(
 }
 
 /// [`claim`] for the owner of the API token whose digest is `token_digest`, authenticating in the
-/// same statement: a new key, a replay or a mismatch costs one round trip in all. `None` if no
-/// user has this token (nothing is written then).
+/// same statement: a new key, a replay or a mismatch costs one round trip in all, shared with
+/// the claims `batcher` sends along. `None` if no user has this token (nothing is written then).
 pub async fn authenticate_and_claim(
     pool: &Pool,
+    batcher: &Arc<ClaimBatcher>,
     policy: RetryPolicy,
     token_digest: &[u8; 32],
     key: &IdempotencyKey,
@@ -232,6 +235,7 @@ pub async fn authenticate_and_claim(
 ) -> Result<Option<(User, Claimed)>, StoreError> {
     claim_for(
         pool,
+        Some(batcher),
         policy,
         Caller::Token(token_digest),
         key,
@@ -248,17 +252,23 @@ pub async fn authenticate_and_claim(
 )]
 async fn claim_for(
     pool: &Pool,
+    batcher: Option<&Arc<ClaimBatcher>>,
     policy: RetryPolicy,
     caller: Caller<'_>,
     key: &IdempotencyKey,
     request: &RequestSignature,
     lock_timeout: Duration,
 ) -> Result<Option<(User, Claimed)>, StoreError> {
-    let found = retry_transient(policy, || async {
-        let mut conn = pool.get().await.map_err(StoreError::Unavailable)?;
-        insert_or_read(&mut conn, caller, key, request).await
-    })
-    .await?;
+    let found = match (caller, batcher) {
+        (Caller::Token(digest), Some(batcher)) => batcher.claim(digest, key, request).await?,
+        _ => {
+            retry_transient(policy, || async {
+                let mut conn = pool.get().await.map_err(StoreError::Unavailable)?;
+                insert_or_read(&mut conn, caller, key, request).await
+            })
+            .await?
+        }
+    };
     let (user, decided) = match found {
         Some((user, found)) => {
             let decided = decide(
@@ -359,13 +369,45 @@ async fn decide(
 /// How many insert/inspect rounds a claim makes before giving up on a key that keeps vanishing.
 const CLAIM_ROUNDS: usize = 5;
 
-/// Every column of `idempotency_keys` that [`KeyRow`] reads, by name.
+/// Every column of `idempotency_keys` that [`KeyRow`] reads, by name, each with the same prefix
+/// (a table alias and its dot) if one is given.
 macro_rules! key_columns {
     () => {
-        "id, created_at, idempotency_key, last_run_at, locked_at, lock_token, request_method, \
-         request_path, request_params, response_code, response_body, recovery_point, user_id"
+        key_columns!("")
+    };
+    ($p:literal) => {
+        concat!(
+            $p,
+            "id, ",
+            $p,
+            "created_at, ",
+            $p,
+            "idempotency_key, ",
+            $p,
+            "last_run_at, ",
+            $p,
+            "locked_at, ",
+            $p,
+            "lock_token, ",
+            $p,
+            "request_method, ",
+            $p,
+            "request_path, ",
+            $p,
+            "request_params, ",
+            $p,
+            "response_code, ",
+            $p,
+            "response_body, ",
+            $p,
+            "recovery_point, ",
+            $p,
+            "user_id"
+        )
     };
 }
+
+mod batch;
 
 /// The claim's one statement, for the user `caller` selects (`$1`). The key row if it exists (a
 /// replay, a mismatch or a resumption is decided from it without a lock); otherwise the key
@@ -474,30 +516,36 @@ async fn insert_or_read(
         Caller::Id(user_id) => run!(ClaimById, BigInt, user_id),
         Caller::Token(digest) => run!(ClaimByToken, Bytea, digest.as_slice()),
     };
-    Ok(row.map(|row| {
+    Ok(row.map(|row| row.into_found(token)))
+}
+
+impl ClaimRow {
+    /// The caller and what the claim found; `token` is the lock token the statement was given,
+    /// which an inserted key now carries.
+    fn into_found(self, token: Uuid) -> (User, Found) {
         let user = User {
-            id: row.caller_id,
-            created_at: row.caller_created_at,
-            email: row.email,
-            stripe_customer_id: row.stripe_customer_id,
-            stripe_payment_method_id: row.stripe_payment_method_id,
-            api_token_digest: row.api_token_digest,
+            id: self.caller_id,
+            created_at: self.caller_created_at,
+            email: self.email,
+            stripe_customer_id: self.stripe_customer_id,
+            stripe_payment_method_id: self.stripe_payment_method_id,
+            api_token_digest: self.api_token_digest,
         };
-        let found = if row.inserted {
+        let found = if self.inserted {
             Found::Inserted(Claimed {
                 claim: Claim::Execute(Lease {
-                    key_id: row.key.id,
+                    key_id: self.key.id,
                     user_id: user.id,
                     token,
                     recovery_point: RecoveryPoint::Started,
                 }),
-                key_created_at: row.key.created_at,
+                key_created_at: self.key.created_at,
             })
         } else {
-            Found::Existing(Box::new(row.key))
+            Found::Existing(Box::new(self.key))
         };
         (user, found)
-    }))
+    }
 }
 
 /// The read-only decisions of a claim. A finished key never changes again, and neither do the

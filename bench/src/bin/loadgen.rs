@@ -165,7 +165,12 @@ async fn main() -> anyhow::Result<()> {
     let run_id = format!("{:08x}", rand::rng().random::<u32>());
     let started_at_load = load_average();
 
-    let pool = schema::build_pool(&args.database_url, 4, Duration::from_secs(30));
+    let pool = schema::build_pool(
+        &args.database_url,
+        4,
+        Duration::from_secs(30),
+        schema::PlanCache::Auto,
+    );
     let user_count = args.users.unwrap_or(args.clients).max(1);
     let mut users = Vec::new();
     for i in 0..user_count {

@@ -485,7 +485,12 @@ pub async fn run(
 ) -> anyhow::Result<()> {
     let settings = AdminSettings::from_config(config);
     // Two connections at most: an operator's tool must not take a share of production's pool.
-    let pool = schema::build_pool(config.database_url.expose(), 2, Duration::from_secs(10));
+    let pool = schema::build_pool(
+        config.database_url.expose(),
+        2,
+        Duration::from_secs(10),
+        schema::PlanCache::Auto,
+    );
     let amqp_url = config.amqp_url.expose();
     let json = args.json;
     let result = tokio::select! {

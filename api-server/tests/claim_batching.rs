@@ -1,0 +1,209 @@
+//! Claims by token that share one statement (`idempotency::ClaimBatcher`) decide exactly what
+//! claims made one at a time decide: each claim gets its own answer, two claims of one new key
+//! cannot both win, and nothing is written for an unknown token.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::{sync::Arc, time::Duration};
+
+use api_server::{
+    auth,
+    grpc::reason,
+    idempotency::{
+        self, BatchCounts, Claim, ClaimBatcher, ClaimBatching, IdempotencyKey, RetryPolicy,
+    },
+    rides::RideParams,
+    testing::*,
+};
+use proto::v1::CreateRideRequest;
+use schema::RecoveryPoint;
+use tonic::Code;
+
+const LOCK_TIMEOUT: Duration = Duration::from_secs(90);
+
+fn params(request: CreateRideRequest) -> RideParams {
+    RideParams::try_from(request).unwrap()
+}
+
+/// Outcomes of one claim, reduced to what the test compares.
+#[derive(Debug, PartialEq)]
+enum Decided {
+    NoSuchUser,
+    Execute { user_id: i64 },
+    InUse,
+    Replay { code: i32 },
+    Mismatch,
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn claims_queued_together_share_a_statement_and_each_get_their_own_answer() {
+    let app = TestApp::spawn().await;
+    let alice = app.create_user(GOOD_CARD).await;
+    let bob = app.create_user(GOOD_CARD).await;
+    // Finished keys to replay, made the ordinary way.
+    let finished: Vec<String> = (0..3).map(|_| new_key()).collect();
+    for key in &finished {
+        app.create_ride(&alice, key, ride_request()).await.unwrap();
+    }
+    let rides_before = app.rides().await.len();
+    let keys_before = app.key_count().await;
+
+    let other_params = CreateRideRequest {
+        origin_lat: Some(1.0),
+        ..ride_request()
+    };
+    let shared_new_key = new_key();
+    let mut claims: Vec<(String, String, CreateRideRequest, &str)> = Vec::new();
+    for key in &finished {
+        claims.push((alice.token.clone(), key.clone(), ride_request(), "replay"));
+    }
+    claims.push((
+        alice.token.clone(),
+        finished[0].clone(),
+        other_params,
+        "mismatch",
+    ));
+    for _ in 0..6 {
+        claims.push((bob.token.clone(), new_key(), ride_request(), "new"));
+    }
+    // The same new key twice in one batch: one claim inserts it, the other finds it locked.
+    for _ in 0..2 {
+        claims.push((
+            bob.token.clone(),
+            shared_new_key.clone(),
+            ride_request(),
+            "shared",
+        ));
+    }
+    // Alice's key string, but for bob: a different key, so a new one.
+    claims.push((
+        bob.token.clone(),
+        finished[1].clone(),
+        ride_request(),
+        "new",
+    ));
+    claims.push((
+        "rr_no-such-token-0123456789".to_owned(),
+        new_key(),
+        ride_request(),
+        "unknown",
+    ));
+
+    // One batch at a time: the first claim runs alone, and every other claim queues behind it
+    // (they are all submitted on the first poll of `join_all`) and shares the second statement.
+    let pool = app.rides.pool().clone();
+    let batcher = ClaimBatcher::new(
+        pool.clone(),
+        RetryPolicy::default(),
+        ClaimBatching {
+            max_size: 64,
+            in_flight: 1,
+        },
+    );
+    let runs = claims.iter().map(|(token, key, request, _)| {
+        let (pool, batcher) = (pool.clone(), Arc::clone(&batcher));
+        let digest = auth::token_digest(token);
+        let key = IdempotencyKey::parse(key).unwrap();
+        let signature = params(*request).signature();
+        async move {
+            let claimed = idempotency::authenticate_and_claim(
+                &pool,
+                &batcher,
+                RetryPolicy::default(),
+                &digest,
+                &key,
+                &signature,
+                LOCK_TIMEOUT,
+            )
+            .await
+            .unwrap();
+            match claimed {
+                None => Decided::NoSuchUser,
+                Some((user, claimed)) => match claimed.claim {
+                    Claim::Execute(lease) => {
+                        assert_eq!(lease.user_id, user.id);
+                        assert_eq!(lease.recovery_point, RecoveryPoint::Started);
+                        Decided::Execute { user_id: user.id }
+                    }
+                    Claim::InUse => Decided::InUse,
+                    Claim::Replay(stored) => Decided::Replay { code: stored.code },
+                    Claim::Mismatch => Decided::Mismatch,
+                },
+            }
+        }
+    });
+    let decided = futures_util::future::join_all(runs).await;
+
+    assert_eq!(
+        batcher.counts(),
+        BatchCounts {
+            statements: 2,
+            claims: claims.len() as u64
+        },
+        "the first claim ran alone and the rest shared one statement"
+    );
+    let mut shared = Vec::new();
+    for ((_, key, _, kind), decided) in claims.iter().zip(decided) {
+        match *kind {
+            "replay" => assert_eq!(decided, Decided::Replay { code: 0 }, "{key}"),
+            "mismatch" => assert_eq!(decided, Decided::Mismatch),
+            "new" => assert_eq!(decided, Decided::Execute { user_id: bob.id }, "{key}"),
+            "shared" => shared.push(decided),
+            "unknown" => assert_eq!(decided, Decided::NoSuchUser),
+            other => unreachable!("{other}"),
+        }
+    }
+    shared.sort_by_key(|decided| matches!(decided, Decided::InUse));
+    assert_eq!(
+        shared,
+        [Decided::Execute { user_id: bob.id }, Decided::InUse],
+        "exactly one of two claims of one new key owns it"
+    );
+    // Eight new keys for bob (six, the shared one, alice's key string), and nothing for the
+    // unknown token, the replays or the mismatch.
+    assert_eq!(app.key_count().await, keys_before + 8);
+    assert_eq!(app.rides().await.len(), rides_before);
+    let shared_row = app.key_row(&bob, &shared_new_key).await.unwrap();
+    assert_eq!(shared_row.recovery_point, RecoveryPoint::Started);
+    assert!(shared_row.lock_token.is_some());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn concurrent_requests_through_batched_claims_charge_each_key_once() {
+    // Few batches in flight, so the requests' claims share statements on the server.
+    let app = TestApp::spawn_with(
+        fake_stripe::Config::default(),
+        &[("CLAIM_BATCHES_IN_FLIGHT", "1")],
+    )
+    .await;
+    let user = app.create_user(GOOD_CARD).await;
+    let channel = app.channel().await;
+    let keys: Vec<String> = (0..20).map(|_| new_key()).collect();
+
+    // Every key twice at once: one attempt runs it, the other replays it or finds it in use.
+    let attempts = keys.iter().chain(&keys).map(|key| {
+        let mut client = proto::v1::ride_service_client::RideServiceClient::new(channel.clone());
+        let request = authed(&user.token, Some(key), ride_request());
+        tokio::spawn(async move { client.create_ride(request).await })
+    });
+    let mut succeeded = 0;
+    for result in futures_util::future::join_all(attempts).await {
+        match result.unwrap() {
+            Ok(_) => succeeded += 1,
+            Err(status) => assert_status(&status, Code::Aborted, reason::IDEMPOTENCY_KEY_IN_USE),
+        }
+    }
+    assert!(succeeded >= keys.len(), "every key succeeded at least once");
+    let counts = app.rides.claim_batcher().counts();
+    assert!(
+        counts.claims > counts.statements,
+        "claims shared statements: {counts:?}"
+    );
+    assert_eq!(app.rides().await.len(), keys.len());
+    assert_eq!(app.stripe.succeeded_charges(), keys.len());
+    assert_eq!(app.staged_jobs().await.len(), keys.len());
+    // And each key replays its one ride afterwards.
+    for key in &keys {
+        let replay = app.create_ride(&user, key, ride_request()).await.unwrap();
+        assert!(replayed(&replay));
+    }
+}
