@@ -137,7 +137,8 @@ USER_BASE=$(psql_db -At -v users=100 -v keys_per_user=50 -f bench/pgbench/setup.
 pgbench_ceiling() { # scenario script clients
   local scenario=$1 script=$2 clients=$3 logf="$OUT/logs/pgbench-$1-$(basename "$2" .sql).log" load
   load=$(la)
-  timeout $((PG_DURATION + 120)) pgbench -n -M prepared -c "$clients" -j 2 -T "$PG_DURATION" \
+  # The same plan cache mode as the api-server's pool (schema::PlanCache::Generic).
+  PGOPTIONS="-c plan_cache_mode=force_generic_plan" timeout $((PG_DURATION + 120)) pgbench -n -M prepared -c "$clients" -j 2 -T "$PG_DURATION" \
     -f "$script" -D user_base="$USER_BASE" -D keys_per_user=50 "$DATABASE_URL" >"$logf" 2>&1 ||
     { cat "$logf" >&2; die "pgbench $script failed"; }
   load="$load -> $(la)"

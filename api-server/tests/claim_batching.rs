@@ -88,11 +88,14 @@ async fn claims_queued_together_share_a_statement_and_each_get_their_own_answer(
         "unknown",
     ));
 
-    // One batch at a time: the first claim runs alone, and every other claim queues behind it
-    // (they are all submitted on the first poll of `join_all`) and shares the second statement.
+    // One batch at a time, on a pool of one connection that the test holds: the first claim's
+    // batch waits for that connection while every other claim is submitted (all in the first
+    // poll of `join_all`, before anything can complete), so the rest share the second statement.
     let pool = app.rides.pool().clone();
+    let batcher_pool = app.db.pool(1);
+    let held = batcher_pool.get_owned().await.unwrap();
     let batcher = ClaimBatcher::new(
-        pool.clone(),
+        batcher_pool,
         RetryPolicy::default(),
         ClaimBatching {
             max_size: 64,
@@ -131,7 +134,13 @@ async fn claims_queued_together_share_a_statement_and_each_get_their_own_answer(
             }
         }
     });
-    let decided = futures_util::future::join_all(runs).await;
+    let mut all = std::pin::pin!(futures_util::future::join_all(runs));
+    assert!(
+        futures_util::poll!(&mut all).is_pending(),
+        "nothing is decided while the batch waits for the connection"
+    );
+    drop(held);
+    let decided = all.await;
 
     assert_eq!(
         batcher.counts(),
@@ -179,12 +188,21 @@ async fn concurrent_requests_through_batched_claims_charge_each_key_once() {
     let channel = app.channel().await;
     let keys: Vec<String> = (0..20).map(|_| new_key()).collect();
 
+    // The server's whole pool (8 connections) held while the requests arrive, so that their
+    // claims queue behind the first batch and share statements.
+    let mut held = Vec::new();
+    for _ in 0..8 {
+        held.push(app.rides.pool().get_owned().await.unwrap());
+    }
     // Every key twice at once: one attempt runs it, the other replays it or finds it in use.
     let attempts = keys.iter().chain(&keys).map(|key| {
         let mut client = proto::v1::ride_service_client::RideServiceClient::new(channel.clone());
         let request = authed(&user.token, Some(key), ride_request());
         tokio::spawn(async move { client.create_ride(request).await })
     });
+    let attempts: Vec<_> = attempts.collect();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    drop(held);
     let mut succeeded = 0;
     for result in futures_util::future::join_all(attempts).await {
         match result.unwrap() {
