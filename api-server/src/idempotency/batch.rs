@@ -47,7 +47,7 @@ use uuid::Uuid;
 
 use super::{
     Caller, ClaimRow, Found, IdempotencyKey, RequestSignature, RetryPolicy, StoreError,
-    insert_or_read, retry_transient,
+    claim_alone, retry_transient,
 };
 
 /// How claims by token are grouped into statements.
@@ -135,7 +135,7 @@ impl ClaimBatcher {
     }
 
     /// The claim statement's result for the owner of `token_digest`: the user and what was
-    /// found, or `None` as [`insert_or_read`] returns it.
+    /// found, or `None` as [`super::insert_or_read`] returns it.
     pub(super) async fn claim(
         self: &Arc<Self>,
         token_digest: &[u8; 32],
@@ -163,10 +163,13 @@ impl ClaimBatcher {
                 Err(oneshot::error::RecvError { .. }) => {}
             }
         }
-        retry_transient(self.policy, || async {
-            let mut conn = self.pool.get().await.map_err(StoreError::Unavailable)?;
-            insert_or_read(&mut conn, Caller::Token(token_digest), key, request).await
-        })
+        claim_alone(
+            &self.pool,
+            self.policy,
+            Caller::Token(token_digest),
+            key,
+            request,
+        )
         .await
     }
 

@@ -261,13 +261,7 @@ async fn claim_for(
 ) -> Result<Option<(User, Claimed)>, StoreError> {
     let found = match (caller, batcher) {
         (Caller::Token(digest), Some(batcher)) => batcher.claim(digest, key, request).await?,
-        _ => {
-            retry_transient(policy, || async {
-                let mut conn = pool.get().await.map_err(StoreError::Unavailable)?;
-                insert_or_read(&mut conn, caller, key, request).await
-            })
-            .await?
-        }
+        _ => claim_alone(pool, policy, caller, key, request).await?,
     };
     let (user, decided) = match found {
         Some((user, found)) => {
@@ -316,11 +310,7 @@ async fn claim_rounds(
     // without a decision only if another claim inserted the key after this one's snapshot, or the
     // key was reaped between two steps, so a few rounds suffice.
     for _ in 0..CLAIM_ROUNDS {
-        let found = retry_transient(policy, || async {
-            let mut conn = pool.get().await.map_err(StoreError::Unavailable)?;
-            insert_or_read(&mut conn, Caller::Id(user_id), key, request).await
-        })
-        .await?;
+        let found = claim_alone(pool, policy, Caller::Id(user_id), key, request).await?;
         let Some((_, found)) = found else { continue };
         if let Some(claimed) =
             decide(pool, policy, user_id, key, request, lock_timeout, found).await?
@@ -486,6 +476,21 @@ struct ClaimRow {
 enum Found {
     Inserted(Claimed),
     Existing(Box<KeyRow>),
+}
+
+/// The claim's statement for one claim, on a pooled connection, retried on transient conflicts.
+async fn claim_alone(
+    pool: &Pool,
+    policy: RetryPolicy,
+    caller: Caller<'_>,
+    key: &IdempotencyKey,
+    request: &RequestSignature,
+) -> Result<Option<(User, Found)>, StoreError> {
+    retry_transient(policy, || async {
+        let mut conn = pool.get().await.map_err(StoreError::Unavailable)?;
+        insert_or_read(&mut conn, caller, key, request).await
+    })
+    .await
 }
 
 /// Runs the claim's statement; `None` if there is no such user, or if a concurrent claim inserted
