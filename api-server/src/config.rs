@@ -133,15 +133,12 @@ impl Config {
                         .into(),
                 ) * 3600,
                 claim_batching: ClaimBatching {
-                    max_size: vars
-                        .parse("CLAIM_BATCH_SIZE", ClaimBatching::default().max_size)?
-                        .max(1),
-                    in_flight: vars
-                        .parse(
-                            "CLAIM_BATCHES_IN_FLIGHT",
-                            ClaimBatching::default().in_flight,
-                        )?
-                        .max(1),
+                    // `ClaimBatcher::new` raises 0 to 1 for both.
+                    max_size: vars.parse("CLAIM_BATCH_SIZE", ClaimBatching::default().max_size)?,
+                    in_flight: vars.parse(
+                        "CLAIM_BATCHES_IN_FLIGHT",
+                        ClaimBatching::default().in_flight,
+                    )?,
                 },
             },
             price,

@@ -188,10 +188,10 @@ async fn concurrent_requests_through_batched_claims_charge_each_key_once() {
     let channel = app.channel().await;
     let keys: Vec<String> = (0..20).map(|_| new_key()).collect();
 
-    // The server's whole pool (8 connections) held while the requests arrive, so that their
-    // claims queue behind the first batch and share statements.
+    // The server's whole pool held while the requests arrive, so that their claims queue behind
+    // the first batch and share statements.
     let mut held = Vec::new();
-    for _ in 0..8 {
+    for _ in 0..app.config.database.pool_size {
         held.push(app.rides.pool().get_owned().await.unwrap());
     }
     // Every key twice at once: one attempt runs it, the other replays it or finds it in use.
