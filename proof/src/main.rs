@@ -101,7 +101,10 @@ struct Args {
     admin_url: String,
     #[arg(long, default_value = "amqp://guest:guest@127.0.0.1:5672/%2f")]
     amqp_url: String,
-    #[arg(long, default_value_t = 50251)]
+    /// Every fixed port is below Linux's ephemeral range (32768–60999): processes restarted
+    /// during the run must find their port free, and any outgoing connection may hold a port in
+    /// that range (the second api-server once failed to bind 50252 so).
+    #[arg(long, default_value_t = 25251)]
     grpc_port: u16,
     #[arg(long, default_value_t = 12311)]
     stripe_port: u16,
@@ -111,14 +114,14 @@ struct Args {
     #[arg(long, default_value_t = 8626)]
     mail_search_port: u16,
     /// The second api-server (pool of 1 connection, 100 ms pool timeout).
-    #[arg(long, default_value_t = 50252)]
+    #[arg(long, default_value_t = 25252)]
     grpc_port_b: u16,
     /// Run against the shared PostgreSQL and RabbitMQ (--admin-url, --amqp-url) instead of
     /// private ones; their restarts are then skipped.
     #[arg(long)]
     shared_services: bool,
     /// Port of the private PostgreSQL cluster.
-    #[arg(long, default_value_t = 55433)]
+    #[arg(long, default_value_t = 25433)]
     pg_port: u16,
     /// Port of the private RabbitMQ node (its distribution port is this + 20000).
     #[arg(long, default_value_t = 5683)]
