@@ -127,9 +127,17 @@ pub struct Row {
 
 pub fn rows(records: &[Record]) -> Vec<Row> {
     let mut rows = Vec::new();
+    let mut runs_seen: Vec<&str> = Vec::new();
     for record in records {
         match record {
-            Record::Loadgen(run) => rows.push(loadgen_row(run, records)),
+            Record::Loadgen(run) => {
+                let round = runs_seen.iter().filter(|s| **s == run.scenario).count();
+                runs_seen.push(&run.scenario);
+                rows.push(loadgen_row(
+                    run,
+                    neighbour_ceiling(records, &run.scenario, round),
+                ));
+            }
             Record::Drain(drain) => {
                 let rate = if drain.seconds > 0.0 {
                     drain.items as f64 / drain.seconds
@@ -160,34 +168,35 @@ pub fn rows(records: &[Record]) -> Vec<Row> {
             Record::Pgbench(_) => {}
         }
     }
+    rows.extend(median_rows(records, &rows));
     rows
 }
 
-fn loadgen_row(run: &LoadgenRecord, records: &[Record]) -> Row {
-    let pgbench = records.iter().find_map(|record| match record {
-        Record::Pgbench(pg) if pg.scenario == run.scenario => Some(pg),
-        _ => None,
-    });
-    let ceiling = pgbench.map(|pg| {
-        ratio::latency_bound_ceiling(pg.tps, run.clients, run.provider_latency_ms as f64 / 1000.0)
+/// The database ceiling beside the `round`-th loadgen run of `scenario`. With `bench/run.sh
+/// ROUNDS=n` a scenario runs ceiling, service, ceiling, …, service, ceiling, so service run k sits
+/// between ceilings k and k + 1 and is divided by their mean: on a shared machine one pgbench
+/// window alone swung a ratio by ±0.15. With one round there is one ceiling, taken before.
+fn neighbour_ceiling(records: &[Record], scenario: &str, round: usize) -> Option<f64> {
+    let ceilings: Vec<f64> = records
+        .iter()
+        .filter_map(|record| match record {
+            Record::Pgbench(pg) if pg.scenario == scenario => Some(pg.tps),
+            _ => None,
+        })
+        .collect();
+    let neighbours: Vec<f64> = ceilings.iter().skip(round).take(2).copied().collect();
+    match neighbours.as_slice() {
+        [] => ceilings.last().copied(),
+        found => Some(found.iter().sum::<f64>() / found.len() as f64),
+    }
+}
+
+fn loadgen_row(run: &LoadgenRecord, db_ceiling: Option<f64>) -> Row {
+    let ceiling = db_ceiling.map(|tps| {
+        ratio::latency_bound_ceiling(tps, run.clients, run.provider_latency_ms as f64 / 1000.0)
     });
     let measured_ratio = ceiling.and_then(|ceiling| ratio::ratio(run.throughput, ceiling));
-    let (goal, verdict) = match goal_for(&run.scenario) {
-        None => ("-".to_owned(), Verdict::Unknown),
-        Some(goal) => {
-            let mut text = format!("ratio {}", goal.ratio.describe());
-            let mut verdicts = vec![goal.ratio.judge(measured_ratio)];
-            if let Some(p99) = goal.p99_ms {
-                text.push_str(&format!(", p99 {} ms", p99.describe()));
-                verdicts.push(p99.judge(Some(run.p99_ms)));
-            }
-            if goal.no_conflicts {
-                text.push_str(", 0 conflicts");
-                verdicts.push(Goal::AtMost(0.0).judge(Some(run.conflicts_surfaced as f64)));
-            }
-            (text, ratio::all(&verdicts))
-        }
-    };
+    let (goal, verdict) = judge(run, measured_ratio);
     let mut check = match run.check_pass {
         Some(true) => "PASS".to_owned(),
         Some(false) => "FAIL".to_owned(),
@@ -216,6 +225,96 @@ fn loadgen_row(run: &LoadgenRecord, records: &[Record]) -> Row {
         ),
         check,
         load_avg: run.load_avg.clone(),
+    }
+}
+
+/// The scenario's goal as text and the verdict on `measured_ratio` and the run's latency and
+/// conflicts.
+fn judge(run: &LoadgenRecord, measured_ratio: Option<f64>) -> (String, Verdict) {
+    match goal_for(&run.scenario) {
+        None => ("-".to_owned(), Verdict::Unknown),
+        Some(goal) => {
+            let mut text = format!("ratio {}", goal.ratio.describe());
+            let mut verdicts = vec![goal.ratio.judge(measured_ratio)];
+            if let Some(p99) = goal.p99_ms {
+                text.push_str(&format!(", p99 {} ms", p99.describe()));
+                verdicts.push(p99.judge(Some(run.p99_ms)));
+            }
+            if goal.no_conflicts {
+                text.push_str(", 0 conflicts");
+                verdicts.push(Goal::AtMost(0.0).judge(Some(run.conflicts_surfaced as f64)));
+            }
+            (text, ratio::all(&verdicts))
+        }
+    }
+}
+
+/// One more row per scenario measured in several rounds, judged on the median ratio, the worst
+/// p99 and all conflicts and failed checks of its rounds: the scenario's verdict for the run.
+fn median_rows(records: &[Record], rows: &[Row]) -> Vec<Row> {
+    let mut scenarios: Vec<&str> = Vec::new();
+    for record in records {
+        if let Record::Loadgen(run) = record
+            && !scenarios.contains(&run.scenario.as_str())
+        {
+            scenarios.push(&run.scenario);
+        }
+    }
+    let mut medians = Vec::new();
+    for scenario in scenarios {
+        let runs: Vec<&LoadgenRecord> = records
+            .iter()
+            .filter_map(|record| match record {
+                Record::Loadgen(run) if run.scenario == scenario => Some(run),
+                _ => None,
+            })
+            .collect();
+        if runs.len() < 2 {
+            continue;
+        }
+        let scenario_rows: Vec<&Row> = rows.iter().filter(|row| row.scenario == scenario).collect();
+        let ratios: Vec<f64> = scenario_rows.iter().filter_map(|row| row.ratio).collect();
+        let median_ratio = median(&ratios);
+        let worst = LoadgenRecord {
+            p99_ms: runs.iter().map(|run| run.p99_ms).fold(0.0, f64::max),
+            conflicts_surfaced: runs.iter().map(|run| run.conflicts_surfaced).sum(),
+            ..runs[0].clone()
+        };
+        let (goal, mut verdict) = judge(&worst, median_ratio);
+        let all_passed = runs.iter().all(|run| run.check_pass != Some(false));
+        if !all_passed {
+            verdict = Verdict::Missed;
+        }
+        medians.push(Row {
+            scenario: format!("{scenario}, median of {}", runs.len()),
+            clients: worst.clients.to_string(),
+            rate: median(&runs.iter().map(|run| run.throughput).collect::<Vec<_>>()).unwrap_or(0.0),
+            ceiling: median(
+                &scenario_rows
+                    .iter()
+                    .filter_map(|row| row.ceiling)
+                    .collect::<Vec<_>>(),
+            ),
+            ratio: median_ratio,
+            goal,
+            verdict,
+            latency: format!("worst p99 {:.1} ms", worst.p99_ms),
+            check: if all_passed { "PASS" } else { "FAIL" }.to_owned(),
+            load_avg: "-".to_owned(),
+        });
+    }
+    medians
+}
+
+/// The median (the mean of the middle two for an even count); `None` for no values.
+fn median(values: &[f64]) -> Option<f64> {
+    let mut sorted: Vec<f64> = values.iter().copied().filter(|v| v.is_finite()).collect();
+    sorted.sort_by(f64::total_cmp);
+    let n = sorted.len();
+    match n {
+        0 => None,
+        _ if n % 2 == 1 => Some(sorted[n / 2]),
+        _ => Some((sorted[n / 2 - 1] + sorted[n / 2]) / 2.0),
     }
 }
 
@@ -337,6 +436,66 @@ mod tests {
         let row = &rows(&parse_records(&aborted).unwrap())[0];
         assert_eq!(row.verdict, Verdict::Missed);
         assert_eq!(row.check, "PASS (aborted 3, failed 0)");
+    }
+
+    #[test]
+    fn rounds_are_divided_by_their_neighbouring_ceilings_and_judged_on_the_median() {
+        let records = parse_records(
+            r#"
+{"kind":"pgbench","scenario":"new-64","script":"create_ride.sql","clients":64,"tps":1000.0}
+{"kind":"loadgen","scenario":"new-64","clients":64,"throughput":700.0,"p50_ms":1.0,"p99_ms":150.0,"max_ms":1.0,"check_pass":true}
+{"kind":"pgbench","scenario":"new-64","script":"create_ride.sql","clients":64,"tps":600.0}
+{"kind":"loadgen","scenario":"new-64","clients":64,"throughput":720.0,"p50_ms":1.0,"p99_ms":90.0,"max_ms":1.0,"check_pass":true}
+{"kind":"pgbench","scenario":"new-64","script":"create_ride.sql","clients":64,"tps":1200.0}
+{"kind":"loadgen","scenario":"new-64","clients":64,"throughput":600.0,"p50_ms":1.0,"p99_ms":80.0,"max_ms":1.0,"check_pass":true}
+{"kind":"pgbench","scenario":"new-64","script":"create_ride.sql","clients":64,"tps":800.0}
+"#,
+        )
+        .unwrap();
+        let rows = rows(&records);
+        assert_eq!(rows.len(), 4);
+        // Round k sits between ceilings k and k + 1.
+        assert_eq!(rows[0].ceiling, Some(800.0));
+        assert_eq!(rows[0].ratio, Some(0.875));
+        assert_eq!(rows[1].ceiling, Some(900.0));
+        assert_eq!(rows[1].ratio, Some(0.8));
+        assert_eq!(rows[2].ceiling, Some(1000.0));
+        assert_eq!(rows[2].ratio, Some(0.6));
+        assert_eq!(rows[2].verdict, Verdict::Missed);
+        // Ratios 0.875, 0.8, 0.6: the median 0.8 meets new-64's 0.75 although one round missed.
+        let median = &rows[3];
+        assert_eq!(median.scenario, "new-64, median of 3");
+        assert_eq!(median.ratio, Some(0.8));
+        assert_eq!(median.rate, 700.0);
+        assert_eq!(median.ceiling, Some(900.0));
+        assert_eq!(median.verdict, Verdict::Met);
+        assert_eq!(median.latency, "worst p99 150.0 ms");
+
+        // A failed check in any round fails the scenario.
+        let failed = parse_records(
+            &RESULTS
+                .lines()
+                .chain(std::iter::once(
+                    r#"{"kind":"loadgen","scenario":"new-32","clients":32,"throughput":900.0,"p50_ms":20.0,"p99_ms":90.0,"max_ms":150.0,"check_pass":false}"#,
+                ))
+                .collect::<Vec<_>>()
+                .join("\n"),
+        )
+        .unwrap();
+        let rows = super::rows(&failed);
+        let median = rows
+            .iter()
+            .find(|row| row.scenario == "new-32, median of 2")
+            .unwrap();
+        assert_eq!(median.check, "FAIL");
+        assert_eq!(median.verdict, Verdict::Missed);
+        // The second new-32 round has no ceiling after it and uses the last one (1000 tps).
+        let second = rows
+            .iter()
+            .filter(|row| row.scenario == "new-32")
+            .nth(1)
+            .unwrap();
+        assert_eq!(second.ratio, Some(0.9));
     }
 
     #[test]

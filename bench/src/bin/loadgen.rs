@@ -43,7 +43,7 @@ use tonic_types::StatusExt;
 )]
 struct Args {
     /// The api-server's gRPC endpoint.
-    #[arg(long, default_value = "http://127.0.0.1:50151")]
+    #[arg(long, default_value = "http://127.0.0.1:25151")]
     target: String,
     /// The api-server's database (users are created here; the check reads it).
     #[arg(long, env = "DATABASE_URL")]
