@@ -237,10 +237,18 @@ impl Proc {
             .with_context(|| format!("starting {} ({})", self.name, self.bin.display()))?;
         self.child = Some(child);
         self.starts += 1;
-        if let Some(port) = self.port {
-            wait_for_port(port, Duration::from_secs(30))
-                .await
-                .with_context(|| format!("{} did not listen on {port}", self.name))?;
+        if let Some(port) = self.port
+            && let Err(error) = wait_for_port(port, Duration::from_secs(30)).await
+        {
+            // What the child was doing: a start that never listens has been seen a few times
+            // in long campaigns, and its log was empty.
+            let state = match self.exited() {
+                Some(status) => format!("exited: {status}"),
+                None => self
+                    .pid()
+                    .map_or_else(|| "no pid".to_owned(), process_state),
+            };
+            return Err(error.context(format!("{} did not listen on {port} ({state})", self.name)));
         }
         Ok(())
     }
@@ -260,6 +268,19 @@ impl Proc {
             _ => None,
         }
     }
+}
+
+/// A running process's scheduler state and kernel wait channel, from `/proc`.
+fn process_state(pid: u32) -> String {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // The state follows the command name, which is in parentheses and may contain spaces.
+    let state = stat
+        .rsplit_once(')')
+        .and_then(|(_, rest)| rest.split_whitespace().next())
+        .unwrap_or("?")
+        .to_owned();
+    let wchan = std::fs::read_to_string(format!("/proc/{pid}/wchan")).unwrap_or_default();
+    format!("pid {pid}, state {state}, wchan {wchan}")
 }
 
 async fn wait_for_port(port: u16, timeout: Duration) -> anyhow::Result<()> {
