@@ -6,8 +6,9 @@ use api_server::{App, auth, config::Config, server};
 use clap::{Parser, Subcommand};
 
 /// Every request allocates and frees a few hundred small objects (HTTP/2 frames, protobuf
-/// messages, span data, rows) across tasks: with glibc's allocator that was about a fifth of the
-/// api-server's CPU per request at 500 clients (`docs/performance.md`, run 9).
+/// messages, span data, rows) across tasks: glibc's malloc and free were 13 % of the api-server's
+/// CPU at 500 clients, and mimalloc cut its CPU per request by 13–20 % (25 % per replay) for
+/// about 20 MB more RSS (`docs/performance.md`, run 9 and session 4's A/B).
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
