@@ -146,23 +146,25 @@ log "scratch database $DB"
 "$BIN/api-server" migrate >"$OUT/logs/migrate.log" 2>&1
 USER_BASE=$(psql_db -At -v users=100 -v keys_per_user=50 -f bench/pgbench/setup.sql | tail -n1)
 [ -n "$USER_BASE" ] || die "pgbench fixtures failed"
+run_pgbench() { # script clients seconds log
+  # The same plan cache mode as the api-server's pool (schema::PlanCache::Generic).
+  PGOPTIONS="-c plan_cache_mode=force_generic_plan" timeout $(($3 + 120)) pgbench -n -M prepared -c "$2" -j 2 -T "$3" \
+    -f "$1" -D user_base="$USER_BASE" -D keys_per_user=50 "$DATABASE_URL" >"$4" 2>&1 ||
+    { cat "$4" >&2; die "pgbench $1 failed"; }
+}
+
 # The first pgbench window on a fresh database ran 20-35 % below the later ones (runs 10 and 11:
 # 931/s then 1,363-1,591/s; 1,219/s then 1,433-1,437/s), which flattered the first service window
 # beside it. A short unrecorded CreateRide load first, so that no measured window starts cold.
 if [ "$WARMUP_SECS" -gt 0 ]; then
   log "warm-up: create_ride.sql, 16 clients, ${WARMUP_SECS} s (not recorded)"
-  PGOPTIONS="-c plan_cache_mode=force_generic_plan" timeout $((WARMUP_SECS + 60)) pgbench -n -M prepared -c 16 -j 2 \
-    -T "$WARMUP_SECS" -f bench/pgbench/create_ride.sql -D user_base="$USER_BASE" -D keys_per_user=50 \
-    "$DATABASE_URL" >"$OUT/logs/pgbench-warmup.log" 2>&1 || die "pgbench warm-up failed (see $OUT/logs)"
+  run_pgbench bench/pgbench/create_ride.sql 16 "$WARMUP_SECS" "$OUT/logs/pgbench-warmup.log"
 fi
 
 pgbench_ceiling() { # scenario script clients
   local scenario=$1 script=$2 clients=$3 logf="$OUT/logs/pgbench-$1-$(basename "$2" .sql).log" load
   load=$(la)
-  # The same plan cache mode as the api-server's pool (schema::PlanCache::Generic).
-  PGOPTIONS="-c plan_cache_mode=force_generic_plan" timeout $((PG_DURATION + 120)) pgbench -n -M prepared -c "$clients" -j 2 -T "$PG_DURATION" \
-    -f "$script" -D user_base="$USER_BASE" -D keys_per_user=50 "$DATABASE_URL" >"$logf" 2>&1 ||
-    { cat "$logf" >&2; die "pgbench $script failed"; }
+  run_pgbench "$script" "$clients" "$PG_DURATION" "$logf"
   load="$load -> $(la)"
   "$BIN/bench-report" pgbench "$scenario" "$(basename "$script")" "$clients" "$logf" "$load" >>"$RESULTS"
   log "pgbench $scenario $(basename "$script") c=$clients: $(grep '^tps' "$logf") (load $load)"
