@@ -5,7 +5,7 @@ use std::{fmt, net::SocketAddr, str::FromStr, time::Duration};
 
 pub use telemetry::Secret;
 
-use crate::idempotency::ClaimBatching;
+use crate::idempotency::Batching;
 
 #[derive(Clone, Debug)]
 pub struct Config {
@@ -55,7 +55,10 @@ pub struct IdempotencyConfig {
     /// How long a key lives before the reaper retires it.
     pub key_ttl: Duration,
     /// How concurrent claims share statements.
-    pub claim_batching: ClaimBatching,
+    pub claim_batching: Batching,
+    /// How concurrent requests' write phases (ride created, charge recorded, receipt staged)
+    /// share statements, each phase with its own batches.
+    pub phase_batching: Batching,
 }
 
 /// The price of a ride, in the currency's smallest unit.
@@ -132,13 +135,16 @@ impl Config {
                         .max(1)
                         .into(),
                 ) * 3600,
-                claim_batching: ClaimBatching {
-                    // `ClaimBatcher::new` raises 0 to 1 for both.
-                    max_size: vars.parse("CLAIM_BATCH_SIZE", ClaimBatching::default().max_size)?,
-                    in_flight: vars.parse(
-                        "CLAIM_BATCHES_IN_FLIGHT",
-                        ClaimBatching::default().in_flight,
-                    )?,
+                // `Batcher::new` raises 0 to 1 for both.
+                claim_batching: Batching {
+                    max_size: vars.parse("CLAIM_BATCH_SIZE", Batching::default().max_size)?,
+                    in_flight: vars
+                        .parse("CLAIM_BATCHES_IN_FLIGHT", Batching::default().in_flight)?,
+                },
+                phase_batching: Batching {
+                    max_size: vars.parse("PHASE_BATCH_SIZE", Batching::default().max_size)?,
+                    in_flight: vars
+                        .parse("PHASE_BATCHES_IN_FLIGHT", Batching::default().in_flight)?,
                 },
             },
             price,

@@ -21,8 +21,8 @@ pub struct Metrics {
     pub lock_conflicts: Counter<u64>,
     /// Transactions re-run after a serialization failure or deadlock.
     pub serialization_retries: Counter<u64>,
-    /// Claims decided by one batched claim statement.
-    pub claim_batch_size: Histogram<u64>,
+    /// Requests decided by one batched statement, by statement.
+    pub batch_size: Histogram<u64>,
 }
 
 static METRICS: LazyLock<Metrics> = LazyLock::new(|| {
@@ -55,10 +55,10 @@ static METRICS: LazyLock<Metrics> = LazyLock::new(|| {
             .u64_counter("rides.db.serialization_retries")
             .with_description("Transactions re-run after a serialization failure or deadlock")
             .build(),
-        claim_batch_size: meter
-            .u64_histogram("rides.idempotency.claim_batch.size")
-            .with_unit("{claim}")
-            .with_description("Claims decided by one batched claim statement")
+        batch_size: meter
+            .u64_histogram("rides.idempotency.batch.size")
+            .with_unit("{request}")
+            .with_description("Requests decided by one batched statement")
             .with_boundaries(vec![1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0])
             .build(),
     }

@@ -8,9 +8,7 @@ use std::{sync::Arc, time::Duration};
 use api_server::{
     auth,
     grpc::reason,
-    idempotency::{
-        self, BatchCounts, Claim, ClaimBatcher, ClaimBatching, IdempotencyKey, RetryPolicy,
-    },
+    idempotency::{self, BatchCounts, Batching, Claim, ClaimBatcher, IdempotencyKey, RetryPolicy},
     rides::RideParams,
     testing::*,
 };
@@ -94,10 +92,10 @@ async fn claims_queued_together_share_a_statement_and_each_get_their_own_answer(
     let pool = app.rides.pool().clone();
     let batcher_pool = app.db.pool(1);
     let held = batcher_pool.get_owned().await.unwrap();
-    let batcher = ClaimBatcher::new(
+    let batcher = ClaimBatcher::for_claims(
         batcher_pool,
         RetryPolicy::default(),
-        ClaimBatching {
+        Batching {
             max_size: 64,
             in_flight: 1,
         },
@@ -146,7 +144,7 @@ async fn claims_queued_together_share_a_statement_and_each_get_their_own_answer(
         batcher.counts(),
         BatchCounts {
             statements: 2,
-            claims: claims.len() as u64
+            items: claims.len() as u64
         },
         "the first claim ran alone and the rest shared one statement"
     );
@@ -213,7 +211,7 @@ async fn concurrent_requests_through_batched_claims_charge_each_key_once() {
     assert!(succeeded >= keys.len(), "every key succeeded at least once");
     let counts = app.rides.claim_batcher().counts();
     assert!(
-        counts.claims > counts.statements,
+        counts.items > counts.statements,
         "claims shared statements: {counts:?}"
     );
     assert_eq!(app.rides().await.len(), keys.len());

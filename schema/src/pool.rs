@@ -5,12 +5,47 @@ use std::{future::Future, pin::Pin, time::Duration};
 
 use diesel_async::{
     AsyncPgConnection, SimpleAsyncConnection,
-    pooled_connection::{AsyncDieselConnectionManager, PoolError as ManagerError},
+    pooled_connection::{
+        AsyncDieselConnectionManager, PoolError as ManagerError, PoolableConnection,
+    },
 };
 
-pub type Pool = bb8::Pool<AsyncDieselConnectionManager<AsyncPgConnection>>;
-pub type DbConn<'a> = bb8::PooledConnection<'a, AsyncDieselConnectionManager<AsyncPgConnection>>;
+pub type Pool = bb8::Pool<Manager>;
+pub type DbConn<'a> = bb8::PooledConnection<'a, Manager>;
 pub type PoolError = bb8::RunError<ManagerError>;
+
+/// diesel-async's connection manager, with a check-out test that costs no round trip.
+///
+/// A connection whose server went away (a restart, a failover, `pg_terminate_backend`) is
+/// usually returned to the pool before its client has read the socket's end, so the pool's
+/// check on return passes it as healthy and the next request to take it fails with a lost
+/// connection. By check-out the client has seen the end: testing then whether the connection is
+/// closed discards it there and hands out another, where diesel-async's own check-out test would
+/// send a query every time.
+pub struct Manager(AsyncDieselConnectionManager<AsyncPgConnection>);
+
+impl bb8::ManageConnection for Manager {
+    type Connection = AsyncPgConnection;
+    type Error = ManagerError;
+
+    async fn connect(&self) -> Result<AsyncPgConnection, ManagerError> {
+        self.0.connect().await
+    }
+
+    async fn is_valid(&self, connection: &mut AsyncPgConnection) -> Result<(), ManagerError> {
+        if PoolableConnection::is_broken(connection) {
+            Err(ManagerError::QueryError(
+                diesel::result::Error::BrokenTransactionManager,
+            ))
+        } else {
+            Ok(())
+        }
+    }
+
+    fn has_broken(&self, connection: &mut AsyncPgConnection) -> bool {
+        self.0.has_broken(connection)
+    }
+}
 
 /// How PostgreSQL plans the pool's prepared statements.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -27,6 +62,16 @@ pub enum PlanCache {
     Generic,
 }
 
+/// Makes the pool discard `connection` when it is returned instead of handing it out again: for a
+/// connection whose server just went away, which may not look closed yet.
+pub fn discard_on_return(connection: &mut AsyncPgConnection) {
+    use diesel_async::{AsyncConnection, TransactionManager};
+    <AsyncPgConnection as AsyncConnection>::TransactionManager::transaction_manager_status_mut(
+        connection,
+    )
+    .set_in_error();
+}
+
 /// Builds a pool of at most `max_size` connections. No connection is opened until one is needed,
 /// so a process can start (and report NOT_SERVING) while the database is still coming up.
 pub fn build_pool(
@@ -35,12 +80,15 @@ pub fn build_pool(
     connection_timeout: Duration,
     plans: PlanCache,
 ) -> Pool {
-    let manager = AsyncDieselConnectionManager::<AsyncPgConnection>::new(database_url);
+    let manager = Manager(AsyncDieselConnectionManager::<AsyncPgConnection>::new(
+        database_url,
+    ));
     bb8::Pool::builder()
         .max_size(max_size)
         .connection_timeout(connection_timeout)
-        // A connection left mid-transaction by a cancelled future is discarded, never reused.
-        .test_on_check_out(false)
+        // `Manager::is_valid`: no round trip. A connection left mid-transaction by a cancelled
+        // future is discarded on return already (`has_broken`).
+        .test_on_check_out(true)
         .connection_customizer(Box::new(SessionDefaults { plans }))
         .build_unchecked(manager)
 }

@@ -15,6 +15,7 @@
 //! points). Serialization failures and deadlocks can still surface (for instance from a future
 //! migration or an operator's transaction), so phases retry them, bounded and with jitter.
 
+mod batch;
 mod key;
 
 use std::{future::Future, sync::Arc, time::Duration};
@@ -37,7 +38,8 @@ use schema::{
 use scoped_futures::{ScopedBoxFuture, ScopedFutureExt};
 use uuid::Uuid;
 
-pub use batch::{BatchCounts, ClaimBatcher, ClaimBatching};
+pub use batch::{BatchCounts, BatchStatement, Batcher, Batching};
+pub use claims::{ClaimBatch, ClaimBatcher};
 pub use key::{IdempotencyKey, InvalidKey, MAX_LEN, MIN_LEN};
 
 /// What identifies a request beyond its key: a key reused for anything else is refused.
@@ -137,6 +139,17 @@ pub fn is_connection_loss(error: &DieselError) -> bool {
         }
         _ => false,
     }
+}
+
+/// `error` as a [`StoreError`]; if it says the connection was lost, `conn` is also marked so that
+/// the pool discards it rather than handing it to the next request, which a retry right after
+/// the loss would otherwise likely get back.
+fn lost_connection_discarded(conn: &mut AsyncPgConnection, error: DieselError) -> StoreError {
+    let error = StoreError::from(error);
+    if matches!(error, StoreError::ConnectionLost(_)) {
+        schema::pool::discard_on_return(conn);
+    }
+    error
 }
 
 /// How often and how patiently a transaction that hit a serialization failure or deadlock is
@@ -260,7 +273,9 @@ async fn claim_for(
     lock_timeout: Duration,
 ) -> Result<Option<(User, Claimed)>, StoreError> {
     let found = match (caller, batcher) {
-        (Caller::Token(digest), Some(batcher)) => batcher.claim(digest, key, request).await?,
+        (Caller::Token(digest), Some(batcher)) => {
+            batcher.claim(pool, policy, digest, key, request).await?
+        }
         _ => claim_alone(pool, policy, caller, key, request).await?,
     };
     let (user, decided) = match found {
@@ -397,7 +412,8 @@ macro_rules! key_columns {
     };
 }
 
-mod batch;
+// After `key_columns!`, which the claim batch statement uses.
+mod claims;
 
 /// The claim's one statement, for the user `caller` selects (`$1`). The key row if it exists (a
 /// replay, a mismatch or a resumption is decided from it without a lock); otherwise the key
@@ -453,8 +469,10 @@ enum Caller<'a> {
     Token(&'a [u8; 32]),
 }
 
+/// What a claim statement returns: the caller and the key row. Public only as the output of
+/// [`ClaimBatch`]; its fields stay private.
 #[derive(QueryableByName)]
-struct ClaimRow {
+pub struct ClaimRow {
     #[diesel(sql_type = BigInt)]
     caller_id: i64,
     #[diesel(sql_type = Timestamptz)]
@@ -725,11 +743,39 @@ where
         let mut conn = pool.get().await.map_err(StoreError::Unavailable)?;
         // The phase's work is decided; it becomes durable when this statement commits.
         crate::fault::crash_point(crash_point_name(lease.recovery_point, false));
-        let done = statement(&mut conn).await?.ok_or(StoreError::LockLost)?;
+        let done = statement(&mut conn)
+            .await
+            .map_err(|error| lost_connection_discarded(&mut conn, error))?
+            .ok_or(StoreError::LockLost)?;
         crate::fault::crash_point(crash_point_name(lease.recovery_point, true));
         Ok(done)
     })
     .await
+}
+
+/// An atomic phase sent through `batcher` together with other requests' same phase, or `alone`
+/// (an [`atomic_phase`]) when batching is off or the batch could not decide it. The batch
+/// statement fences every request as [`fence`] does; `None` for a request means its fence failed
+/// and nothing of it was written. The crash points fire as around [`atomic_phase`]'s statement.
+pub async fn batched_phase<S, T, Fut>(
+    batcher: &Arc<Batcher<S>>,
+    lease: &Lease,
+    item: impl FnOnce() -> S::Item,
+    alone: impl FnOnce() -> Fut,
+) -> Result<T, StoreError>
+where
+    S: BatchStatement<Output = Option<T>>,
+    Fut: Future<Output = Result<T, StoreError>>,
+{
+    if batcher.enabled() {
+        crate::fault::crash_point(crash_point_name(lease.recovery_point, false));
+        if let Some(decided) = batcher.submit(item()).await? {
+            let done = decided.ok_or(StoreError::LockLost)?;
+            crate::fault::crash_point(crash_point_name(lease.recovery_point, true));
+            return Ok(done);
+        }
+    }
+    alone().await
 }
 
 /// The crash points around the commit of the phase that starts at `point`.

@@ -10,7 +10,10 @@
 //! A retry with the same key re-enters the loop at the key's recovery point; a finished key
 //! replays the outcome stored by the last phase. This module decides *what* happens; the
 //! idempotency engine (`crate::idempotency`) guarantees it happens once, and the gRPC layer
-//! (`crate::grpc`) turns the result into a response.
+//! (`crate::grpc`) turns the result into a response. The three write phases go to the database
+//! batched with other requests' same phase (`batched`).
+
+mod batched;
 
 use std::{
     net::IpAddr,
@@ -40,8 +43,8 @@ use tracing::Instrument;
 use crate::{
     config::{IdempotencyConfig, Price},
     idempotency::{
-        self, Claim, ClaimBatcher, Claimed, IdempotencyKey, KeyMoved, Lease, RequestSignature,
-        RetryPolicy, StoreError, StoredResponse,
+        self, BatchCounts, Batcher, Claim, ClaimBatcher, Claimed, IdempotencyKey, KeyMoved, Lease,
+        RequestSignature, RetryPolicy, StoreError, StoredResponse,
     },
     metrics::metrics,
     payments::{ChargeError, ChargeRequest, StripeClient},
@@ -274,6 +277,10 @@ pub struct Rides {
     pool: Pool,
     /// Groups concurrent claims by token into shared statements.
     claims: Arc<ClaimBatcher>,
+    /// Group concurrent requests' write phases into shared statements, one batcher per phase.
+    new_rides: Arc<Batcher<batched::CreateRideRecords>>,
+    charges: Arc<Batcher<batched::RecordCharges>>,
+    receipts: Arc<Batcher<batched::StageReceipts>>,
     stripe: StripeClient,
     price: Price,
     idempotency: IdempotencyConfig,
@@ -289,7 +296,27 @@ impl Rides {
     ) -> Arc<Rides> {
         let retry = RetryPolicy::default();
         Arc::new(Rides {
-            claims: ClaimBatcher::new(pool.clone(), retry, idempotency.claim_batching),
+            claims: ClaimBatcher::for_claims(pool.clone(), retry, idempotency.claim_batching),
+            new_rides: Batcher::new(
+                batched::CreateRideRecords {
+                    price: price.clone(),
+                },
+                pool.clone(),
+                retry,
+                idempotency.phase_batching,
+            ),
+            charges: Batcher::new(
+                batched::RecordCharges,
+                pool.clone(),
+                retry,
+                idempotency.phase_batching,
+            ),
+            receipts: Batcher::new(
+                batched::StageReceipts,
+                pool.clone(),
+                retry,
+                idempotency.phase_batching,
+            ),
             pool,
             stripe,
             price,
@@ -305,6 +332,26 @@ impl Rides {
     /// The claim batcher, whose counts tell how many claims shared statements.
     pub fn claim_batcher(&self) -> &ClaimBatcher {
         &self.claims
+    }
+
+    /// How many requests' write phases shared statements: the three phases' counts, added up.
+    pub fn phase_batch_counts(&self) -> BatchCounts {
+        [
+            self.new_rides.counts(),
+            self.charges.counts(),
+            self.receipts.counts(),
+        ]
+        .into_iter()
+        .fold(
+            BatchCounts {
+                statements: 0,
+                items: 0,
+            },
+            |sum, counts| BatchCounts {
+                statements: sum.statements + counts.statements,
+                items: sum.items + counts.items,
+            },
+        )
     }
 
     /// Runs CreateRide to a final outcome or an error, claiming the key first. On any error that
@@ -453,8 +500,9 @@ impl Rides {
     }
 
     /// [`Rides::step`] with the ride the previous phase of this attempt left in `ride` (or `None`
-    /// to read it), leaving the ride there for the next phase.
-    async fn step_with(
+    /// to read it), leaving the ride there for the next phase. Public so that tests can run a
+    /// phase without its read.
+    pub async fn step_with(
         &self,
         lease: &mut Lease,
         request: &RideRequest,
@@ -551,10 +599,30 @@ impl Rides {
         request: &RideRequest,
     ) -> Result<Ride, StoreError> {
         let params = request.params;
-        let price = &self.price;
         let origin_ip = IpNet::from(request.origin_ip);
         let data = serde_json::to_value(params).unwrap_or_default();
-        let data = &data;
+        let new_ride = || batched::NewRide {
+            key_id: lease.key_id,
+            token: lease.token,
+            user_id: lease.user_id,
+            params,
+            data: data.clone(),
+            origin_ip,
+        };
+        idempotency::batched_phase(&self.new_rides, lease, new_ride, || {
+            self.create_ride_record_alone(lease, params, &data, origin_ip)
+        })
+        .await
+    }
+
+    async fn create_ride_record_alone(
+        &self,
+        lease: &Lease,
+        params: RideParams,
+        data: &serde_json::Value,
+        origin_ip: IpNet,
+    ) -> Result<Ride, StoreError> {
+        let price = &self.price;
         idempotency::atomic_phase(&self.pool, self.retry, lease, |conn| {
             prepared::<CreateRideRecord, _>(|q| {
                 q.bind::<BigInt, _>(lease.key_id)
@@ -631,20 +699,7 @@ impl Rides {
         match charged {
             Ok(intent) => {
                 crate::fault::crash_point("charge.after_success");
-                let ride_id = ride.id;
-                let intent_id = intent.id.as_str();
-                idempotency::atomic_phase(&self.pool, self.retry, lease, |conn| {
-                    prepared::<RecordCharge, _>(|q| {
-                        q.bind::<BigInt, _>(lease.key_id)
-                            .bind::<sql_types::Uuid, _>(lease.token)
-                            .bind::<Text, _>(intent_id)
-                            .bind::<BigInt, _>(ride_id)
-                    })
-                    .get_result::<KeyMoved>(conn)
-                    .map(OptionalExtension::optional)
-                    .scope_boxed()
-                })
-                .await?;
+                self.record_charge(lease, ride.id, &intent.id).await?;
                 Ok(Charged::Recorded(Ride {
                     stripe_charge_id: Some(intent.id),
                     ..ride
@@ -671,6 +726,37 @@ impl Rides {
         }
     }
 
+    /// The charge's atomic phase: the PaymentIntent id on the ride, and `charge_created`.
+    async fn record_charge(
+        &self,
+        lease: &Lease,
+        ride_id: i64,
+        intent_id: &str,
+    ) -> Result<(), StoreError> {
+        let charge_made = || batched::ChargeMade {
+            key_id: lease.key_id,
+            token: lease.token,
+            ride_id,
+            charge_id: intent_id.to_owned(),
+        };
+        idempotency::batched_phase(&self.charges, lease, charge_made, || async {
+            idempotency::atomic_phase(&self.pool, self.retry, lease, |conn| {
+                prepared::<RecordCharge, _>(|q| {
+                    q.bind::<BigInt, _>(lease.key_id)
+                        .bind::<sql_types::Uuid, _>(lease.token)
+                        .bind::<Text, _>(intent_id)
+                        .bind::<BigInt, _>(ride_id)
+                })
+                .get_result::<KeyMoved>(conn)
+                .map(OptionalExtension::optional)
+                .scope_boxed()
+            })
+            .await
+            .map(|_| ())
+        })
+        .await
+    }
+
     /// Whether an attempt at charging `ride` may be older than the provider's idempotency window.
     /// Every attempt happened after the ride was created, so a ride younger than the window (less
     /// a tenth, for clock skew) proves the provider still remembers the key.
@@ -694,20 +780,32 @@ impl Rides {
             message: PAYMENT_ACCEPTED.to_owned(),
         };
         let stored = outcome.to_stored()?;
+        let receipt_due = || batched::ReceiptDue {
+            key_id: lease.key_id,
+            token: lease.token,
+            job_args: job_args.clone(),
+            trace_context: trace_context.clone(),
+            response_code: stored.code,
+            response_body: stored.body.clone(),
+        };
         let (trace_context, job_args, stored) = (&trace_context, &job_args, &stored);
-        idempotency::atomic_phase(&self.pool, self.retry, lease, |conn| {
-            prepared::<StageReceipt, _>(|q| {
-                q.bind::<BigInt, _>(lease.key_id)
-                    .bind::<sql_types::Uuid, _>(lease.token)
-                    .bind::<Text, _>(SEND_RIDE_RECEIPT_JOB)
-                    .bind::<Jsonb, _>(job_args)
-                    .bind::<Jsonb, _>(trace_context)
-                    .bind::<Integer, _>(stored.code)
-                    .bind::<Jsonb, _>(&stored.body)
+        idempotency::batched_phase(&self.receipts, lease, receipt_due, || async {
+            idempotency::atomic_phase(&self.pool, self.retry, lease, |conn| {
+                prepared::<StageReceipt, _>(|q| {
+                    q.bind::<BigInt, _>(lease.key_id)
+                        .bind::<sql_types::Uuid, _>(lease.token)
+                        .bind::<Text, _>(SEND_RIDE_RECEIPT_JOB)
+                        .bind::<Jsonb, _>(job_args)
+                        .bind::<Jsonb, _>(trace_context)
+                        .bind::<Integer, _>(stored.code)
+                        .bind::<Jsonb, _>(&stored.body)
+                })
+                .get_result::<KeyMoved>(conn)
+                .map(OptionalExtension::optional)
+                .scope_boxed()
             })
-            .get_result::<KeyMoved>(conn)
-            .map(OptionalExtension::optional)
-            .scope_boxed()
+            .await
+            .map(|_| ())
         })
         .await?;
         Ok(outcome)

@@ -1,0 +1,169 @@
+//! Claims by API token, several per statement ([`super::batch`]).
+//!
+//! A user's claim is one statement, and for a replay that statement is nearly all the work the
+//! database does for the request, so it is the first statement worth batching. A batch of new
+//! keys is also one commit, so keys claimed together share one WAL flush.
+//!
+//! What each claim decides is what the one-claim statement decides, row for row: the same
+//! snapshot rules, the same `ON CONFLICT DO NOTHING` arbitration by the unique index. Two claims
+//! of the same key in one batch cannot both win: the key's row is inserted once, and only the
+//! claim whose lock token it carries gets it back; the other claim finds no row and looks again,
+//! as it would after losing to a concurrent statement. Keys are inserted in (user, key) order so
+//! that two batches that share keys wait for each other in one order and cannot deadlock.
+
+use std::{collections::HashMap, sync::Arc};
+
+use diesel::{
+    QueryableByName,
+    result::Error as DieselError,
+    sql_types::{Array, Bytea, Jsonb, Text},
+};
+use diesel_async::{AsyncPgConnection, RunQueryDsl};
+use schema::{
+    Pool,
+    models::User,
+    prepared::{Statement, prepared},
+};
+use uuid::Uuid;
+
+use super::{
+    BatchStatement, Batcher, Batching, Caller, ClaimRow, Found, IdempotencyKey, RequestSignature,
+    RetryPolicy, StoreError, claim_alone,
+};
+
+/// Sends concurrent claims by token to PostgreSQL together. One per process.
+pub type ClaimBatcher = Batcher<ClaimBatch>;
+
+/// The claim by token, batched: see the module documentation.
+pub struct ClaimBatch;
+
+/// One claim waiting for its batch.
+pub struct PendingClaim {
+    token_digest: [u8; 32],
+    key: String,
+    /// The lock token the key gets if this claim inserts it; also how the claim finds its row.
+    lock_token: Uuid,
+    request: RequestSignature,
+}
+
+impl Batcher<ClaimBatch> {
+    pub fn for_claims(pool: Pool, policy: RetryPolicy, batching: Batching) -> Arc<ClaimBatcher> {
+        Batcher::new(ClaimBatch, pool, policy, batching)
+    }
+
+    /// The claim statement's result for the owner of `token_digest`: the user and what was
+    /// found, or `None` as [`super::insert_or_read`] returns it.
+    pub(super) async fn claim(
+        self: &Arc<Self>,
+        pool: &Pool,
+        policy: RetryPolicy,
+        token_digest: &[u8; 32],
+        key: &IdempotencyKey,
+        request: &RequestSignature,
+    ) -> Result<Option<(User, Found)>, StoreError> {
+        if self.enabled() {
+            let lock_token = Uuid::new_v4();
+            let claim = PendingClaim {
+                token_digest: *token_digest,
+                key: key.as_str().to_owned(),
+                lock_token,
+                request: request.clone(),
+            };
+            if let Some(row) = self.submit(claim).await? {
+                return Ok(row.map(|row| row.into_found(lock_token)));
+            }
+        }
+        claim_alone(pool, policy, Caller::Token(token_digest), key, request).await
+    }
+}
+
+impl BatchStatement for ClaimBatch {
+    type Item = PendingClaim;
+    /// The claim's row, or `None` for an unknown token or a key that a concurrent claim inserted
+    /// first.
+    type Output = Option<Box<ClaimRow>>;
+    const NAME: &'static str = "claim";
+    /// A claim run again after a batch that did commit finds its key, locked by the lock token
+    /// the batch gave it: the same answer as two concurrent claims of one key, never a second key.
+    const REDO_AFTER_CONNECTION_LOSS: bool = true;
+
+    async fn run(
+        &self,
+        conn: &mut AsyncPgConnection,
+        batch: &[PendingClaim],
+    ) -> Result<Vec<Self::Output>, DieselError> {
+        let digests: Vec<&[u8]> = batch.iter().map(|c| c.token_digest.as_slice()).collect();
+        let keys: Vec<&str> = batch.iter().map(|c| c.key.as_str()).collect();
+        let lock_tokens: Vec<Uuid> = batch.iter().map(|c| c.lock_token).collect();
+        let methods: Vec<&str> = batch.iter().map(|c| c.request.method).collect();
+        let paths: Vec<&str> = batch.iter().map(|c| c.request.path).collect();
+        let params: Vec<&serde_json::Value> = batch.iter().map(|c| &c.request.params).collect();
+        let rows = prepared::<ClaimBatchByToken, _>(|q| {
+            q.bind::<Array<Bytea>, _>(&digests)
+                .bind::<Array<Text>, _>(&keys)
+                .bind::<Array<diesel::sql_types::Uuid>, _>(&lock_tokens)
+                .bind::<Array<Text>, _>(&methods)
+                .bind::<Array<Text>, _>(&paths)
+                .bind::<Array<Jsonb>, _>(&params)
+        })
+        .load::<BatchRow>(conn)
+        .await?;
+        let mut rows: HashMap<Uuid, Box<ClaimRow>> = rows
+            .into_iter()
+            .map(|row| (row.req, Box::new(row.claim)))
+            .collect();
+        Ok(batch
+            .iter()
+            .map(|claim| rows.remove(&claim.lock_token))
+            .collect())
+    }
+}
+
+#[derive(QueryableByName)]
+struct BatchRow {
+    /// The lock token of the claim this row answers.
+    #[diesel(sql_type = diesel::sql_types::Uuid)]
+    req: Uuid,
+    #[diesel(embed)]
+    claim: ClaimRow,
+}
+
+/// The claim statement ([`super::ClaimByToken`]) for arrays of claims, one element each: token
+/// digest, key, lock token, method, path, parameters. A claim is identified by its lock token
+/// (`req`), which is fresh per claim. Rows come back only for claims whose token matched a user,
+/// and for a new key only to the claim whose lock token the inserted row carries. The lookups
+/// are `LATERAL … LIMIT 1` so that the plan, which is generic once prepared and cannot know how
+/// many claims a batch holds, stays one index probe per claim instead of hashing whole tables.
+struct ClaimBatchByToken;
+
+impl Statement for ClaimBatchByToken {
+    const SQL: &'static str = concat!(
+        "WITH input AS (SELECT * FROM unnest($1::bytea[], $2::text[], $3::uuid[], $4::text[], \
+         $5::text[], $6::jsonb[]) AS i(digest, key, token, method, path, params)), \
+         caller AS (SELECT input.token AS req, input.key AS req_key, u.* FROM input \
+         CROSS JOIN LATERAL (SELECT id, created_at, email, stripe_customer_id, \
+         stripe_payment_method_id, api_token_digest FROM users \
+         WHERE users.api_token_digest = input.digest LIMIT 1) u), \
+         existing AS (SELECT caller.req AS found_req, k.* FROM caller \
+         CROSS JOIN LATERAL (SELECT ",
+        key_columns!(),
+        " FROM idempotency_keys WHERE user_id = caller.id \
+         AND idempotency_key = caller.req_key LIMIT 1) k), \
+         inserted AS (INSERT INTO idempotency_keys (user_id, idempotency_key, lock_token, \
+         request_method, request_path, request_params, recovery_point, locked_at) \
+         SELECT caller.id, input.key, input.token, input.method, input.path, input.params, \
+         'started', now() FROM caller JOIN input ON input.token = caller.req \
+         WHERE NOT EXISTS (SELECT FROM existing WHERE existing.found_req = caller.req) \
+         ORDER BY caller.id, input.key \
+         ON CONFLICT (user_id, idempotency_key) DO NOTHING RETURNING ",
+        key_columns!(""),
+        "), found AS (SELECT lock_token AS found_req, ",
+        key_columns!(""),
+        ", true AS inserted FROM inserted UNION ALL SELECT found_req, ",
+        key_columns!(""),
+        ", false FROM existing) \
+         SELECT caller.req, caller.id AS caller_id, caller.created_at AS caller_created_at, \
+         caller.email, caller.stripe_customer_id, caller.stripe_payment_method_id, \
+         caller.api_token_digest, found.* FROM caller JOIN found ON found.found_req = caller.req"
+    );
+}

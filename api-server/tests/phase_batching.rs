@@ -1,0 +1,404 @@
+//! CreateRide's write phases sent together (`rides::batched`) decide exactly what one-request
+//! phases decide: each key moves on, or its fence fails and nothing of it is written, while the
+//! rest of its batch commits; and a batch that fails is redone request by request.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::time::Duration;
+
+use api_server::{
+    idempotency::{BatchCounts, Lease},
+    rides::{CreateRideError, RideParams, RideRequest, Step},
+    testing::*,
+};
+use diesel::sql_types::BigInt;
+use diesel_async::RunQueryDsl;
+use schema::{RecoveryPoint, models::Ride};
+use tonic::Code;
+
+fn ride_params() -> RideParams {
+    RideParams::try_from(ride_request()).unwrap()
+}
+
+/// One connection for the server's pool and one batch in flight per phase, so that a test that
+/// holds the connection makes every phase it starts meanwhile queue for the same batch.
+async fn spawn_one_connection() -> TestApp {
+    TestApp::spawn_with(
+        fake_stripe::Config::default(),
+        &[
+            ("DATABASE_POOL_SIZE", "1"),
+            ("PHASE_BATCHES_IN_FLIGHT", "1"),
+            ("DATABASE_POOL_TIMEOUT_MS", "30000"),
+        ],
+    )
+    .await
+}
+
+/// Runs one phase for every lease at once, each given its key's ride as the attempt's previous
+/// phase would, while the server's only connection is held: the first phase to be ready takes a
+/// batch of its own and waits for the connection, and the others (given a second to make their
+/// charges) queue behind it and share the second statement.
+async fn step_together(
+    app: &TestApp,
+    leases: &mut [Lease],
+    request: &RideRequest,
+) -> Vec<Result<Step, CreateRideError>> {
+    step_together_beside(app, leases, request, async {}).await
+}
+
+/// [`step_together`], running `beside` alongside the phases.
+async fn step_together_beside(
+    app: &TestApp,
+    leases: &mut [Lease],
+    request: &RideRequest,
+    beside: impl Future<Output = ()>,
+) -> Vec<Result<Step, CreateRideError>> {
+    let rides = app.rides().await;
+    let mut current: Vec<Option<Ride>> = leases
+        .iter()
+        .map(|lease| {
+            rides
+                .iter()
+                .find(|ride| ride.idempotency_key_id == Some(lease.key_id))
+                .cloned()
+        })
+        .collect();
+    let held = app.rides.pool().get_owned().await.unwrap();
+    let steps = leases
+        .iter_mut()
+        .zip(&mut current)
+        .map(|(lease, ride)| app.rides.step_with(lease, request, ride));
+    let (results, (), ()) = futures_util::future::join3(
+        futures_util::future::join_all(steps),
+        async move {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            drop(held);
+        },
+        beside,
+    )
+    .await;
+    results
+}
+
+fn added(after: BatchCounts, before: BatchCounts) -> BatchCounts {
+    BatchCounts {
+        statements: after.statements - before.statements,
+        items: after.items - before.items,
+    }
+}
+
+/// Leases on `count` fresh keys of `user`, each run up to `point`.
+async fn leases_at(
+    app: &TestApp,
+    user: &TestUser,
+    request: &RideRequest,
+    count: usize,
+    point: RecoveryPoint,
+) -> Vec<(String, Lease)> {
+    let mut leases = Vec::new();
+    for _ in 0..count {
+        let key = new_key();
+        let mut lease = app.claim(user, &key, &request.params).await;
+        while lease.recovery_point != point {
+            app.rides.step(&mut lease, request).await.unwrap();
+        }
+        leases.push((key, lease));
+    }
+    leases
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_key_taken_over_inside_a_batch_writes_nothing_while_the_rest_of_the_batch_commits() {
+    let app = spawn_one_connection().await;
+    let user = app.create_user(GOOD_CARD).await;
+    let request = app.rides_request(&user, ride_params()).await;
+    for point in [
+        RecoveryPoint::Started,
+        RecoveryPoint::RideCreated,
+        RecoveryPoint::ChargeCreated,
+    ] {
+        let keyed = leases_at(&app, &user, &request, 5, point).await;
+        let (keys, mut leases): (Vec<String>, Vec<Lease>) = keyed.into_iter().unzip();
+        // Another attempt takes over the key of the third lease.
+        app.expire_lock(leases[2].key_id).await;
+        let takeover = app.claim(&user, &keys[2], &request.params).await;
+        let rides_before = app.rides().await;
+        let jobs_before = app.staged_jobs().await.len();
+        let counts_before = app.rides.phase_batch_counts();
+
+        let results = step_together(&app, &mut leases, &request).await;
+
+        assert_eq!(
+            added(app.rides.phase_batch_counts(), counts_before),
+            BatchCounts {
+                statements: 2,
+                items: 5
+            },
+            "at {point}: the first phase ran alone and the other four shared one statement"
+        );
+        for (index, result) in results.iter().enumerate() {
+            if index == 2 {
+                assert!(
+                    matches!(result, Err(CreateRideError::LockLost)),
+                    "at {point}: {result:?}"
+                );
+            } else {
+                assert!(result.is_ok(), "at {point}, lease {index}: {result:?}");
+            }
+        }
+        let expected_next = match point {
+            RecoveryPoint::Started => RecoveryPoint::RideCreated,
+            RecoveryPoint::RideCreated => RecoveryPoint::ChargeCreated,
+            _ => RecoveryPoint::Finished,
+        };
+        let rides = app.rides().await;
+        for (index, key) in keys.iter().enumerate() {
+            let row = app.key_row(&user, key).await.unwrap();
+            let ride = rides
+                .iter()
+                .find(|ride| ride.idempotency_key_id == Some(row.id));
+            if index == 2 {
+                assert_eq!(row.recovery_point, point, "the taken-over key did not move");
+                assert_eq!(row.lock_token, Some(takeover.token));
+                let ride_before = rides_before
+                    .iter()
+                    .find(|ride| ride.idempotency_key_id == Some(row.id));
+                assert_eq!(ride, ride_before, "its ride was neither made nor charged");
+            } else {
+                assert_eq!(row.recovery_point, expected_next, "key {index}");
+                assert!(ride.is_some(), "at {point}, key {index} has its ride");
+                if expected_next != RecoveryPoint::RideCreated {
+                    assert!(ride.unwrap().stripe_charge_id.is_some());
+                }
+            }
+        }
+        let jobs_added = app.staged_jobs().await.len() - jobs_before;
+        let expected_jobs = if point == RecoveryPoint::ChargeCreated {
+            4
+        } else {
+            0
+        };
+        assert_eq!(jobs_added, expected_jobs, "at {point}: one receipt per key");
+        if point == RecoveryPoint::Started {
+            assert_eq!(
+                app.audit_records().await.len(),
+                rides.len(),
+                "one audit record per ride"
+            );
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_batch_that_fails_is_redone_alone_and_only_the_request_at_fault_fails() {
+    let app = spawn_one_connection().await;
+    let user = app.create_user(GOOD_CARD).await;
+    let request = app.rides_request(&user, ride_params()).await;
+    let keyed = leases_at(&app, &user, &request, 4, RecoveryPoint::Started).await;
+    let (keys, mut leases): (Vec<String>, Vec<Lease>) = keyed.into_iter().unzip();
+    // The second key's ride already exists while its key still says `started`, as after a
+    // commit whose answer was lost: inserting its ride again breaks the one-ride-per-key index,
+    // which fails the whole statement it is in.
+    let mut done = leases[1].clone();
+    app.rides.step(&mut done, &request).await.unwrap();
+    let mut conn = app.pool.get().await.unwrap();
+    diesel::sql_query("UPDATE idempotency_keys SET recovery_point = 'started' WHERE id = $1")
+        .bind::<BigInt, _>(leases[1].key_id)
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    let counts_before = app.rides.phase_batch_counts();
+
+    let results = step_together(&app, &mut leases, &request).await;
+
+    assert!(
+        matches!(results[1], Err(CreateRideError::Internal(_))),
+        "{:?}",
+        results[1]
+    );
+    for index in [0, 2, 3] {
+        assert!(results[index].is_ok(), "{index}: {:?}", results[index]);
+        let row = app.key_row(&user, &keys[index]).await.unwrap();
+        assert_eq!(row.recovery_point, RecoveryPoint::RideCreated);
+    }
+    assert_eq!(
+        added(app.rides.phase_batch_counts(), counts_before),
+        BatchCounts {
+            statements: 1,
+            items: 1
+        },
+        "only the first request's own batch decided anything; the failed batch's were redone alone"
+    );
+    assert_eq!(app.rides().await.len(), 4, "one ride per key, none twice");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn concurrent_requests_share_phase_statements_and_each_key_is_charged_once() {
+    let app = TestApp::spawn_with(
+        fake_stripe::Config {
+            latency: Duration::from_millis(20),
+            ..Default::default()
+        },
+        &[
+            ("PHASE_BATCHES_IN_FLIGHT", "1"),
+            ("CLAIM_BATCHES_IN_FLIGHT", "1"),
+        ],
+    )
+    .await;
+    let user = app.create_user(GOOD_CARD).await;
+    let channel = app.channel().await;
+    let keys: Vec<String> = (0..24).map(|_| new_key()).collect();
+    // Every key twice at once: one attempt runs it, the other replays it or finds it in use.
+    let attempts: Vec<_> = keys
+        .iter()
+        .chain(&keys)
+        .map(|key| {
+            let mut client =
+                proto::v1::ride_service_client::RideServiceClient::new(channel.clone());
+            let request = authed(&user.token, Some(key), ride_request());
+            tokio::spawn(async move { client.create_ride(request).await })
+        })
+        .collect();
+    let mut succeeded = 0;
+    for result in futures_util::future::join_all(attempts).await {
+        match result.unwrap() {
+            Ok(_) => succeeded += 1,
+            Err(status) => assert_status(
+                &status,
+                Code::Aborted,
+                api_server::grpc::reason::IDEMPOTENCY_KEY_IN_USE,
+            ),
+        }
+    }
+    assert!(succeeded >= keys.len(), "every key succeeded at least once");
+    let counts = app.rides.phase_batch_counts();
+    assert_eq!(counts.items, 3 * keys.len() as u64, "three phases per key");
+    assert!(
+        counts.statements < counts.items,
+        "phases shared statements: {counts:?}"
+    );
+    assert_eq!(app.rides().await.len(), keys.len());
+    assert_eq!(app.audit_records().await.len(), keys.len());
+    assert_eq!(app.stripe.succeeded_charges(), keys.len());
+    assert_eq!(app.staged_jobs().await.len(), keys.len());
+    for key in &keys {
+        let row = app.key_row(&user, key).await.unwrap();
+        assert_eq!(row.recovery_point, RecoveryPoint::Finished);
+        let replay = app.create_ride(&user, key, ride_request()).await.unwrap();
+        assert!(replayed(&replay));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn with_phase_batching_off_every_phase_runs_alone_with_the_same_outcome() {
+    let app =
+        TestApp::spawn_with(fake_stripe::Config::default(), &[("PHASE_BATCH_SIZE", "1")]).await;
+    let user = app.create_user(GOOD_CARD).await;
+    let request = app.rides_request(&user, ride_params()).await;
+    let keyed = leases_at(&app, &user, &request, 2, RecoveryPoint::Finished).await;
+    // A lease that lost its key is fenced off by the one-request statement too.
+    let key = new_key();
+    let mut lost = app.claim(&user, &key, &request.params).await;
+    app.expire_lock(lost.key_id).await;
+    app.claim(&user, &key, &request.params).await;
+    assert!(matches!(
+        app.rides.step(&mut lost, &request).await,
+        Err(CreateRideError::LockLost)
+    ));
+
+    assert_eq!(
+        app.rides.phase_batch_counts(),
+        BatchCounts {
+            statements: 0,
+            items: 0
+        }
+    );
+    assert_eq!(app.rides().await.len(), keyed.len());
+    assert_eq!(app.staged_jobs().await.len(), keyed.len());
+    assert_eq!(app.stripe.succeeded_charges(), keyed.len());
+}
+
+/// A batch whose connection dies mid-statement may or may not have committed. Recording a charge
+/// or staging a receipt is safe to redo, so those requests redo their phase alone and succeed;
+/// creating the ride is not (a second ride for the key would be refused as an internal error),
+/// so those requests fail as retryable and a retry resumes from what the database holds.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_connection_lost_mid_batch_fails_the_ride_phase_as_retryable_and_redoes_the_charge_phase()
+{
+    use diesel_async::SimpleAsyncConnection;
+
+    let app = spawn_one_connection().await;
+    let user = app.create_user(GOOD_CARD).await;
+    let request = app.rides_request(&user, ride_params()).await;
+    for point in [RecoveryPoint::Started, RecoveryPoint::RideCreated] {
+        let keyed = leases_at(&app, &user, &request, 3, point).await;
+        let (keys, mut leases): (Vec<String>, Vec<Lease>) = keyed.into_iter().unzip();
+        // The second key's row is locked by another transaction, so the batch that carries the
+        // second and third phases waits inside its statement until its backend is terminated.
+        let mut locker = app.db.connect().await;
+        locker.batch_execute("BEGIN").await.unwrap();
+        diesel::sql_query("SELECT id FROM idempotency_keys WHERE id = $1 FOR UPDATE")
+            .bind::<BigInt, _>(leases[1].key_id)
+            .execute(&mut locker)
+            .await
+            .unwrap();
+        let terminate = async {
+            let mut watcher = app.db.connect().await;
+            #[derive(diesel::QueryableByName)]
+            struct Terminated {
+                #[diesel(sql_type = diesel::sql_types::Bool)]
+                done: bool,
+            }
+            for _ in 0..1000 {
+                let terminated: Vec<Terminated> = diesel::sql_query(
+                    "SELECT pg_terminate_backend(pid) AS done FROM pg_stat_activity \
+                     WHERE datname = current_database() AND wait_event_type = 'Lock'",
+                )
+                .load(&mut watcher)
+                .await
+                .unwrap();
+                if terminated.iter().any(|t| t.done) {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            locker.batch_execute("ROLLBACK").await.unwrap();
+        };
+
+        let results = step_together_beside(&app, &mut leases, &request, terminate).await;
+
+        assert!(results[0].is_ok(), "at {point}: {:?}", results[0]);
+        for index in [1, 2] {
+            let row = app.key_row(&user, &keys[index]).await.unwrap();
+            if point == RecoveryPoint::Started {
+                assert!(
+                    matches!(results[index], Err(CreateRideError::DatabaseUnavailable(_))),
+                    "at {point}, lease {index}: {:?}",
+                    results[index]
+                );
+                assert_eq!(row.recovery_point, RecoveryPoint::Started);
+                // A retry resumes where the database says the key is, on a live connection: the
+                // batch's dead one was discarded, not pooled again.
+                let mut retry = leases[index].clone();
+                app.rides.step(&mut retry, &request).await.unwrap();
+                assert_eq!(retry.recovery_point, RecoveryPoint::RideCreated);
+            } else {
+                assert!(
+                    results[index].is_ok(),
+                    "at {point}, lease {index}: {:?}",
+                    results[index]
+                );
+                assert_eq!(row.recovery_point, RecoveryPoint::ChargeCreated);
+            }
+        }
+    }
+    let rides = app.rides().await;
+    assert_eq!(rides.len(), 6, "one ride per key");
+    assert_eq!(
+        rides
+            .iter()
+            .filter(|ride| ride.stripe_charge_id.is_some())
+            .count(),
+        3,
+        "the keys that were at ride_created were charged and recorded once"
+    );
+}
