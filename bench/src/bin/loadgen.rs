@@ -263,16 +263,6 @@ async fn main() -> anyhow::Result<()> {
         let (name, pid) = spec.split_once('=').context("--cpu-pid takes NAME=PID")?;
         cpu_groups.push((name.to_owned(), vec![pid.parse()?]));
     }
-    let backends = database_backends(&args.database_url)
-        .await
-        .unwrap_or_default();
-    cpu_groups.push(("postgres (this db's backends)".to_owned(), backends));
-    cpu_groups.push((
-        "postgres (all processes)".to_owned(),
-        pids_named("postgres"),
-    ));
-    let cpu_before: Vec<u64> = cpu_groups.iter().map(|(_, pids)| cpu_ticks(pids)).collect();
-    let machine_before = machine_ticks();
 
     // The measured run.
     let started = Instant::now();
@@ -290,6 +280,24 @@ async fn main() -> anyhow::Result<()> {
         measure_from,
         deadline,
         remaining: args.requests.map(AtomicU64::new),
+    });
+    // CPU is counted over the measured window only, and the database's backends are listed
+    // when it opens: a freshly started api-server opens its pooled connections during the
+    // warm-up, so a list taken before it missed most of them.
+    let cpu_start = tokio::spawn({
+        let url = args.database_url.clone();
+        let mut cpu_groups = cpu_groups;
+        async move {
+            tokio::time::sleep_until(measure_from.into()).await;
+            let backends = database_backends(&url).await.unwrap_or_default();
+            cpu_groups.push(("postgres (this db's backends)".to_owned(), backends));
+            cpu_groups.push((
+                "postgres (all processes)".to_owned(),
+                pids_named("postgres"),
+            ));
+            let cpu_before: Vec<u64> = cpu_groups.iter().map(|(_, pids)| cpu_ticks(pids)).collect();
+            (cpu_groups, cpu_before, machine_ticks())
+        }
     });
     let mut seeded = seeded.into_iter();
     let mut tasks = Vec::new();
@@ -344,6 +352,7 @@ async fn main() -> anyhow::Result<()> {
     }
     let elapsed = Instant::now().saturating_duration_since(measure_from.min(Instant::now()));
     stop.store(true, Ordering::SeqCst);
+    let (cpu_groups, cpu_before, machine_before) = cpu_start.await?;
     let cpu_after: Vec<u64> = cpu_groups.iter().map(|(_, pids)| cpu_ticks(pids)).collect();
     let machine_after = machine_ticks();
     let wait_samples = waits.await?.unwrap_or_else(|error| {
