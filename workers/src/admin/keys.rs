@@ -270,7 +270,7 @@ fn key_details(
     }
 }
 
-/// The provider idempotency key the api-server derives from the key row (see `rides.rs`).
+/// The provider idempotency key the api-server derives from the key row (see `rides/mod.rs`).
 pub fn provider_idempotency_key(key_id: i64) -> String {
     format!("rocket-rides-{key_id}")
 }
