@@ -54,7 +54,8 @@ impl Default for Batching {
     /// Two batches in flight rather than four: at 32 clients replaying, larger batches cost
     /// PostgreSQL 0.61 instead of 0.73 cores and served 8 % more replays (11,349–11,808/s
     /// against 9,986–10,988/s), with no change for new keys or at 500 clients
-    /// (`docs/performance.md`, session 4).
+    /// (`docs/performance.md`, session 4). Measured for claims; the write phases use the same
+    /// defaults, measured only against no batching (run 13).
     fn default() -> Self {
         Batching {
             max_size: 32,
@@ -142,6 +143,16 @@ impl<S: BatchStatement> Batcher<S> {
             statements: AtomicU64::new(0),
             items: AtomicU64::new(0),
         })
+    }
+
+    /// The pool the batches run on, for a request that must run alone.
+    pub fn pool(&self) -> &Pool {
+        &self.pool
+    }
+
+    /// The retry policy the batches run with, for a request that must run alone.
+    pub fn policy(&self) -> RetryPolicy {
+        self.policy
     }
 
     /// False when every request is to be sent alone (`max_size` 1).

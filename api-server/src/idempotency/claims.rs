@@ -55,8 +55,6 @@ impl Batcher<ClaimBatch> {
     /// found, or `None` as [`super::insert_or_read`] returns it.
     pub(super) async fn claim(
         self: &Arc<Self>,
-        pool: &Pool,
-        policy: RetryPolicy,
         token_digest: &[u8; 32],
         key: &IdempotencyKey,
         request: &RequestSignature,
@@ -73,7 +71,14 @@ impl Batcher<ClaimBatch> {
                 return Ok(row.map(|row| row.into_found(lock_token)));
             }
         }
-        claim_alone(pool, policy, Caller::Token(token_digest), key, request).await
+        claim_alone(
+            self.pool(),
+            self.policy(),
+            Caller::Token(token_digest),
+            key,
+            request,
+        )
+        .await
     }
 }
 

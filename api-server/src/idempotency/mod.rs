@@ -273,9 +273,7 @@ async fn claim_for(
     lock_timeout: Duration,
 ) -> Result<Option<(User, Claimed)>, StoreError> {
     let found = match (caller, batcher) {
-        (Caller::Token(digest), Some(batcher)) => {
-            batcher.claim(pool, policy, digest, key, request).await?
-        }
+        (Caller::Token(digest), Some(batcher)) => batcher.claim(digest, key, request).await?,
         _ => claim_alone(pool, policy, caller, key, request).await?,
     };
     let (user, decided) = match found {
