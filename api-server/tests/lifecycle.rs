@@ -216,3 +216,36 @@ async fn the_binary_serves_metrics_logs_trace_ids_and_drains_on_sigterm() {
         assert!(!logs.contains(secret), "a secret reached the logs");
     }
 }
+
+/// A pooled connection whose server went away (a restart, a failover, `pg_terminate_backend`)
+/// while it sat idle is replaced when it is checked out, not handed to a request that then fails.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_pooled_connection_whose_backend_was_terminated_is_replaced_at_check_out() {
+    use diesel_async::RunQueryDsl;
+
+    let db = schema::testing::TestDatabase::new().await;
+    let pool = db.pool(1);
+    let mut conn = pool.get().await.unwrap();
+    diesel::sql_query("SELECT 1")
+        .execute(&mut *conn)
+        .await
+        .unwrap();
+    drop(conn);
+
+    let mut admin = db.connect().await;
+    diesel::sql_query(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+         WHERE datname = current_database() AND pid <> pg_backend_pid()",
+    )
+    .execute(&mut admin)
+    .await
+    .unwrap();
+    // Let the pooled connection's client read the end of its socket, as it would while idle.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    let mut conn = pool.get().await.unwrap();
+    diesel::sql_query("SELECT 1")
+        .execute(&mut *conn)
+        .await
+        .expect("the pool handed out a live connection");
+}
