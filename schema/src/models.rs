@@ -124,6 +124,13 @@ pub struct StagedJob {
     pub job_name: String,
     pub job_args: serde_json::Value,
     pub trace_context: serde_json::Value,
+    /// Publications the broker returned as unroutable or refused.
+    pub attempts: i32,
+    /// When a set-aside job is due again; `None` for a job never set aside.
+    pub next_attempt_at: Option<DateTime<Utc>>,
+    /// When the enqueuer gave up on the job and left it for a human.
+    pub parked_at: Option<DateTime<Utc>>,
+    pub last_error: Option<String>,
 }
 
 #[derive(Debug, Insertable)]

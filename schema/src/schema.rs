@@ -92,6 +92,10 @@ diesel::table! {
         job_name -> Text,
         job_args -> Jsonb,
         trace_context -> Jsonb,
+        attempts -> Int4,
+        next_attempt_at -> Nullable<Timestamptz>,
+        parked_at -> Nullable<Timestamptz>,
+        last_error -> Nullable<Text>,
     }
 }
 

@@ -30,10 +30,16 @@ pub struct Config {
 pub struct EnqueuerConfig {
     /// Jobs selected (and locked) per transaction.
     pub batch_size: i64,
-    /// The longest an idle enqueuer sleeps between polls (it wakes early on NOTIFY).
+    /// The longest an idle enqueuer sleeps between polls.
     pub idle_max: Duration,
     /// How long to wait for the broker to confirm a batch before treating it as lost.
     pub confirm_timeout: Duration,
+    /// Returned or refused publications after which a job is parked for a human.
+    pub max_attempts: i32,
+    /// Delay before a returned or refused job is tried again, doubled per attempt up to
+    /// `backoff_max`.
+    pub backoff_base: Duration,
+    pub backoff_max: Duration,
 }
 
 #[derive(Clone, Debug)]
@@ -169,6 +175,12 @@ impl Config {
                 batch_size: vars.positive("ENQUEUER_BATCH_SIZE", 1000)?,
                 idle_max: vars.millis("ENQUEUER_IDLE_MAX_MS", 250)?,
                 confirm_timeout: vars.millis("ENQUEUER_CONFIRM_TIMEOUT_MS", 30_000)?,
+                max_attempts: vars.positive("ENQUEUER_MAX_ATTEMPTS", 20)?,
+                // Zero would set a job aside only to select it again in the same pass.
+                backoff_base: Duration::from_millis(
+                    vars.positive("ENQUEUER_BACKOFF_BASE_MS", 1000)?,
+                ),
+                backoff_max: vars.millis("ENQUEUER_BACKOFF_MAX_MS", 300_000)?,
             },
             receipts: ReceiptsConfig {
                 smtp_url: vars.string("SMTP_URL", DEFAULT_SMTP_URL),
@@ -225,6 +237,9 @@ mod tests {
     fn defaults() {
         let config = Config::from_lookup(|_| None).unwrap();
         assert_eq!(config.enqueuer.batch_size, 1000);
+        assert_eq!(config.enqueuer.max_attempts, 20);
+        assert_eq!(config.enqueuer.backoff_base, Duration::from_millis(1000));
+        assert_eq!(config.enqueuer.backoff_max, Duration::from_secs(300));
         assert_eq!(config.receipts.prefetch, 16);
         assert_eq!(config.completer.batch_size, 100);
         assert_eq!(config.completer.max_attempts, 8);
@@ -241,6 +256,13 @@ mod tests {
         let config =
             Config::from_lookup(|name| (name == "ENQUEUER_BATCH_SIZE").then(|| "0".to_owned()));
         assert!(config.is_err());
+        let config = Config::from_lookup(|name| {
+            (name == "ENQUEUER_BACKOFF_BASE_MS").then(|| "0".to_owned())
+        });
+        assert!(
+            config.is_err(),
+            "a zero back-off would retry a returned job at once"
+        );
         let config =
             Config::from_lookup(|name| (name == "RECEIPTS_PREFETCH").then(|| "many".to_owned()));
         assert!(config.is_err());

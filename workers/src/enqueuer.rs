@@ -17,10 +17,27 @@
 //! batch was in flight, nothing is ever deleted that was not published. If the commit itself
 //! fails after the broker confirmed, the jobs are published again: delivery is at-least-once
 //! and consumers deduplicate.
+//!
+//! A returned or nacked job is *set aside* in the same transaction: its `attempts` go up and
+//! `next_attempt_at` moves to `ENQUEUER_BACKOFF_BASE_MS * 2^(attempts - 1)` from now, capped at
+//! `ENQUEUER_BACKOFF_MAX_MS`, and the select skips it until then. Without this the oldest
+//! `ENQUEUER_BATCH_SIZE` unroutable jobs (a job type deployed before its consumer) would fill every
+//! batch and stop the receipts behind them. After `ENQUEUER_MAX_ATTEMPTS` the job is *parked*
+//! (`parked_at`): never selected again until a human clears it (`workers admin backlog` lists it).
+//! Since every selected job is either deleted or set aside, each batch makes progress and a pass
+//! ends once fewer than a batch of jobs is due.
+//!
+//! Shutdown is checked between batches, never inside one: the batch in flight is confirmed and
+//! committed (or, unconfirmed, left staged) and the loop returns; the rest of the backlog is left
+//! for the next process. The enqueuer polls; it does not LISTEN (see the
+//! `drop_staged_jobs_notify` migration).
 
 use std::time::Duration;
 
-use diesel::{ExpressionMethods, QueryDsl, SelectableHelper};
+use diesel::{
+    BoolExpressionMethods, ExpressionMethods, QueryDsl, SelectableHelper,
+    sql_types::{Array, BigInt, Bool, Double, Integer, Text},
+};
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
 use lapin::{
     BasicProperties, Channel, Confirmation,
@@ -33,7 +50,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::{
     amqp::AmqpSession,
-    backoff::Backoff,
+    backoff::{Backoff, exponential},
     config::EnqueuerConfig,
     message::{ReceiptJobArgs, ReceiptMessage},
     shutdown,
@@ -62,6 +79,10 @@ pub struct EnqueueSummary {
     pub returned: u64,
     /// Negatively confirmed by the broker; left staged.
     pub nacked: u64,
+    /// Returned or nacked jobs given a back-off (`next_attempt_at`); the drain went on past them.
+    pub set_aside: u64,
+    /// Returned or nacked jobs that reached `ENQUEUER_MAX_ATTEMPTS` and now wait for a human.
+    pub parked: u64,
 }
 
 impl EnqueueSummary {
@@ -70,6 +91,8 @@ impl EnqueueSummary {
         self.published += other.published;
         self.returned += other.returned;
         self.nacked += other.nacked;
+        self.set_aside += other.set_aside;
+        self.parked += other.parked;
     }
 }
 
@@ -100,11 +123,18 @@ impl Enqueuer {
         }
     }
 
-    /// One pass: drains batches until the table is empty or a batch made no progress (every
-    /// job returned or nacked, which another batch right away would only repeat). A broker
-    /// failure ends the pass with an error after the confirmed part was committed; the next call
-    /// reconnects.
+    /// One pass: drains batches until no more jobs are due (set-aside and parked jobs are not).
+    /// A broker failure ends the pass with an error after the confirmed part was committed; the
+    /// next call reconnects.
     pub async fn run_once(&mut self) -> Result<EnqueueSummary, EnqueueError> {
+        self.run_pass(&CancellationToken::new()).await
+    }
+
+    /// [`Enqueuer::run_once`], but `stop` ends the pass after the batch in flight.
+    pub async fn run_pass(
+        &mut self,
+        stop: &CancellationToken,
+    ) -> Result<EnqueueSummary, EnqueueError> {
         let mut total = EnqueueSummary::default();
         loop {
             let outcome = self.drain_batch().await?;
@@ -115,7 +145,14 @@ impl Enqueuer {
                 return Err(error);
             }
             let limit = usize::try_from(self.config.batch_size).unwrap_or(usize::MAX);
-            if outcome.selected < limit || outcome.summary.published == 0 {
+            let stopping = stop.is_cancelled();
+            if stopping && outcome.selected == limit {
+                tracing::info!(
+                    published = total.published,
+                    "shutdown requested: batch finished, the rest stays staged"
+                );
+            }
+            if outcome.selected < limit || stopping {
                 if let Ok(mut conn) = self.pool.get().await {
                     crate::metrics::observe_backlog(&mut conn).await;
                 }
@@ -124,16 +161,17 @@ impl Enqueuer {
         }
     }
 
-    /// Runs passes until `shutdown` is cancelled. A pass in progress is finished first, so a
-    /// batch is never cut between publishing and deleting. An idle enqueuer polls, backing off up
-    /// to `idle_max`. (It does not LISTEN: a NOTIFY per staged job would serialise every
-    /// CreateRide's commit across the database; see the `drop_staged_jobs_notify` migration.)
+    /// Runs passes until `shutdown` is cancelled. The batch in progress is finished first, so a
+    /// batch is never cut between publishing and deleting, but the backlog behind it is not. An
+    /// idle enqueuer polls, backing off up to `idle_max`. (It does not LISTEN: a NOTIFY per staged
+    /// job would serialise every CreateRide's commit across the database; see the
+    /// `drop_staged_jobs_notify` migration.)
     pub async fn run(mut self, shutdown_token: CancellationToken) -> EnqueueSummary {
         let mut total = EnqueueSummary::default();
         let mut idle = Backoff::new(Duration::from_millis(50), self.config.idle_max);
         let mut failing = Backoff::new(Duration::from_millis(200), Duration::from_secs(30));
         while !shutdown_token.is_cancelled() {
-            match self.run_once().await {
+            match self.run_pass(&shutdown_token).await {
                 Ok(summary) => {
                     failing.reset();
                     total.add(&summary);
@@ -183,14 +221,11 @@ impl Enqueuer {
 
     async fn drain_batch(&mut self) -> Result<BatchOutcome, EnqueueError> {
         let channel = self.channel().await?;
-        let batch_size = self.config.batch_size;
         let exchange = self.topology.exchange.clone();
-        let confirm_timeout = self.config.confirm_timeout;
+        let config = &self.config;
         let mut conn = self.pool.get().await?;
         let outcome = conn
-            .transaction(async |conn| {
-                batch_in(conn, &channel, &exchange, batch_size, confirm_timeout).await
-            })
+            .transaction(async |conn| batch_in(conn, &channel, &exchange, config).await)
             .await?;
         if outcome.error.is_some()
             && let Some(session) = self.session.take()
@@ -201,17 +236,23 @@ impl Enqueuer {
     }
 }
 
-/// One batch inside its transaction: select and lock, publish, delete what was confirmed.
+/// One batch inside its transaction: select and lock the due jobs, publish, delete what was
+/// confirmed and set aside what came back.
 async fn batch_in(
     conn: &mut AsyncPgConnection,
     channel: &Channel,
     exchange: &str,
-    batch_size: i64,
-    confirm_timeout: Duration,
+    config: &EnqueuerConfig,
 ) -> Result<BatchOutcome, EnqueueError> {
     let jobs: Vec<StagedJob> = staged_jobs::table
+        .filter(staged_jobs::parked_at.is_null())
+        .filter(
+            staged_jobs::next_attempt_at
+                .is_null()
+                .or(staged_jobs::next_attempt_at.le(diesel::dsl::now)),
+        )
         .order(staged_jobs::id)
-        .limit(batch_size)
+        .limit(config.batch_size)
         .for_update()
         .skip_locked()
         .select(StagedJob::as_select())
@@ -225,12 +266,14 @@ async fn batch_in(
             error: None,
         });
     }
-    let published = publish_all(channel, exchange, &jobs, confirm_timeout).await;
+    let published = publish_all(channel, exchange, &jobs, config.confirm_timeout).await;
     if !published.confirmed.is_empty() {
         diesel::delete(staged_jobs::table.filter(staged_jobs::id.eq_any(&published.confirmed)))
             .execute(conn)
             .await?;
     }
+    let parked = set_aside(conn, &jobs, &published.refused, config).await?;
+    let refused = published.refused.len() as u64;
     Ok(BatchOutcome {
         selected,
         summary: EnqueueSummary {
@@ -238,13 +281,73 @@ async fn batch_in(
             published: published.confirmed.len() as u64,
             returned: published.returned,
             nacked: published.nacked,
+            set_aside: refused - parked,
+            parked,
         },
         error: published.error,
     })
 }
 
+/// Gives every returned or nacked job of the batch its next attempt time, or parks it once it
+/// has had `max_attempts`, in one statement. Returns how many were parked.
+async fn set_aside(
+    conn: &mut AsyncPgConnection,
+    jobs: &[StagedJob],
+    refused: &[(i64, String)],
+    config: &EnqueuerConfig,
+) -> Result<u64, EnqueueError> {
+    if refused.is_empty() {
+        return Ok(0);
+    }
+    let mut ids = Vec::with_capacity(refused.len());
+    let mut attempts = Vec::with_capacity(refused.len());
+    let mut delays = Vec::with_capacity(refused.len());
+    let mut park = Vec::with_capacity(refused.len());
+    let mut errors = Vec::with_capacity(refused.len());
+    for (id, error) in refused {
+        let before = jobs
+            .iter()
+            .find(|job| job.id == *id)
+            .map_or(0, |job| job.attempts);
+        let now = before.saturating_add(1);
+        let exponent = u32::try_from(now - 1).unwrap_or(0);
+        ids.push(*id);
+        attempts.push(now);
+        delays.push(exponential(config.backoff_base, exponent, config.backoff_max).as_secs_f64());
+        park.push(now >= config.max_attempts);
+        errors.push(error.chars().take(2000).collect::<String>());
+    }
+    diesel::sql_query(
+        "UPDATE staged_jobs AS job SET attempts = refused.attempts, \
+         next_attempt_at = CASE WHEN refused.park THEN NULL \
+             ELSE now() + make_interval(secs => refused.delay) END, \
+         parked_at = CASE WHEN refused.park THEN now() END, \
+         last_error = refused.error \
+         FROM unnest($1, $2, $3, $4, $5) AS refused(id, attempts, delay, park, error) \
+         WHERE job.id = refused.id",
+    )
+    .bind::<Array<BigInt>, _>(&ids)
+    .bind::<Array<Integer>, _>(&attempts)
+    .bind::<Array<Double>, _>(&delays)
+    .bind::<Array<Bool>, _>(&park)
+    .bind::<Array<Text>, _>(&errors)
+    .execute(conn)
+    .await?;
+    let parked = park.iter().filter(|parked| **parked).count() as u64;
+    if parked > 0 {
+        tracing::error!(
+            parked,
+            max_attempts = config.max_attempts,
+            "staged jobs parked for a human after every attempt came back"
+        );
+    }
+    Ok(parked)
+}
+
 struct Published {
     confirmed: Vec<i64>,
+    /// Returned or nacked, with why: these are set aside.
+    refused: Vec<(i64, String)>,
     returned: u64,
     nacked: u64,
     error: Option<EnqueueError>,
@@ -260,6 +363,7 @@ async fn publish_all(
 ) -> Published {
     let mut published = Published {
         confirmed: Vec::with_capacity(jobs.len()),
+        refused: Vec::new(),
         returned: 0,
         nacked: 0,
         error: None,
@@ -298,17 +402,26 @@ async fn publish_all(
                     job_id,
                     reply_code = returned.reply_code,
                     reply_text = %returned.reply_text,
-                    "job returned as unroutable; it stays staged"
+                    "job returned as unroutable; it stays staged, set aside"
                 );
+                let reason = format!("returned {} {}", returned.reply_code, returned.reply_text);
+                published.refused.push((job_id, reason));
             }
             Ok(Ok(Confirmation::Nack(_))) => {
                 published.nacked += 1;
-                tracing::warn!(job_id, "broker refused job; it stays staged");
+                tracing::warn!(job_id, "broker refused job; it stays staged, set aside");
+                published
+                    .refused
+                    .push((job_id, "nacked by the broker".to_owned()));
             }
             Ok(Ok(Confirmation::NotRequested)) => {
                 // Cannot happen on a confirm-mode channel; without a confirm nothing is known.
                 published.nacked += 1;
-                tracing::error!(job_id, "publish was not confirmed; it stays staged");
+                tracing::error!(
+                    job_id,
+                    "publish was not confirmed; it stays staged, set aside"
+                );
+                published.refused.push((job_id, "not confirmed".to_owned()));
             }
             Ok(Err(error)) => {
                 if published.error.is_none() {
@@ -328,7 +441,7 @@ async fn publish_all(
 /// The routing key and body of a job. Receipt jobs become the versioned [`ReceiptMessage`].
 /// Receipt args that do not fit it are published as they are, so that the consumer rejects them
 /// into the dead-letter queue where a human sees them, instead of blocking the drain. Unknown
-/// job names are routed by name: with no queue bound they are returned and stay staged.
+/// job names are routed by name: with no queue bound they are returned and set aside.
 fn encode(job: &StagedJob) -> (String, Vec<u8>) {
     if job.job_name == SEND_RIDE_RECEIPT_JOB {
         let body = serde_json::from_value::<ReceiptJobArgs>(job.job_args.clone())

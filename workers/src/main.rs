@@ -118,7 +118,10 @@ async fn run(cli: Cli, shutdown: tokio_util::sync::CancellationToken) -> anyhow:
         Command::Enqueuer(Once { once }) => {
             let mut enqueuer = Enqueuer::new(pool(), amqp_url, topology, config.enqueuer.clone());
             if once {
-                serde_json::to_value(enqueuer.run_once().await.context("enqueuer pass failed")?)?
+                // Drains until nothing is due, as a CronJob wants; SIGTERM (a deadline, a node
+                // drain) still ends it after the batch in flight.
+                let summary = enqueuer.run_pass(&shutdown).await;
+                serde_json::to_value(summary.context("enqueuer pass failed")?)?
             } else {
                 let total = enqueuer.run(shutdown).await;
                 tracing::info!(?total, "enqueuer stopped");

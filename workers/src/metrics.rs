@@ -21,6 +21,8 @@ struct Instruments {
     enqueued: Counter<u64>,
     backlog: Gauge<u64>,
     backlog_oldest_age: Gauge<f64>,
+    set_aside: Gauge<u64>,
+    parked: Gauge<u64>,
     receipts: Counter<u64>,
     completer: Counter<u64>,
     needing_attention: Gauge<u64>,
@@ -41,7 +43,15 @@ static INSTRUMENTS: LazyLock<Instruments> = LazyLock::new(|| {
         backlog_oldest_age: meter
             .f64_gauge("rides.staged_jobs.oldest_age")
             .with_unit("s")
-            .with_description("Age of the oldest staged job")
+            .with_description("Age of the oldest staged job that is neither set aside nor parked")
+            .build(),
+        set_aside: meter
+            .u64_gauge("rides.staged_jobs.set_aside")
+            .with_description("Staged jobs the broker returned or refused, waiting out a back-off")
+            .build(),
+        parked: meter
+            .u64_gauge("rides.staged_jobs.parked")
+            .with_description("Staged jobs the enqueuer gave up on, waiting for a human")
             .build(),
         receipts: meter
             .u64_counter("rides.receipts.messages")
@@ -73,6 +83,8 @@ pub fn record_enqueue(summary: &EnqueueSummary) {
     add(counter, "published", summary.published);
     add(counter, "returned", summary.returned);
     add(counter, "nacked", summary.nacked);
+    add(counter, "set_aside", summary.set_aside);
+    add(counter, "parked", summary.parked);
 }
 
 pub fn record_receipts(summary: &ReceiptSummary) {
@@ -106,13 +118,23 @@ struct Backlog {
     jobs: i64,
     #[diesel(sql_type = Double)]
     oldest_age_secs: f64,
+    #[diesel(sql_type = BigInt)]
+    set_aside: i64,
+    #[diesel(sql_type = BigInt)]
+    parked: i64,
 }
 
 /// Refreshes the staged-job backlog gauges. A failure only leaves the last values in place.
+/// The oldest age leaves out set-aside and parked jobs, which have their own gauges: one parked
+/// job must not keep the backlog-age alert firing, nor hide a stalled drain behind it.
 pub async fn observe_backlog(conn: &mut AsyncPgConnection) {
     let backlog = diesel::sql_query(
         "SELECT count(*) AS jobs, \
-         COALESCE(EXTRACT(EPOCH FROM now() - min(created_at)), 0)::float8 AS oldest_age_secs \
+         COALESCE(EXTRACT(EPOCH FROM now() - min(created_at) \
+             FILTER (WHERE next_attempt_at IS NULL AND parked_at IS NULL)), 0)::float8 \
+             AS oldest_age_secs, \
+         count(*) FILTER (WHERE next_attempt_at IS NOT NULL AND parked_at IS NULL) AS set_aside, \
+         count(*) FILTER (WHERE parked_at IS NOT NULL) AS parked \
          FROM staged_jobs",
     )
     .get_result::<Backlog>(conn)
@@ -124,6 +146,12 @@ pub async fn observe_backlog(conn: &mut AsyncPgConnection) {
         INSTRUMENTS
             .backlog_oldest_age
             .record(backlog.oldest_age_secs, &[]);
+        INSTRUMENTS
+            .set_aside
+            .record(u64::try_from(backlog.set_aside).unwrap_or(0), &[]);
+        INSTRUMENTS
+            .parked
+            .record(u64::try_from(backlog.parked).unwrap_or(0), &[]);
     }
 }
 

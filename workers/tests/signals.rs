@@ -1,5 +1,6 @@
-//! SIGTERM to the real `workers` binaries: the enqueuer finishes its batch and loses no job; the
-//! receipt worker stops consuming, finishes what is in flight, and loses no receipt.
+//! SIGTERM to the real `workers` binaries: the enqueuer finishes its batch, not its backlog, and
+//! loses no job; the receipt worker stops consuming, finishes what is in flight, and loses no
+//! receipt.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 #[path = "fleet/common.rs"]
@@ -69,7 +70,11 @@ async fn sigterm_stops_the_enqueuer_between_batches_without_losing_a_job() {
     let db = schema::testing::TestDatabase::new().await;
     let pool = db.pool(2);
     let broker = TestBroker::new().await;
-    let all: HashSet<i64> = common::stage_jobs(&pool, 3_000).await.into_iter().collect();
+    // A backlog of 200 batches: SIGTERM must end the batch in flight, not drain all of them.
+    let all: HashSet<i64> = common::stage_jobs(&pool, 20_000)
+        .await
+        .into_iter()
+        .collect();
     let child = spawn_worker(
         "enqueuer",
         db.url(),
@@ -85,6 +90,10 @@ async fn sigterm_stops_the_enqueuer_between_batches_without_losing_a_job() {
     terminate(child).await;
 
     let staged: HashSet<i64> = common::staged_ids(&pool).await.into_iter().collect();
+    assert!(
+        !staged.is_empty(),
+        "the enqueuer drained the whole backlog after SIGTERM"
+    );
     let queued: Vec<i64> = broker
         .take_all(&broker.topology.receipts_queue)
         .await

@@ -3,7 +3,7 @@
 use chrono::{DateTime, Utc};
 use diesel::{
     QueryableByName,
-    sql_types::{BigInt, Text, Timestamptz},
+    sql_types::{BigInt, Integer, Nullable, Text, Timestamptz},
 };
 use diesel_async::RunQueryDsl;
 use schema::Pool;
@@ -17,6 +17,9 @@ pub struct Backlog {
     pub now: DateTime<Utc>,
     /// Staged jobs the enqueuer has not published yet, per job name.
     pub staged_jobs: Vec<StagedBacklog>,
+    /// The part of `staged_jobs` the broker returned or refused: waiting out a back-off
+    /// (`set_aside`) or given up on until a human clears `parked_at` (`parked`).
+    pub held_jobs: Vec<HeldBacklog>,
     /// Unresolved `keys_needing_attention` rows.
     pub keys_needing_attention: i64,
     /// The receipts and dead-letter queues; empty when the broker could not be asked.
@@ -35,6 +38,27 @@ pub struct StagedBacklog {
     pub oldest_created_at: DateTime<Utc>,
 }
 
+#[derive(Clone, Debug, Serialize, QueryableByName)]
+pub struct HeldBacklog {
+    #[diesel(sql_type = Text)]
+    pub job_name: String,
+    /// `set_aside` or `parked`.
+    #[diesel(sql_type = Text)]
+    pub state: String,
+    #[diesel(sql_type = BigInt)]
+    pub count: i64,
+    #[diesel(sql_type = Timestamptz)]
+    pub oldest_created_at: DateTime<Utc>,
+    /// The oldest such job, to look at.
+    #[diesel(sql_type = BigInt)]
+    pub oldest_id: i64,
+    #[diesel(sql_type = Integer)]
+    pub max_attempts: i32,
+    /// What the broker said about the oldest one.
+    #[diesel(sql_type = Nullable<Text>)]
+    pub last_error: Option<String>,
+}
+
 /// Database part first: when RabbitMQ is down the staged backlog is exactly what an operator
 /// needs to see, so a broker failure is reported next to it rather than hiding it.
 pub async fn backlog(
@@ -43,7 +67,7 @@ pub async fn backlog(
     topology: &Topology,
 ) -> Result<Backlog, AdminError> {
     let mut conn = pool.get().await?;
-    let (now, staged_jobs, keys_needing_attention) = conn
+    let (now, staged_jobs, held_jobs, keys_needing_attention) = conn
         .build_transaction()
         .read_committed()
         .read_only()
@@ -53,6 +77,17 @@ pub async fn backlog(
             let staged: Vec<StagedBacklog> = diesel::sql_query(
                 "SELECT job_name, count(*) AS count, min(created_at) AS oldest_created_at \
                  FROM staged_jobs GROUP BY job_name ORDER BY job_name",
+            )
+            .load(conn)
+            .await?;
+            let held: Vec<HeldBacklog> = diesel::sql_query(
+                "SELECT job_name, \
+                     CASE WHEN parked_at IS NULL THEN 'set_aside' ELSE 'parked' END AS state, \
+                     count(*) AS count, min(created_at) AS oldest_created_at, \
+                     min(id) AS oldest_id, max(attempts) AS max_attempts, \
+                     (array_agg(last_error ORDER BY id))[1] AS last_error \
+                 FROM staged_jobs WHERE next_attempt_at IS NOT NULL OR parked_at IS NOT NULL \
+                 GROUP BY 1, 2 ORDER BY 1, 2",
             )
             .load(conn)
             .await?;
@@ -66,7 +101,7 @@ pub async fn backlog(
             )
             .get_result(conn)
             .await?;
-            Ok::<_, AdminError>((now, staged, attention.count))
+            Ok::<_, AdminError>((now, staged, held, attention.count))
         })
         .await?;
     drop(conn);
@@ -77,6 +112,7 @@ pub async fn backlog(
     Ok(Backlog {
         now,
         staged_jobs,
+        held_jobs,
         keys_needing_attention,
         queues,
         queues_error,

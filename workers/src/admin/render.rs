@@ -390,6 +390,26 @@ pub fn backlog(backlog: &Backlog) -> String {
             );
         }
     }
+    if !backlog.held_jobs.is_empty() {
+        let _ = writeln!(
+            out,
+            "Staged jobs the broker returned or refused (set_aside: retried after a back-off; \
+             parked: waiting for a human)"
+        );
+        for held in &backlog.held_jobs {
+            let _ = writeln!(
+                out,
+                "  {:<24}{:<10}{:>8} oldest {} (job {}, {} attempt(s)): {}",
+                held.job_name,
+                held.state,
+                held.count,
+                relative(held.oldest_created_at, now),
+                held.oldest_id,
+                held.max_attempts,
+                held.last_error.as_deref().unwrap_or("-")
+            );
+        }
+    }
     let _ = writeln!(out, "Queues");
     for queue in &backlog.queues {
         let _ = writeln!(

@@ -157,6 +157,9 @@ pub fn enqueuer_config(batch_size: i64) -> EnqueuerConfig {
         batch_size,
         idle_max: Duration::from_millis(100),
         confirm_timeout: Duration::from_secs(20),
+        max_attempts: 20,
+        backoff_base: Duration::from_secs(1),
+        backoff_max: Duration::from_secs(300),
     }
 }
 
