@@ -7,6 +7,10 @@
 //! endpoint with the shape of Mailpit's `GET /api/v1/search?query=message-id:<id>` (see
 //! [`crate::relay_search`]). With a directory, mails stored by an earlier run are loaded at start,
 //! so a restarted sink still answers for them.
+//!
+//! What it keeps in memory is bounded ([`Retention`]): beyond a count or a total size of mails,
+//! the oldest are dropped from memory (their `.eml` files stay), so a long run or a flood cannot
+//! grow it without bound. A dropped mail is no longer found by the search.
 
 use std::{
     collections::VecDeque,
@@ -71,8 +75,26 @@ impl ReceivedMail {
     }
 }
 
+/// How much the sink keeps in memory; the oldest mails are dropped first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Retention {
+    pub max_mails: usize,
+    /// The sum of the kept mails' `data` lengths.
+    pub max_bytes: usize,
+}
+
+impl Default for Retention {
+    fn default() -> Retention {
+        Retention {
+            max_mails: 10_000,
+            max_bytes: 64 * 1024 * 1024,
+        }
+    }
+}
+
 #[derive(Default)]
 struct State {
+    retention: Retention,
     mails: Mutex<Vec<ReceivedMail>>,
     /// Reply codes for the next messages' end of DATA, front first.
     failures: Mutex<VecDeque<u16>>,
@@ -84,6 +106,22 @@ struct State {
 impl State {
     fn mails(&self) -> std::sync::MutexGuard<'_, Vec<ReceivedMail>> {
         self.mails.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Keeps `mail`, dropping the oldest mails beyond the retention limits.
+    fn keep(&self, mail: ReceivedMail) {
+        let mut mails = self.mails();
+        mails.push(mail);
+        let mut bytes: usize = mails.iter().map(|mail| mail.data.len()).sum();
+        let mut dropped = 0;
+        while dropped < mails.len()
+            && (mails.len() - dropped > self.retention.max_mails
+                || bytes > self.retention.max_bytes)
+        {
+            bytes -= mails[dropped].data.len();
+            dropped += 1;
+        }
+        mails.drain(..dropped);
     }
 
     fn next_failure(&self) -> Option<u16> {
@@ -102,17 +140,31 @@ pub struct MailSink {
 }
 
 impl MailSink {
-    /// Binds `listen` (port 0 picks a free port) and serves in a background task.
+    /// Binds `listen` (port 0 picks a free port) and serves in a background task, keeping
+    /// [`Retention::default`] in memory.
     pub async fn spawn(listen: SocketAddr, dir: Option<PathBuf>) -> std::io::Result<MailSink> {
+        MailSink::spawn_with(listen, dir, Retention::default()).await
+    }
+
+    /// [`MailSink::spawn`], keeping at most `retention` in memory.
+    pub async fn spawn_with(
+        listen: SocketAddr,
+        dir: Option<PathBuf>,
+        retention: Retention,
+    ) -> std::io::Result<MailSink> {
         let listener = TcpListener::bind(listen).await?;
         let addr = listener.local_addr()?;
         if let Some(dir) = &dir {
             tokio::fs::create_dir_all(dir).await?;
         }
-        let state = Arc::new(State::default());
+        let state = Arc::new(State {
+            retention,
+            ..State::default()
+        });
         if let Some(dir) = &dir {
-            let stored = load(dir).await?;
-            state.mails().extend(stored);
+            for mail in load(dir).await? {
+                state.keep(mail);
+            }
         }
         let stop = CancellationToken::new();
         tokio::spawn(serve(listener, Arc::clone(&state), dir, stop.clone()));
@@ -424,7 +476,7 @@ async fn session(stream: TcpStream, state: &State, dir: Option<&Path>) -> std::i
                         if let Some(dir) = dir {
                             store(dir, &mail).await?;
                         }
-                        state.mails().push(mail);
+                        state.keep(mail);
                         state.received.notify_waiters();
                         b"250 2.0.0 queued\r\n"
                     }
