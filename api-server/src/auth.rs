@@ -172,6 +172,31 @@ mod tests {
         assert!(!is_internal_token("", internal));
     }
 
+    #[tokio::test]
+    async fn create_user_takes_one_plain_address_only() {
+        // Refused before any connection is needed: this pool has no database behind it.
+        let pool = schema::build_pool(
+            "postgres://postgres@127.0.0.1:1/none",
+            1,
+            std::time::Duration::from_millis(100),
+            schema::PlanCache::Auto,
+        );
+        for email in [
+            "a@b.c\r\nBcc: x@y.z",
+            "Name <a@b.c>",
+            "a@b.c, d@e.f",
+            "a@b.c\n",
+            "no-at-sign",
+        ] {
+            match create_user(&pool, email, "cus_1", "pm_1").await {
+                Err(CreateUserError::Invalid(message)) => {
+                    assert!(message.contains("one plain address"), "{message}");
+                }
+                other => panic!("{email:?} was not refused as invalid: {other:?}"),
+            }
+        }
+    }
+
     #[test]
     fn only_generated_tokens_are_token_shaped() {
         assert!(is_token_shaped(&generate_token()));

@@ -576,6 +576,38 @@ mod tests {
         assert_eq!(data, "Subject: x\r\n\r\n.leading dot\r\nplain");
     }
 
+    fn mail(data: &str) -> ReceivedMail {
+        ReceivedMail {
+            mail_from: String::new(),
+            rcpt_to: vec![],
+            data: data.into(),
+        }
+    }
+
+    fn kept(state: &State) -> Vec<String> {
+        state.mails().iter().map(|mail| mail.data.clone()).collect()
+    }
+
+    #[test]
+    fn keeps_at_most_its_retention_dropping_the_oldest() {
+        let state = State {
+            retention: Retention {
+                max_mails: 2,
+                max_bytes: 10,
+            },
+            ..State::default()
+        };
+        state.keep(mail("aaa"));
+        state.keep(mail("bbb"));
+        state.keep(mail("ccc"));
+        assert_eq!(kept(&state), ["bbb", "ccc"], "by count");
+        state.keep(mail("dddddddd"));
+        assert_eq!(kept(&state), ["dddddddd"], "by bytes");
+        // A mail larger than the byte limit is not kept at all.
+        state.keep(mail("eeeeeeeeeee"));
+        assert!(kept(&state).is_empty());
+    }
+
     #[test]
     fn reads_headers() {
         let mail = ReceivedMail {
