@@ -10,7 +10,8 @@
 //!
 //! What it keeps in memory is bounded ([`Retention`]): beyond a count or a total size of mails,
 //! the oldest are dropped from memory (their `.eml` files stay), so a long run or a flood cannot
-//! grow it without bound. A dropped mail is no longer found by the search.
+//! grow it without bound. A dropped mail is no longer found by the search, so the defaults are
+//! sized for the benchmark's ~100,000 receipts of a few KB, and a search follows its send closely.
 
 use std::{
     collections::VecDeque,
@@ -75,6 +76,21 @@ impl ReceivedMail {
     }
 }
 
+/// The mails kept in memory, oldest first, and the sum of their `data` lengths.
+#[derive(Default)]
+struct Kept {
+    mails: VecDeque<ReceivedMail>,
+    bytes: usize,
+}
+
+impl std::ops::Deref for Kept {
+    type Target = VecDeque<ReceivedMail>;
+
+    fn deref(&self) -> &VecDeque<ReceivedMail> {
+        &self.mails
+    }
+}
+
 /// How much the sink keeps in memory; the oldest mails are dropped first.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Retention {
@@ -86,8 +102,8 @@ pub struct Retention {
 impl Default for Retention {
     fn default() -> Retention {
         Retention {
-            max_mails: 10_000,
-            max_bytes: 64 * 1024 * 1024,
+            max_mails: 100_000,
+            max_bytes: 256 * 1024 * 1024,
         }
     }
 }
@@ -95,7 +111,7 @@ impl Default for Retention {
 #[derive(Default)]
 struct State {
     retention: Retention,
-    mails: Mutex<Vec<ReceivedMail>>,
+    mails: Mutex<Kept>,
     /// Reply codes for the next messages' end of DATA, front first.
     failures: Mutex<VecDeque<u16>>,
     /// How many of the next searches answer 503.
@@ -104,24 +120,21 @@ struct State {
 }
 
 impl State {
-    fn mails(&self) -> std::sync::MutexGuard<'_, Vec<ReceivedMail>> {
+    fn mails(&self) -> std::sync::MutexGuard<'_, Kept> {
         self.mails.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Keeps `mail`, dropping the oldest mails beyond the retention limits.
     fn keep(&self, mail: ReceivedMail) {
-        let mut mails = self.mails();
-        mails.push(mail);
-        let mut bytes: usize = mails.iter().map(|mail| mail.data.len()).sum();
-        let mut dropped = 0;
-        while dropped < mails.len()
-            && (mails.len() - dropped > self.retention.max_mails
-                || bytes > self.retention.max_bytes)
-        {
-            bytes -= mails[dropped].data.len();
-            dropped += 1;
+        let mut kept = self.mails();
+        kept.bytes += mail.data.len();
+        kept.mails.push_back(mail);
+        while kept.mails.len() > self.retention.max_mails || kept.bytes > self.retention.max_bytes {
+            let Some(oldest) = kept.mails.pop_front() else {
+                break;
+            };
+            kept.bytes -= oldest.data.len();
         }
-        mails.drain(..dropped);
     }
 
     fn next_failure(&self) -> Option<u16> {
@@ -182,7 +195,7 @@ impl MailSink {
 
     /// Everything received so far, in order.
     pub fn received(&self) -> Vec<ReceivedMail> {
-        self.state.mails().clone()
+        self.state.mails().iter().cloned().collect()
     }
 
     /// Answers the end of DATA of the next `count` messages with `code` (a 4xx is a temporary
