@@ -17,12 +17,25 @@ use subtle::ConstantTimeEq;
 use crate::idempotency::StoreError;
 
 const TOKEN_PREFIX: &str = "rr_";
+/// 32 random bytes in unpadded base64url.
+const TOKEN_BODY_LEN: usize = 43;
 
 /// A freshly generated token: its only copy outside the caller's hands is its digest.
 pub fn generate_token() -> String {
     let mut bytes = [0_u8; 32];
     rand::rng().fill_bytes(&mut bytes);
     format!("{TOKEN_PREFIX}{}", URL_SAFE_NO_PAD.encode(bytes))
+}
+
+/// Whether `token` has the shape of a token [`generate_token`] makes: anything else is refused
+/// without a database lookup.
+pub fn is_token_shaped(token: &str) -> bool {
+    token.strip_prefix(TOKEN_PREFIX).is_some_and(|body| {
+        body.len() == TOKEN_BODY_LEN
+            && body
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+    })
 }
 
 pub fn token_digest(token: &str) -> [u8; 32] {
@@ -92,8 +105,11 @@ pub async fn create_user(
     stripe_customer_id: &str,
     stripe_payment_method_id: &str,
 ) -> Result<(User, String), CreateUserError> {
-    if email.len() < 3 || email.len() > 255 || !email.contains('@') {
-        return Err(CreateUserError::Invalid("email must look like an address"));
+    // One bare address: no display name, no list, no CR/LF (receipts put it in a header).
+    if email.len() > 255 || email.parse::<lettre::Address>().is_err() {
+        return Err(CreateUserError::Invalid(
+            "email must be one plain address such as rider@example.com (no display name, no list)",
+        ));
     }
     for (value, what) in [
         (
@@ -154,6 +170,43 @@ mod tests {
             internal
         ));
         assert!(!is_internal_token("", internal));
+    }
+
+    #[tokio::test]
+    async fn create_user_takes_one_plain_address_only() {
+        // Refused before any connection is needed: this pool has no database behind it.
+        let pool = schema::build_pool(
+            "postgres://postgres@127.0.0.1:1/none",
+            1,
+            std::time::Duration::from_millis(100),
+            schema::PlanCache::Auto,
+        );
+        for email in [
+            "a@b.c\r\nBcc: x@y.z",
+            "Name <a@b.c>",
+            "a@b.c, d@e.f",
+            "a@b.c\n",
+            "no-at-sign",
+        ] {
+            match create_user(&pool, email, "cus_1", "pm_1").await {
+                Err(CreateUserError::Invalid(message)) => {
+                    assert!(message.contains("one plain address"), "{message}");
+                }
+                other => panic!("{email:?} was not refused as invalid: {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn only_generated_tokens_are_token_shaped() {
+        assert!(is_token_shaped(&generate_token()));
+        let body = "A".repeat(TOKEN_BODY_LEN);
+        assert!(is_token_shaped(&format!("rr_{body}")));
+        assert!(!is_token_shaped(&format!("rr_{body}A")));
+        assert!(!is_token_shaped(&format!("xx_{body}")));
+        assert!(!is_token_shaped(&format!("rr_{}=", &body[1..])));
+        assert!(!is_token_shaped("internal-test-token-0123456789abcdef"));
+        assert!(!is_token_shaped(""));
     }
 
     #[test]

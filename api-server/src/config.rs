@@ -5,7 +5,10 @@ use std::{fmt, net::SocketAddr, str::FromStr, time::Duration};
 
 pub use telemetry::Secret;
 
-use crate::idempotency::Batching;
+use crate::{
+    idempotency::Batching,
+    limits::{LimitsConfig, Rate},
+};
 
 #[derive(Clone, Debug)]
 pub struct Config {
@@ -18,6 +21,8 @@ pub struct Config {
     /// disables on-behalf-of calls entirely.
     pub internal_api_token: Option<Secret>,
     pub serving: ServingConfig,
+    /// Per-user limits of this process (see `crate::limits`).
+    pub limits: LimitsConfig,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -154,6 +159,7 @@ impl Config {
                 ),
                 drain_delay: Duration::from_millis(vars.parse("SHUTDOWN_DRAIN_DELAY_MS", 0)?),
             },
+            limits: limits(&vars)?,
             internal_api_token: lookup("INTERNAL_API_TOKEN")
                 .filter(|token| !token.is_empty())
                 .map(Secret::new),
@@ -184,6 +190,37 @@ impl Config {
         }
         Ok(config)
     }
+}
+
+fn limits(vars: &Vars<'_>) -> Result<LimitsConfig, ConfigError> {
+    let rate = |per_sec: &'static str, burst: &'static str, default: f64| {
+        let rate = Rate {
+            per_sec: vars.parse(per_sec, default)?,
+            burst: vars.parse(burst, default * 2.0)?,
+        };
+        if !(rate.per_sec.is_finite() && rate.per_sec > 0.0) {
+            return Err(ConfigError::Invalid {
+                name: per_sec,
+                reason: "must be a positive number of calls per second".into(),
+            });
+        }
+        if !(rate.burst.is_finite() && rate.burst >= 1.0) {
+            return Err(ConfigError::Invalid {
+                name: burst,
+                reason: "must be at least 1".into(),
+            });
+        }
+        Ok(rate)
+    };
+    Ok(LimitsConfig {
+        create: rate("RATE_LIMIT_CREATE_PER_SEC", "RATE_LIMIT_CREATE_BURST", 50.0)?,
+        get: rate("RATE_LIMIT_GET_PER_SEC", "RATE_LIMIT_GET_BURST", 200.0)?,
+        max_concurrent_creates: vars.parse("MAX_CONCURRENT_CREATES_PER_USER", 16)?,
+        decline_budget: vars.parse("DECLINE_BUDGET_PER_10_MIN", 20)?,
+        max_tracked_callers: vars.parse("RATE_LIMIT_MAX_TRACKED_USERS", 100_000)?,
+        unknown_token_ttl: Duration::from_millis(vars.parse("UNKNOWN_TOKEN_CACHE_TTL_MS", 60_000)?),
+        unknown_token_capacity: vars.parse("UNKNOWN_TOKEN_CACHE_SIZE", 10_000)?,
+    })
 }
 
 struct Vars<'a>(&'a dyn Fn(&str) -> Option<String>);
@@ -251,6 +288,24 @@ mod tests {
                 currency: "usd".into()
             }
         );
+        assert_eq!(
+            config.limits,
+            LimitsConfig {
+                create: Rate {
+                    per_sec: 50.0,
+                    burst: 100.0
+                },
+                get: Rate {
+                    per_sec: 200.0,
+                    burst: 400.0
+                },
+                max_concurrent_creates: 16,
+                decline_budget: 20,
+                max_tracked_callers: 100_000,
+                unknown_token_ttl: Duration::from_secs(60),
+                unknown_token_capacity: 10_000,
+            }
+        );
     }
 
     #[test]
@@ -262,6 +317,14 @@ mod tests {
             (vec![("RIDE_PRICE_CURRENCY", "USD")], "RIDE_PRICE_CURRENCY"),
             (vec![("GRPC_LISTEN_ADDR", "nowhere")], "GRPC_LISTEN_ADDR"),
             (vec![("INTERNAL_API_TOKEN", "short")], "INTERNAL_API_TOKEN"),
+            (
+                vec![("RATE_LIMIT_CREATE_PER_SEC", "0")],
+                "RATE_LIMIT_CREATE_PER_SEC",
+            ),
+            (
+                vec![("RATE_LIMIT_GET_BURST", "0.5")],
+                "RATE_LIMIT_GET_BURST",
+            ),
             (
                 vec![
                     ("IDEMPOTENCY_LOCK_TIMEOUT_SECS", "10"),

@@ -7,6 +7,7 @@
 //! - [`idempotency`]: the engine underneath: key claims, fenced atomic phases, retries.
 //! - [`payments`]: the Stripe client and its error classification.
 //! - [`auth`]: API tokens, stored as digests.
+//! - [`limits`]: per-user rate limits and the bad-token cache, decided before the database.
 //! - [`config`]: typed configuration, read once from the environment.
 //! - [`fault`]: crash points for the reliability campaign (feature `fault-injection` only).
 
@@ -15,6 +16,7 @@ pub mod config;
 pub mod fault;
 pub mod grpc;
 pub mod idempotency;
+pub mod limits;
 pub mod metrics;
 pub mod payments;
 pub mod rides;
@@ -25,6 +27,7 @@ pub mod testing;
 use std::sync::Arc;
 
 use config::{Config, Secret, ServingConfig};
+use limits::LimitsConfig;
 use payments::StripeClient;
 use rides::Rides;
 
@@ -34,6 +37,7 @@ pub struct App {
     pub rides: Arc<Rides>,
     pub internal_api_token: Option<Secret>,
     pub serving: ServingConfig,
+    pub limits: LimitsConfig,
     /// Reports pool usage while the app lives.
     _pool_gauge: opentelemetry::metrics::ObservableGauge<u64>,
 }
@@ -55,6 +59,7 @@ impl App {
             rides: Rides::new(pool, stripe, config.price.clone(), config.idempotency),
             internal_api_token: config.internal_api_token.clone(),
             serving: config.serving,
+            limits: config.limits,
         })
     }
 }

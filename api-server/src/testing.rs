@@ -31,6 +31,16 @@ pub const GOOD_CARD: &str = "pm_card_visa";
 /// The completer's credential in every TestApp.
 pub const INTERNAL_API_TOKEN: &str = "internal-test-token-0123456789abcdef";
 
+/// The per-user limits every TestApp starts with: high enough never to refuse a test's calls.
+pub const UNLIMITED: &[(&str, &str)] = &[
+    ("RATE_LIMIT_CREATE_PER_SEC", "1000000"),
+    ("RATE_LIMIT_CREATE_BURST", "1000000"),
+    ("RATE_LIMIT_GET_PER_SEC", "1000000"),
+    ("RATE_LIMIT_GET_BURST", "1000000"),
+    ("MAX_CONCURRENT_CREATES_PER_USER", "1000000"),
+    ("DECLINE_BUDGET_PER_10_MIN", "1000000"),
+];
+
 pub struct TestApp {
     pub db: TestDatabase,
     pub pool: Pool,
@@ -54,7 +64,9 @@ impl TestApp {
         TestApp::spawn_with(fake_stripe::Config::default(), &[]).await
     }
 
-    /// `overrides` are extra environment variables for the server's configuration.
+    /// `overrides` are extra environment variables for the server's configuration. The per-user
+    /// limits are lifted (see [`UNLIMITED`]) unless an override sets them: tests create many rides
+    /// quickly for one user.
     pub async fn spawn_with(
         stripe_config: fake_stripe::Config,
         overrides: &[(&str, &str)],
@@ -72,6 +84,9 @@ impl TestApp {
                 INTERNAL_API_TOKEN.to_owned(),
             ),
         ]);
+        for (name, value) in UNLIMITED {
+            vars.insert((*name).to_owned(), (*value).to_owned());
+        }
         for (name, value) in overrides {
             vars.insert((*name).to_owned(), (*value).to_owned());
         }

@@ -59,10 +59,11 @@ async fn health_is_not_serving_while_the_database_is_unreachable() {
         wait_for_health(&channel, ServingStatus::NotServing).await,
         ServingStatus::NotServing
     );
-    // And a call says why, with a hint to retry.
+    // And a call says why, with a hint to retry. (A token of the right shape: any other is
+    // refused without the database.)
     let user = TestUser {
         id: 0,
-        token: "rr_whatever".into(),
+        token: format!("rr_{}", "A".repeat(43)),
     };
     let status = app
         .create_ride(&user, &new_key(), ride_request())

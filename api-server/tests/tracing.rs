@@ -129,3 +129,78 @@ async fn one_trace_covers_the_request_its_phases_the_charge_and_the_staged_recei
         "{traceparent}"
     );
 }
+
+/// The server spans of the RPC `method` captured so far, waiting a moment for the exporter.
+async fn server_spans(captured: &CapturedSpans, method: &str, at_least: usize) -> Vec<SpanData> {
+    let name = format!("rides.v1.RideService/{method}");
+    for _ in 0..100 {
+        let spans: Vec<SpanData> = captured
+            .spans()
+            .into_iter()
+            .filter(|span| span.name == name)
+            .collect();
+        if spans.len() >= at_least {
+            return spans;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("fewer than {at_least} {name} spans");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn only_an_authenticated_caller_chooses_the_trace() {
+    const STRANGER_TRACE: &str = "5bf92f3577b34da6a3ce929d0e0e4737";
+    const RIDER_TRACE: &str = "6bf92f3577b34da6a3ce929d0e0e4738";
+    let captured = CapturedSpans::install();
+    let app = TestApp::spawn().await;
+    let user = app.create_user(GOOD_CARD).await;
+    let traced = |token: &str, trace: &str| {
+        let mut request = authed(token, None, proto::v1::GetRideRequest { id: 1 });
+        request.metadata_mut().insert(
+            "traceparent",
+            format!("00-{trace}-{CALLER_SPAN_ID}-01").parse().unwrap(),
+        );
+        request
+    };
+    let mut client = app.client().await;
+
+    // A bad token: its call is a root of a new trace, only linked to the caller's context.
+    let status = client
+        .get_ride(traced("rr_not-a-real-token", STRANGER_TRACE))
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), tonic::Code::Unauthenticated);
+    let spans = server_spans(&captured, "GetRide", 1).await;
+    assert_eq!(spans.len(), 1);
+    let stranger = &spans[0];
+    assert_ne!(stranger.span_context.trace_id().to_string(), STRANGER_TRACE);
+    assert_eq!(
+        stranger.parent_span_id,
+        opentelemetry::trace::SpanId::INVALID
+    );
+    let links: Vec<String> = stranger
+        .links
+        .iter()
+        .map(|link| link.span_context.trace_id().to_string())
+        .collect();
+    assert_eq!(links, [STRANGER_TRACE]);
+    assert!(
+        captured
+            .spans()
+            .iter()
+            .all(|span| span.span_context.trace_id().to_string() != STRANGER_TRACE)
+    );
+
+    // An authenticated caller's call continues its trace.
+    let status = client
+        .get_ride(traced(&user.token, RIDER_TRACE))
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), tonic::Code::NotFound);
+    let spans = server_spans(&captured, "GetRide", 2).await;
+    let rider = spans
+        .iter()
+        .find(|span| span.span_context.trace_id().to_string() == RIDER_TRACE)
+        .unwrap_or_else(|| panic!("the rider's trace was not continued: {spans:#?}"));
+    assert_eq!(rider.parent_span_id.to_string(), CALLER_SPAN_ID);
+}

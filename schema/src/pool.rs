@@ -90,7 +90,23 @@ pub fn build_pool(
         // future is discarded on return already (`has_broken`).
         .test_on_check_out(true)
         .connection_customizer(Box::new(SessionDefaults { plans }))
+        .error_sink(Box::new(LogConnectionErrors))
         .build_unchecked(manager)
+}
+
+/// Logs why a connection could not be opened (refused, authentication failed, TLS): a request
+/// that then times out waiting for the pool only learns that it timed out.
+#[derive(Clone, Copy, Debug)]
+struct LogConnectionErrors;
+
+impl bb8::ErrorSink<ManagerError> for LogConnectionErrors {
+    fn sink(&self, error: ManagerError) {
+        tracing::error!(error = %telemetry::error_chain(&error), "cannot open a database connection");
+    }
+
+    fn boxed_clone(&self) -> Box<dyn bb8::ErrorSink<ManagerError>> {
+        Box::new(*self)
+    }
 }
 
 /// Makes READ COMMITTED the isolation level of every transaction that does not name its own, on

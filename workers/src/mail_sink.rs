@@ -7,6 +7,11 @@
 //! endpoint with the shape of Mailpit's `GET /api/v1/search?query=message-id:<id>` (see
 //! [`crate::relay_search`]). With a directory, mails stored by an earlier run are loaded at start,
 //! so a restarted sink still answers for them.
+//!
+//! What it keeps in memory is bounded ([`Retention`]): beyond a count or a total size of mails,
+//! the oldest are dropped from memory (their `.eml` files stay), so a long run or a flood cannot
+//! grow it without bound. A dropped mail is no longer found by the search, so the defaults are
+//! sized for the benchmark's ~100,000 receipts of a few KB, and a search follows its send closely.
 
 use std::{
     collections::VecDeque,
@@ -71,9 +76,42 @@ impl ReceivedMail {
     }
 }
 
+/// The mails kept in memory, oldest first, and the sum of their `data` lengths.
+#[derive(Default)]
+struct Kept {
+    mails: VecDeque<ReceivedMail>,
+    bytes: usize,
+}
+
+impl std::ops::Deref for Kept {
+    type Target = VecDeque<ReceivedMail>;
+
+    fn deref(&self) -> &VecDeque<ReceivedMail> {
+        &self.mails
+    }
+}
+
+/// How much the sink keeps in memory; the oldest mails are dropped first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Retention {
+    pub max_mails: usize,
+    /// The sum of the kept mails' `data` lengths.
+    pub max_bytes: usize,
+}
+
+impl Default for Retention {
+    fn default() -> Retention {
+        Retention {
+            max_mails: 100_000,
+            max_bytes: 256 * 1024 * 1024,
+        }
+    }
+}
+
 #[derive(Default)]
 struct State {
-    mails: Mutex<Vec<ReceivedMail>>,
+    retention: Retention,
+    mails: Mutex<Kept>,
     /// Reply codes for the next messages' end of DATA, front first.
     failures: Mutex<VecDeque<u16>>,
     /// How many of the next searches answer 503.
@@ -82,8 +120,21 @@ struct State {
 }
 
 impl State {
-    fn mails(&self) -> std::sync::MutexGuard<'_, Vec<ReceivedMail>> {
+    fn mails(&self) -> std::sync::MutexGuard<'_, Kept> {
         self.mails.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Keeps `mail`, dropping the oldest mails beyond the retention limits.
+    fn keep(&self, mail: ReceivedMail) {
+        let mut kept = self.mails();
+        kept.bytes += mail.data.len();
+        kept.mails.push_back(mail);
+        while kept.mails.len() > self.retention.max_mails || kept.bytes > self.retention.max_bytes {
+            let Some(oldest) = kept.mails.pop_front() else {
+                break;
+            };
+            kept.bytes -= oldest.data.len();
+        }
     }
 
     fn next_failure(&self) -> Option<u16> {
@@ -102,17 +153,31 @@ pub struct MailSink {
 }
 
 impl MailSink {
-    /// Binds `listen` (port 0 picks a free port) and serves in a background task.
+    /// Binds `listen` (port 0 picks a free port) and serves in a background task, keeping
+    /// [`Retention::default`] in memory.
     pub async fn spawn(listen: SocketAddr, dir: Option<PathBuf>) -> std::io::Result<MailSink> {
+        MailSink::spawn_with(listen, dir, Retention::default()).await
+    }
+
+    /// [`MailSink::spawn`], keeping at most `retention` in memory.
+    pub async fn spawn_with(
+        listen: SocketAddr,
+        dir: Option<PathBuf>,
+        retention: Retention,
+    ) -> std::io::Result<MailSink> {
         let listener = TcpListener::bind(listen).await?;
         let addr = listener.local_addr()?;
         if let Some(dir) = &dir {
             tokio::fs::create_dir_all(dir).await?;
         }
-        let state = Arc::new(State::default());
+        let state = Arc::new(State {
+            retention,
+            ..State::default()
+        });
         if let Some(dir) = &dir {
-            let stored = load(dir).await?;
-            state.mails().extend(stored);
+            for mail in load(dir).await? {
+                state.keep(mail);
+            }
         }
         let stop = CancellationToken::new();
         tokio::spawn(serve(listener, Arc::clone(&state), dir, stop.clone()));
@@ -130,7 +195,7 @@ impl MailSink {
 
     /// Everything received so far, in order.
     pub fn received(&self) -> Vec<ReceivedMail> {
-        self.state.mails().clone()
+        self.state.mails().iter().cloned().collect()
     }
 
     /// Answers the end of DATA of the next `count` messages with `code` (a 4xx is a temporary
@@ -424,7 +489,7 @@ async fn session(stream: TcpStream, state: &State, dir: Option<&Path>) -> std::i
                         if let Some(dir) = dir {
                             store(dir, &mail).await?;
                         }
-                        state.mails().push(mail);
+                        state.keep(mail);
                         state.received.notify_waiters();
                         b"250 2.0.0 queued\r\n"
                     }
@@ -522,6 +587,38 @@ mod tests {
         let mut reader = BufReader::new(&input[..]);
         let data = read_data(&mut reader).await.unwrap().unwrap();
         assert_eq!(data, "Subject: x\r\n\r\n.leading dot\r\nplain");
+    }
+
+    fn mail(data: &str) -> ReceivedMail {
+        ReceivedMail {
+            mail_from: String::new(),
+            rcpt_to: vec![],
+            data: data.into(),
+        }
+    }
+
+    fn kept(state: &State) -> Vec<String> {
+        state.mails().iter().map(|mail| mail.data.clone()).collect()
+    }
+
+    #[test]
+    fn keeps_at_most_its_retention_dropping_the_oldest() {
+        let state = State {
+            retention: Retention {
+                max_mails: 2,
+                max_bytes: 10,
+            },
+            ..State::default()
+        };
+        state.keep(mail("aaa"));
+        state.keep(mail("bbb"));
+        state.keep(mail("ccc"));
+        assert_eq!(kept(&state), ["bbb", "ccc"], "by count");
+        state.keep(mail("dddddddd"));
+        assert_eq!(kept(&state), ["dddddddd"], "by bytes");
+        // A mail larger than the byte limit is not kept at all.
+        state.keep(mail("eeeeeeeeeee"));
+        assert!(kept(&state).is_empty());
     }
 
     #[test]

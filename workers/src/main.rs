@@ -29,12 +29,20 @@ enum Command {
     Completer(Once),
     /// Deletes expired idempotency keys, recording unfinished ones for a human.
     Reaper(Once),
-    /// A development SMTP server that stores every mail as an .eml file.
+    /// A development SMTP server that stores every mail as an .eml file. It keeps at most
+    /// --max-mails mails and --max-bytes bytes of them in memory (for its search), dropping the
+    /// oldest first; the .eml files stay.
     MailSink {
         #[arg(long, default_value = "127.0.0.1:2525")]
         listen: SocketAddr,
         #[arg(long)]
         dir: PathBuf,
+        /// Most mails kept in memory; the oldest are dropped first.
+        #[arg(long, default_value_t = workers::mail_sink::Retention::default().max_mails)]
+        max_mails: usize,
+        /// Most bytes of mail kept in memory; the oldest mails are dropped first.
+        #[arg(long, default_value_t = workers::mail_sink::Retention::default().max_bytes)]
+        max_bytes: usize,
         /// Also serve the message search (Mailpit's `/api/v1/search`) here, for MAIL_SEARCH_URL.
         #[arg(long)]
         http_listen: Option<SocketAddr>,
@@ -188,9 +196,15 @@ async fn run(cli: Cli, shutdown: tokio_util::sync::CancellationToken) -> anyhow:
         Command::MailSink {
             listen,
             dir,
+            max_mails,
+            max_bytes,
             http_listen,
         } => {
-            let sink = MailSink::spawn(listen, Some(dir)).await?;
+            let retention = workers::mail_sink::Retention {
+                max_mails,
+                max_bytes,
+            };
+            let sink = MailSink::spawn_with(listen, Some(dir), retention).await?;
             tracing::info!(addr = %sink.addr(), "mail sink listening");
             if let Some(http_listen) = http_listen {
                 let url = sink.serve_search(http_listen).await?;

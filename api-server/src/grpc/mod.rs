@@ -11,6 +11,7 @@ use std::{
     time::Instant,
 };
 
+use opentelemetry::trace::TraceContextExt;
 use proto::v1::{
     CreateRideRequest, CreateRideResponse, GetRideRequest, Ride, ride_service_server::RideService,
 };
@@ -22,11 +23,13 @@ use tonic::{
     metadata::{MetadataMap, MetadataValue},
 };
 use tracing::{Instrument, Span, field};
+use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 use crate::{
     App, auth,
     config::Secret,
-    idempotency::IdempotencyKey,
+    idempotency::{self, IdempotencyKey},
+    limits::{Caller, CreatePermit, DigestCache, Limiter},
     metrics::metrics,
     rides::{CreateRideReply, FieldViolation, Outcome, RideParams, RideRequest, RideView, Rides},
 };
@@ -45,39 +48,45 @@ pub struct RideApi {
     internal_api_token: Option<Secret>,
     /// CreateRide runs in tasks tracked here, so that shutdown can wait for them.
     tasks: TaskTracker,
+    limiter: Limiter,
+    /// Digests no user has: refused from memory for a while (`crate::limits`).
+    unknown_tokens: DigestCache,
+    /// Digests authenticated lately: their callers' trace context is trusted without a lookup.
+    known_tokens: DigestCache,
+}
+
+/// A caller that passed the checks made in memory, with its CreateRide concurrency permit.
+struct Admitted<P> {
+    caller: Caller,
+    permit: P,
 }
 
 impl RideApi {
     pub fn new(app: App, tasks: TaskTracker) -> RideApi {
+        let limits = app.limits;
         RideApi {
             rides: app.rides,
             internal_api_token: app.internal_api_token,
             tasks,
+            limiter: Limiter::new(limits),
+            unknown_tokens: DigestCache::new(
+                limits.unknown_token_ttl,
+                limits.unknown_token_capacity,
+            ),
+            known_tokens: DigestCache::new(limits.unknown_token_ttl, limits.unknown_token_capacity),
         }
     }
 
-    /// The digest of the caller's token if the caller presents a plain user token (not the
-    /// internal credential, no `on-behalf-of-user`): such a caller can be authenticated by the
-    /// claim's own statement. `None` for anything else, which [`RideApi::authenticate`] decides.
-    fn user_token_digest(&self, metadata: &MetadataMap) -> Option<[u8; 32]> {
-        if metadata.get(ON_BEHALF_OF_HEADER).is_some() {
-            return None;
-        }
-        let token = metadata
-            .get("authorization")?
-            .to_str()
-            .ok()
-            .and_then(auth::bearer_token)?;
-        let is_internal = self
-            .internal_api_token
+    fn is_internal(&self, token: &str) -> bool {
+        self.internal_api_token
             .as_ref()
-            .is_some_and(|internal| auth::is_internal_token(token, internal.expose()));
-        (!is_internal).then(|| auth::token_digest(token))
+            .is_some_and(|internal| auth::is_internal_token(token, internal.expose()))
     }
 
-    /// The caller's user: the owner of a user token, or, for the internal credential, the user
-    /// named in `on-behalf-of-user`.
-    async fn authenticate(&self, metadata: &MetadataMap) -> Result<User, Status> {
+    /// Who is calling, as far as memory can tell: every credential check that needs no database,
+    /// in the contract's order. A token that cannot be one of ours, or that was looked up lately
+    /// and belongs to nobody, is refused here.
+    fn identify(&self, metadata: &MetadataMap) -> Result<Caller, Status> {
         let header = metadata
             .get("authorization")
             .ok_or_else(status::missing_credentials)?;
@@ -86,26 +95,141 @@ impl RideApi {
             .ok()
             .and_then(auth::bearer_token)
             .ok_or_else(status::invalid_credentials)?;
-        let on_behalf_of = metadata.get(ON_BEHALF_OF_HEADER);
-        let is_internal = self
-            .internal_api_token
-            .as_ref()
-            .is_some_and(|internal| auth::is_internal_token(token, internal.expose()));
-        let user = match (is_internal, on_behalf_of) {
-            (false, None) => auth::authenticate(self.rides.pool(), token).await,
-            (false, Some(_)) => return Err(status::on_behalf_of_not_allowed()),
-            (true, None) => return Err(status::on_behalf_of_required()),
-            (true, Some(user_id)) => {
-                let user_id = user_id
-                    .to_str()
-                    .ok()
-                    .and_then(|id| id.parse::<i64>().ok())
-                    .ok_or_else(status::on_behalf_of_required)?;
-                auth::user_by_id(self.rides.pool(), user_id).await
+        match (self.is_internal(token), metadata.get(ON_BEHALF_OF_HEADER)) {
+            (false, None) => {
+                if !auth::is_token_shaped(token) {
+                    return Err(status::invalid_credentials());
+                }
+                let digest = auth::token_digest(token);
+                if self.unknown_tokens.contains(&digest) {
+                    return Err(status::invalid_credentials());
+                }
+                Ok(Caller::Token(digest))
             }
+            (false, Some(_)) => Err(status::on_behalf_of_not_allowed()),
+            (true, None) => Err(status::on_behalf_of_required()),
+            (true, Some(user_id)) => user_id
+                .to_str()
+                .ok()
+                .and_then(|id| id.parse::<i64>().ok())
+                .map(Caller::OnBehalfOf)
+                .ok_or_else(status::on_behalf_of_required),
+        }
+    }
+
+    /// Identifies a CreateRide caller and admits it under its limits.
+    fn admit_create(&self, metadata: &MetadataMap) -> Result<Admitted<CreatePermit>, Status> {
+        let caller = self.identify(metadata)?;
+        let permit = self.limiter.admit_create(caller).map_err(|refusal| {
+            status::rate_limited(
+                "too many CreateRide calls for this user; retry later",
+                refusal.retry_after,
+            )
+        })?;
+        Ok(Admitted { caller, permit })
+    }
+
+    /// Identifies a GetRide caller and admits it under its limit. The internal credential is for
+    /// CreateRide only: the completer never reads rides.
+    fn admit_get(&self, metadata: &MetadataMap) -> Result<Admitted<()>, Status> {
+        let internal = metadata
+            .get("authorization")
+            .and_then(|value| value.to_str().ok())
+            .and_then(auth::bearer_token)
+            .is_some_and(|token| self.is_internal(token));
+        if internal {
+            return Err(status::internal_credential_not_allowed());
+        }
+        let caller = self.identify(metadata)?;
+        self.limiter.admit_get(caller).map_err(|refusal| {
+            status::rate_limited(
+                "too many GetRide calls for this user; retry later",
+                refusal.retry_after,
+            )
+        })?;
+        Ok(Admitted { caller, permit: () })
+    }
+
+    /// Whether the caller's `traceparent` may be continued: only an authenticated caller's may
+    /// choose the trace id and the sampling decision. The internal credential is authenticated in
+    /// memory; a user token needs a lookup unless it was authenticated lately, and only when the
+    /// call carries a trace context at all. An unknown token is refused here.
+    async fn trusts_trace(&self, caller: Caller, metadata: &MetadataMap) -> Result<bool, Status> {
+        let parent = telemetry::extract(&MetadataExtractor(metadata));
+        if !parent.span().span_context().is_valid() {
+            return Ok(false);
+        }
+        let Caller::Token(digest) = caller else {
+            return Ok(true);
         };
-        user.map_err(status::store_error)?
-            .ok_or_else(status::invalid_credentials)
+        if self.known_tokens.contains(&digest) {
+            return Ok(true);
+        }
+        match auth::user_by_token_digest(self.rides.pool(), &digest).await {
+            Ok(Some(_)) => {
+                self.known_tokens.insert(digest);
+                Ok(true)
+            }
+            Ok(None) => {
+                self.unknown_caller(caller);
+                Err(status::invalid_credentials())
+            }
+            // Not known to be authenticated: a root trace. The call itself then fails or not.
+            Err(_) => Ok(false),
+        }
+    }
+
+    /// Remembers that no user has this caller's token, and forgets its limits.
+    fn unknown_caller(&self, caller: Caller) {
+        if let Caller::Token(digest) = caller {
+            self.known_tokens.remove(&digest);
+            self.unknown_tokens.insert(digest);
+        }
+        self.limiter.forget(caller);
+    }
+
+    /// The caller's user: the owner of a user token, or, for the internal credential, the user
+    /// named in `on-behalf-of-user`.
+    async fn authenticate(&self, caller: Caller) -> Result<User, Status> {
+        let user = match caller {
+            Caller::Token(digest) => auth::user_by_token_digest(self.rides.pool(), &digest).await,
+            Caller::OnBehalfOf(user_id) => auth::user_by_id(self.rides.pool(), user_id).await,
+        }
+        .map_err(status::store_error)?;
+        match user {
+            Some(user) => {
+                if let Caller::Token(digest) = caller {
+                    self.known_tokens.insert(digest);
+                }
+                Ok(user)
+            }
+            None => {
+                self.unknown_caller(caller);
+                Err(status::invalid_credentials())
+            }
+        }
+    }
+
+    /// Refuses a new key of a caller whose decline budget is spent (`crate::limits`); a key that
+    /// exists (a replay, or a resumption) goes on. The lookup is made only for such a caller.
+    async fn check_decline_budget(
+        &self,
+        caller: Caller,
+        key: &Result<IdempotencyKey, Status>,
+    ) -> Result<(), Status> {
+        let (Some(refusal), Ok(key)) = (self.limiter.decline_budget_spent(caller), key) else {
+            return Ok(());
+        };
+        let exists = idempotency::key_exists(self.rides.pool(), caller, key)
+            .await
+            .map_err(status::store_error)?;
+        if exists {
+            return Ok(());
+        }
+        Err(status::rate_limited(
+            "too many declined cards lately: new idempotency keys are refused for a while",
+            refusal.retry_after,
+        ))
     }
 }
 
@@ -175,8 +299,10 @@ impl opentelemetry::propagation::Extractor for MetadataExtractor<'_> {
     }
 }
 
-/// The server span of one RPC, continuing the caller's `traceparent`.
-fn rpc_span(method: &'static str, metadata: &MetadataMap) -> Span {
+/// The server span of one RPC. It continues the caller's `traceparent` only if `trusted` (an
+/// authenticated caller); otherwise it is a root, linked to the caller's context. The parent must
+/// be chosen here, before the span is first entered.
+fn rpc_span(method: &'static str, metadata: &MetadataMap, trusted: bool) -> Span {
     let span = tracing::info_span!(
         "rpc",
         otel.name = %format_args!("rides.v1.RideService/{method}"),
@@ -191,7 +317,16 @@ fn rpc_span(method: &'static str, metadata: &MetadataMap) -> Span {
         rides.idempotency_key = field::Empty,
         rides.replayed = field::Empty,
     );
-    telemetry::continue_trace(&span, &MetadataExtractor(metadata));
+    if trusted {
+        telemetry::continue_trace(&span, &MetadataExtractor(metadata));
+    } else {
+        let caller = telemetry::extract(&MetadataExtractor(metadata));
+        let caller = caller.span().span_context().clone();
+        if caller.is_valid() {
+            span.add_link(caller);
+        }
+        telemetry::record_trace_id(&span);
+    }
     span
 }
 
@@ -232,13 +367,34 @@ impl RideService for RideApi {
         &self,
         request: Request<CreateRideRequest>,
     ) -> Result<Response<CreateRideResponse>, Status> {
-        let span = rpc_span("CreateRide", request.metadata());
-        traced("CreateRide", span, self.create_ride_traced(request)).await
+        let admitted = self.admit_create(request.metadata());
+        let trusted = match &admitted {
+            Ok(admitted) => self.trusts_trace(admitted.caller, request.metadata()).await,
+            Err(_) => Ok(false),
+        };
+        let span = rpc_span(
+            "CreateRide",
+            request.metadata(),
+            matches!(trusted, Ok(true)),
+        );
+        let admitted = trusted.and(admitted);
+        traced(
+            "CreateRide",
+            span,
+            self.create_ride_traced(request, admitted),
+        )
+        .await
     }
 
     async fn get_ride(&self, request: Request<GetRideRequest>) -> Result<Response<Ride>, Status> {
-        let span = rpc_span("GetRide", request.metadata());
-        traced("GetRide", span, self.get_ride_traced(request)).await
+        let admitted = self.admit_get(request.metadata());
+        let trusted = match &admitted {
+            Ok(admitted) => self.trusts_trace(admitted.caller, request.metadata()).await,
+            Err(_) => Ok(false),
+        };
+        let span = rpc_span("GetRide", request.metadata(), matches!(trusted, Ok(true)));
+        let admitted = trusted.and(admitted);
+        traced("GetRide", span, self.get_ride_traced(request, admitted)).await
     }
 }
 
@@ -246,6 +402,7 @@ impl RideApi {
     async fn create_ride_traced(
         &self,
         request: Request<CreateRideRequest>,
+        admitted: Result<Admitted<CreatePermit>, Status>,
     ) -> Result<Response<CreateRideResponse>, Status> {
         let fresh = |mut status: Status| {
             status
@@ -253,21 +410,27 @@ impl RideApi {
                 .insert(REPLAYED_HEADER, MetadataValue::from_static("false"));
             status
         };
+        let Admitted { caller, permit } = admitted.map_err(fresh)?;
         let origin_ip = request
             .remote_addr()
             .map_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED), |addr| addr.ip());
         let key = idempotency_key(request.metadata());
-        let user_token = self.user_token_digest(request.metadata());
-        let (metadata, _, message) = request.into_parts();
+        self.check_decline_budget(caller, &key)
+            .await
+            .map_err(fresh)?;
+        let (_, _, message) = request.into_parts();
         let params = RideParams::try_from(message);
         let rides = Arc::clone(&self.rides);
-        let reply = match (user_token, key, params) {
+        // The permit moves into the detached attempt: a client that hangs up does not free its
+        // place while its attempt still runs.
+        let reply = match (caller, key, params) {
             // The common case, a user's token with a valid request, authenticates in the claim's
             // own statement.
-            (Some(digest), Ok(key), Ok(params)) => {
+            (Caller::Token(digest), Ok(key), Ok(params)) => {
                 let redacted_key = key.redacted();
                 let answered = self
                     .detached(async move {
+                        let _permit = permit;
                         rides
                             .authenticate_and_create_ride(&digest, &key, params, origin_ip)
                             .await
@@ -275,9 +438,11 @@ impl RideApi {
                     .await
                     .map_err(fresh)?;
                 let Some((user_id, reply)) = answered else {
+                    self.unknown_caller(caller);
                     return Err(fresh(status::invalid_credentials()));
                 };
                 if let Some(user_id) = user_id {
+                    self.known_tokens.insert(digest);
                     Span::current().record("user.id", user_id);
                 }
                 Span::current().record("rides.idempotency_key", redacted_key);
@@ -286,7 +451,7 @@ impl RideApi {
             // Anything else is checked in the contract's order: credentials first, then the key,
             // then the parameters.
             (_, key, params) => {
-                let user = self.authenticate(&metadata).await.map_err(fresh)?;
+                let user = self.authenticate(caller).await.map_err(fresh)?;
                 Span::current().record("user.id", user.id);
                 let key = key.map_err(fresh)?;
                 Span::current().record("rides.idempotency_key", key.redacted());
@@ -297,12 +462,18 @@ impl RideApi {
                     params,
                     origin_ip,
                 };
-                self.detached(async move { rides.create_ride(&key, &ride_request).await })
-                    .await
-                    .map_err(fresh)?
+                self.detached(async move {
+                    let _permit = permit;
+                    rides.create_ride(&key, &ride_request).await
+                })
+                .await
+                .map_err(fresh)?
             }
         };
         Span::current().record("rides.replayed", reply.replayed);
+        if !reply.replayed && matches!(reply.result, Ok(Outcome::CardDeclined { .. })) {
+            self.limiter.record_decline(caller);
+        }
         into_response(reply)
     }
 
@@ -324,8 +495,9 @@ impl RideApi {
     async fn get_ride_traced(
         &self,
         request: Request<GetRideRequest>,
+        admitted: Result<Admitted<()>, Status>,
     ) -> Result<Response<Ride>, Status> {
-        let user = self.authenticate(request.metadata()).await?;
+        let user = self.authenticate(admitted?.caller).await?;
         let ride_id = request.into_inner().id;
         self.rides
             .get_ride(user.id, ride_id)

@@ -20,6 +20,8 @@ pub mod reason {
     pub const INVALID_CREDENTIALS: &str = "INVALID_CREDENTIALS";
     pub const ON_BEHALF_OF_NOT_ALLOWED: &str = "ON_BEHALF_OF_NOT_ALLOWED";
     pub const ON_BEHALF_OF_REQUIRED: &str = "ON_BEHALF_OF_REQUIRED";
+    pub const INTERNAL_CREDENTIAL_NOT_ALLOWED: &str = "INTERNAL_CREDENTIAL_NOT_ALLOWED";
+    pub const RATE_LIMITED: &str = "RATE_LIMITED";
     pub const INVALID_IDEMPOTENCY_KEY: &str = "INVALID_IDEMPOTENCY_KEY";
     pub const INVALID_RIDE_PARAMETERS: &str = "INVALID_RIDE_PARAMETERS";
     pub const IDEMPOTENCY_KEY_REUSED: &str = "IDEMPOTENCY_KEY_REUSED";
@@ -79,6 +81,24 @@ pub fn on_behalf_of_required() -> Status {
         Code::Unauthenticated,
         "the internal credential requires on-behalf-of-user metadata with a user id",
         reason::ON_BEHALF_OF_REQUIRED,
+    )
+}
+
+pub fn internal_credential_not_allowed() -> Status {
+    simple(
+        Code::PermissionDenied,
+        "the internal credential may only call CreateRide",
+        reason::INTERNAL_CREDENTIAL_NOT_ALLOWED,
+    )
+}
+
+/// A per-user limit refused the call (`crate::limits`); `after` is when to try again.
+pub fn rate_limited(message: &str, after: Duration) -> Status {
+    retryable(
+        Code::ResourceExhausted,
+        message,
+        reason::RATE_LIMITED,
+        after,
     )
 }
 

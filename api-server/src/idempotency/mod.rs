@@ -234,6 +234,40 @@ pub async fn claim(
     .ok_or(StoreError::Database(DieselError::NotFound))
 }
 
+/// Whether `key` exists for the caller (a user id, or the owner of a token digest). A read only,
+/// through the `(user_id, idempotency_key)` unique index: for refusing a card tester's new keys
+/// without writing anything (`crate::limits`).
+pub async fn key_exists(
+    pool: &Pool,
+    caller: crate::limits::Caller,
+    key: &IdempotencyKey,
+) -> Result<bool, StoreError> {
+    #[derive(QueryableByName)]
+    struct Exists {
+        #[diesel(sql_type = Bool)]
+        exists: bool,
+    }
+    let mut conn = pool.get().await.map_err(StoreError::Unavailable)?;
+    let query = match caller {
+        crate::limits::Caller::OnBehalfOf(user_id) => diesel::sql_query(
+            "SELECT EXISTS (SELECT 1 FROM idempotency_keys \
+             WHERE user_id = $1 AND idempotency_key = $2) AS exists",
+        )
+        .into_boxed()
+        .bind::<BigInt, _>(user_id)
+        .bind::<Text, _>(key.as_str()),
+        crate::limits::Caller::Token(digest) => diesel::sql_query(
+            "SELECT EXISTS (SELECT 1 FROM idempotency_keys k JOIN users u ON u.id = k.user_id \
+             WHERE u.api_token_digest = $1 AND k.idempotency_key = $2) AS exists",
+        )
+        .into_boxed()
+        .bind::<Bytea, _>(digest.to_vec())
+        .bind::<Text, _>(key.as_str()),
+    };
+    let row: Exists = query.get_result(&mut conn).await?;
+    Ok(row.exists)
+}
+
 /// [`claim`] for the owner of the API token whose digest is `token_digest`, authenticating in the
 /// same statement: a new key, a replay or a mismatch costs one round trip in all, shared with
 /// the claims `batcher` sends along. `None` if no user has this token (nothing is written then).

@@ -5,6 +5,11 @@
 //! UNAVAILABLE) are retried with the same key, with exponential backoff and full jitter. The
 //! latency of a logical request runs from its first attempt to its final answer.
 //!
+//! Each client is a closed loop on one user (by default), hundreds of calls per second: far
+//! above the api-server's per-user limits (`RATE_LIMIT_*`, `MAX_CONCURRENT_CREATES_PER_USER`),
+//! which `bench/run.sh` lifts on the api-server it starts. Against a server with the defaults,
+//! expect `RESOURCE_EXHAUSTED` answers.
+//!
 //! While the load runs it samples the scratch database's `pg_stat_activity` (what the server's
 //! connections wait on), the api-server's VmRSS, and the CPU time of the processes involved. At
 //! the end it checks the database (rides, charged rides, finished keys, staged jobs) and the
