@@ -92,3 +92,36 @@ export DATABASE_URL="${DATABASE_URL:-postgres://postgres:postgres@127.0.0.1:5432
 export TEST_DATABASE_URL="${TEST_DATABASE_URL:-postgres://postgres:postgres@127.0.0.1:5432/postgres}"
 export AMQP_URL="${AMQP_URL:-amqp://guest:guest@127.0.0.1:5672/%2f}"
 export TEST_AMQP_URL="${TEST_AMQP_URL:-$AMQP_URL}"
+
+# A throwaway CA and the certificates it signs, for run.sh's TLS=1: server.pem/.key for the
+# api-server (valid for localhost, 127.0.0.1 and the listen host) and client.pem/.key for its
+# clients (the completer, grpcurl). EC P-256 keys in PKCS#8, valid for 30 days; regenerated on
+# every run, so nothing here is worth keeping.
+make_tls_certificates() { # dir listen-host
+  local dir=$1 host=$2 san="DNS:localhost,IP:127.0.0.1"
+  command -v openssl >/dev/null || apt_install openssl
+  case "$host" in
+    127.0.0.1 | localhost | 0.0.0.0 | '') ;;
+    *[!0-9.]*) san="$san,DNS:$host" ;;
+    *) san="$san,IP:$host" ;;
+  esac
+  rm -rf "$dir" && mkdir -p "$dir" && chmod 700 "$dir"
+  openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -days 30 \
+    -subj "/CN=Rocket Rides local CA" -keyout "$dir/ca.key" -out "$dir/ca.pem" 2>/dev/null
+  local name subject extensions
+  for name in server client; do
+    if [ "$name" = server ]; then
+      subject="/CN=api-server" extensions="subjectAltName=$san
+extendedKeyUsage=serverAuth"
+    else
+      subject="/CN=rocket-rides-client" extensions="extendedKeyUsage=clientAuth"
+    fi
+    openssl req -new -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -subj "$subject" \
+      -keyout "$dir/$name.key" -out "$dir/$name.csr" 2>/dev/null
+    printf 'basicConstraints=critical,CA:FALSE\nkeyUsage=critical,digitalSignature\n%s\n' "$extensions" >"$dir/$name.ext"
+    openssl x509 -req -in "$dir/$name.csr" -CA "$dir/ca.pem" -CAkey "$dir/ca.key" \
+      -CAcreateserial -days 30 -extfile "$dir/$name.ext" -out "$dir/$name.pem" 2>/dev/null
+    rm -f "$dir/$name.csr" "$dir/$name.ext"
+  done
+  log "TLS: throwaway CA and certificates in $dir"
+}

@@ -4,6 +4,12 @@
 # completer, reaper) and a mail sink that writes each receipt to .run/mail/, plus a development
 # user whose token and a ready-to-paste grpcurl command are printed. Ctrl-C stops everything it
 # started. Logs go to .run/logs/.
+#
+# Plaintext on loopback by default. TLS=1 generates a throwaway CA with server and client
+# certificates (openssl, into .run/tls/) and runs gRPC over mutual TLS (the api-server asks every
+# client for a certificate its CA signed: the completer and the printed grpcurl command present
+# one) and PostgreSQL with sslmode=require. RabbitMQ and the mail sink stay plaintext on loopback:
+# the local broker has no TLS listener and the sink speaks plain SMTP.
 set -euo pipefail
 # shellcheck source=deploy/local/lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
@@ -23,8 +29,26 @@ export SMTP_LISTEN="${SMTP_LISTEN:-127.0.0.1:2525}"
 export SMTP_URL="${SMTP_URL:-smtp://$SMTP_LISTEN}"
 export MAIL_SEARCH_LISTEN="${MAIL_SEARCH_LISTEN:-127.0.0.1:8025}"
 export MAIL_SEARCH_URL="${MAIL_SEARCH_URL:-http://$MAIL_SEARCH_LISTEN}"
-export API_SERVER_URL="${API_SERVER_URL:-http://$GRPC_LISTEN_ADDR}"
 MAIL_DIR="$REPO_ROOT/.run/mail"
+TLS="${TLS:-0}"
+if [ "$TLS" = 1 ]; then
+  TLS_DIR="$REPO_ROOT/.run/tls"
+  make_tls_certificates "$TLS_DIR" "${GRPC_LISTEN_ADDR%:*}"
+  export GRPC_TLS_CERT="$TLS_DIR/server.pem" GRPC_TLS_KEY="$TLS_DIR/server.key"
+  export GRPC_TLS_CLIENT_CA="$TLS_DIR/ca.pem"
+  export API_SERVER_URL="${API_SERVER_URL:-https://$GRPC_LISTEN_ADDR}"
+  export API_SERVER_CA="$TLS_DIR/ca.pem"
+  export API_SERVER_CLIENT_CERT="$TLS_DIR/client.pem" API_SERVER_CLIENT_KEY="$TLS_DIR/client.key"
+  case "$DATABASE_URL" in
+    *sslmode=*) ;;
+    *\?*) export DATABASE_URL="$DATABASE_URL&sslmode=require" ;;
+    *) export DATABASE_URL="$DATABASE_URL?sslmode=require" ;;
+  esac
+  grpcurl_tls="-cacert $TLS_DIR/ca.pem -cert $TLS_DIR/client.pem -key $TLS_DIR/client.key"
+else
+  export API_SERVER_URL="${API_SERVER_URL:-http://$GRPC_LISTEN_ADDR}"
+  grpcurl_tls="-plaintext"
+fi
 
 for addr in "$GRPC_LISTEN_ADDR" "$FAKE_STRIPE_LISTEN" "$SMTP_LISTEN" "$MAIL_SEARCH_LISTEN"; do
   if port_open "${addr%:*}" "${addr##*:}"; then
@@ -75,7 +99,7 @@ fi
 cat <<MSG
 
 Rocket Rides is up.
-  gRPC api-server   $GRPC_LISTEN_ADDR   (reflection and grpc.health.v1 enabled)
+  gRPC api-server   $GRPC_LISTEN_ADDR   (reflection and grpc.health.v1 enabled; $([ "$TLS" = 1 ] && echo "mutual TLS, certificates in $TLS_DIR" || echo "plaintext, TLS=1 for mutual TLS"))
   fake-stripe       $STRIPE_API_BASE    (payment intents: curl -H 'Authorization: Bearer $STRIPE_SECRET_KEY' $STRIPE_API_BASE/v1/payment_intents)
   workers           enqueuer, receipts, completer, reaper → RabbitMQ on 127.0.0.1:5672
   receipts          $MAIL_DIR/ (one .eml per mail, from the mail sink on $SMTP_LISTEN)
@@ -85,7 +109,7 @@ Development user token (shown once):
   export TOKEN=$token
 
 Create a ride (run it twice: the second answer is a replay, with idempotent-replayed: true):
-  grpcurl -plaintext -v \\
+  grpcurl $grpcurl_tls -v \\
     -H "authorization: Bearer \$TOKEN" \\
     -H "idempotency-key: ride-\$(date +%Y%m%d)-0000000001" \\
     -d '{"origin_lat": 37.7749, "origin_lon": -122.4194, "target_lat": 37.3382, "target_lon": -121.8863}' \\

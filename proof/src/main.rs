@@ -31,7 +31,7 @@ use diesel::{
     QueryableByName,
     sql_types::{BigInt, Bool, Nullable, Text},
 };
-use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
+use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use prost::Message;
 use proto::v1::{CreateRideRequest, CreateRideResponse, ride_service_client::RideServiceClient};
 use rand::{Rng, SeedableRng, rngs::StdRng};
@@ -726,6 +726,15 @@ struct CountRow {
     n: i64,
 }
 
+/// The proof drives api-servers it starts itself on loopback, in plaintext; the endpoint is still
+/// built where every client builds one.
+fn plaintext_endpoint(url: &str) -> anyhow::Result<tonic::transport::Endpoint> {
+    Ok(proto::client::endpoint(
+        url,
+        &proto::client::ClientTls::default(),
+    )?)
+}
+
 async fn count(conn: &mut AsyncPgConnection, sql: &str) -> anyhow::Result<i64> {
     Ok(diesel::sql_query(sql)
         .get_result::<CountRow>(conn)
@@ -1185,7 +1194,7 @@ impl DbGuard {
             println!("proof: kept database {} (--keep)", self.name);
             return;
         }
-        match AsyncPgConnection::establish(&self.admin_url).await {
+        match schema::connect(&self.admin_url).await {
             Ok(mut admin) => {
                 if let Err(e) = diesel::sql_query(format!(
                     "DROP DATABASE IF EXISTS \"{}\" WITH (FORCE)",
@@ -1408,7 +1417,7 @@ async fn run(args: &Args, s: RunSetup) -> anyhow::Result<bool> {
     for (i, user) in users.iter().enumerate() {
         let mut rpcs = Vec::new();
         for port in [args.grpc_port, args.grpc_port_b] {
-            let channel = Channel::from_shared(format!("http://127.0.0.1:{port}"))?
+            let channel = plaintext_endpoint(&format!("http://127.0.0.1:{port}"))?
                 .connect_timeout(Duration::from_secs(1))
                 .connect_lazy();
             rpcs.push(RideServiceClient::new(channel));
@@ -1645,7 +1654,7 @@ async fn run(args: &Args, s: RunSetup) -> anyhow::Result<bool> {
     let clients_done = Instant::now();
 
     // Drain 1: the completer until no key is unfinished (bounded).
-    let mut conn = AsyncPgConnection::establish(&s.database_url).await?;
+    let mut conn = schema::connect(&s.database_url).await?;
     let completer_deadline = Instant::now() + Duration::from_secs(if args.long { 120 } else { 45 });
     let mut unfinished = -1;
     while Instant::now() < completer_deadline {
@@ -1722,7 +1731,7 @@ async fn run(args: &Args, s: RunSetup) -> anyhow::Result<bool> {
         .map(|k| ((k.user_id, k.idempotency_key.clone()), k))
         .collect();
     let token_of: HashMap<i64, &User> = users.iter().map(|u| (u.id, u)).collect();
-    let replay_channel = Channel::from_shared(format!("http://{}", s.grpc_addr))?
+    let replay_channel = plaintext_endpoint(&format!("http://{}", s.grpc_addr))?
         .connect()
         .await?;
     let rpc = RideServiceClient::new(replay_channel);

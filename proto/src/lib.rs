@@ -10,6 +10,8 @@ pub mod rides {
     }
 }
 
+pub mod client;
+
 pub use rides::v1;
 
 /// Encoded `FileDescriptorSet` of the contract (and the well-known types it imports), served by

@@ -8,6 +8,7 @@
 //! - [`RecoveryPoint`]: the closed set of phases a key moves through, stored as TEXT.
 //! - [`pool`]: the bb8 pool of diesel-async connections (pure Rust, no libpq).
 //! - [`prepared`]: hand-written SQL (data-modifying CTEs) that is still prepared once per connection.
+//! - [`tls`]: [`connect`], the one way to open a connection, with TLS as `sslmode` asks.
 //! - [`migrations`]: `migrations/` embedded in the binary and applied over an async connection.
 //! - `testing` (feature `testing`): one database per test, cloned from a migrated template.
 
@@ -19,9 +20,11 @@ mod recovery_point;
 pub mod schema;
 #[cfg(feature = "testing")]
 pub mod testing;
+pub mod tls;
 
 pub use pool::{DbConn, PlanCache, Pool, PoolError, build_pool};
 pub use recovery_point::{RecoveryPoint, UnknownRecoveryPoint};
+pub use tls::connect;
 
 /// Job name of the receipt staged when a ride is paid for.
 pub const SEND_RIDE_RECEIPT_JOB: &str = "send_ride_receipt";

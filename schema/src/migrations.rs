@@ -1,6 +1,8 @@
 //! `migrations/` embedded at compile time, applied over an async connection.
 
-use diesel_async::{AsyncConnection, AsyncMigrationHarness, AsyncPgConnection, RunQueryDsl};
+use diesel_async::{AsyncMigrationHarness, RunQueryDsl};
+
+use crate::tls::connect;
 use diesel_migrations::{EmbeddedMigrations, MigrationHarness, embed_migrations};
 
 pub const MIGRATIONS: EmbeddedMigrations = embed_migrations!("../migrations");
@@ -18,7 +20,7 @@ pub enum MigrationError {
 /// Creates the database named in `database_url` if it does not exist yet, connecting to the
 /// server's `postgres` maintenance database to do so. Returns whether it created it.
 pub async fn create_database_if_missing(database_url: &str) -> Result<bool, MigrationError> {
-    match AsyncPgConnection::establish(database_url).await {
+    match connect(database_url).await {
         Ok(_) => return Ok(false),
         // PostgreSQL's own wording (SQLSTATE 3D000); diesel does not expose the code here.
         Err(error) if error.to_string().contains("does not exist") => {}
@@ -31,10 +33,9 @@ pub async fn create_database_if_missing(database_url: &str) -> Result<bool, Migr
             ),
         ));
     };
-    let mut admin =
-        AsyncPgConnection::establish(&format!("{server}/postgres{}", query_of(database_url)))
-            .await
-            .map_err(MigrationError::Connect)?;
+    let mut admin = connect(&format!("{server}/postgres{}", query_of(database_url)))
+        .await
+        .map_err(MigrationError::Connect)?;
     let quoted = name.replace('"', "\"\"");
     match diesel::sql_query(format!("CREATE DATABASE \"{quoted}\""))
         .execute(&mut admin)
@@ -70,7 +71,7 @@ fn query_of(url: &str) -> String {
 /// processes at once: diesel's harness applies each migration in a transaction, and the one that
 /// loses the race fails on the version's primary key instead of applying twice.
 pub async fn run_pending(database_url: &str) -> Result<Vec<String>, MigrationError> {
-    let connection = AsyncPgConnection::establish(database_url)
+    let connection = connect(database_url)
         .await
         .map_err(MigrationError::Connect)?;
     // The harness drives the synchronous migration machinery with `block_in_place`; a blocking

@@ -6,7 +6,7 @@ use std::{future::Future, pin::Pin, time::Duration};
 use diesel_async::{
     AsyncPgConnection, SimpleAsyncConnection,
     pooled_connection::{
-        AsyncDieselConnectionManager, PoolError as ManagerError, PoolableConnection,
+        AsyncDieselConnectionManager, ManagerConfig, PoolError as ManagerError, PoolableConnection,
     },
 };
 
@@ -80,9 +80,12 @@ pub fn build_pool(
     connection_timeout: Duration,
     plans: PlanCache,
 ) -> Pool {
-    let manager = Manager(AsyncDieselConnectionManager::<AsyncPgConnection>::new(
-        database_url,
-    ));
+    // `connect` honours `sslmode`; diesel-async's own setup would connect in plaintext.
+    let mut config = ManagerConfig::default();
+    config.custom_setup = Box::new(crate::tls::connect_boxed);
+    let manager = Manager(
+        AsyncDieselConnectionManager::<AsyncPgConnection>::new_with_config(database_url, config),
+    );
     bb8::Pool::builder()
         .max_size(max_size)
         .connection_timeout(connection_timeout)

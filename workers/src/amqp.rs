@@ -2,10 +2,17 @@
 //! explicitly, because only the worker knows what an interrupted operation means (the enqueuer
 //! must not delete unconfirmed jobs; the receipt worker relies on the broker requeueing unacked
 //! deliveries).
+//!
+//! Every connection to the broker goes through [`connect`]: `amqp://` is plaintext, `amqps://` is
+//! TLS (rustls on ring) verified against the public web PKI or, with RabbitMQ's `cacertfile` URI
+//! query parameter (`amqps://host/%2f?cacertfile=/etc/rides/amqp-ca.pem`), against that PEM file
+//! as well, for a broker with a private CA.
 
 use std::time::Duration;
 
-use lapin::{Channel, Connection, ConnectionProperties};
+use lapin::{
+    Channel, Connection, ConnectionProperties, DefaultConnectionBuilder, tcp::OwnedTLSConfig,
+};
 use tokio_util::sync::CancellationToken;
 
 use crate::{backoff::Backoff, shutdown, topology::Topology};
@@ -18,7 +25,7 @@ pub struct AmqpSession {
 
 impl AmqpSession {
     pub async fn open(url: &str, topology: &Topology) -> lapin::Result<AmqpSession> {
-        let connection = Connection::connect(url, ConnectionProperties::default()).await?;
+        let connection = connect(url).await?;
         let channel = connection.create_channel().await?;
         topology.declare(&channel).await?;
         Ok(AmqpSession {
@@ -36,6 +43,36 @@ impl AmqpSession {
         let _ = self.channel.close(200, "bye".into()).await;
         let _ = self.connection.close(200, "bye".into()).await;
     }
+}
+
+/// Opens a connection to `url` (see the module's documentation for TLS).
+pub async fn connect(url: &str) -> lapin::Result<Connection> {
+    DefaultConnectionBuilder::new()?
+        .with_uri_str(url.to_owned())
+        .with_properties(ConnectionProperties::default())
+        .with_tls_config(tls_config(url)?)
+        .connect()
+        .await
+}
+
+/// The `cacertfile` of `url`'s query, read. lapin ignores query parameters it does not know.
+fn tls_config(url: &str) -> std::io::Result<OwnedTLSConfig> {
+    let query = url.split_once('?').map_or("", |(_, query)| query);
+    let pairs: Vec<(String, String)> =
+        serde_urlencoded::from_str(query).map_err(std::io::Error::other)?;
+    let cert_chain = match pairs.iter().find(|(name, _)| name == "cacertfile") {
+        None => None,
+        Some((_, path)) => Some(std::fs::read_to_string(path).map_err(|error| {
+            std::io::Error::new(
+                error.kind(),
+                format!("cannot read cacertfile {path}: {error}"),
+            )
+        })?),
+    };
+    Ok(OwnedTLSConfig {
+        identity: None,
+        cert_chain,
+    })
 }
 
 /// Opens a session, retrying with back-off until it succeeds or shutdown is requested.
@@ -56,5 +93,30 @@ pub async fn connect_with_backoff(
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::tls_config;
+
+    #[test]
+    fn reads_the_ca_named_in_the_url() {
+        assert_eq!(tls_config("amqps://broker/%2f").unwrap().cert_chain, None);
+        let dir = std::env::temp_dir().join(format!("amqp-ca-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let ca = dir.join("ca.pem");
+        std::fs::write(&ca, "-----BEGIN CERTIFICATE-----\n").unwrap();
+        let url = format!(
+            "amqps://u:p@broker:5671/%2f?heartbeat=30&cacertfile={}",
+            ca.display()
+        );
+        assert_eq!(
+            tls_config(&url).unwrap().cert_chain.as_deref(),
+            Some("-----BEGIN CERTIFICATE-----\n")
+        );
+        let error = tls_config("amqps://broker/%2f?cacertfile=/nonexistent/ca.pem").unwrap_err();
+        assert!(error.to_string().contains("/nonexistent/ca.pem"), "{error}");
+        std::fs::remove_dir_all(dir).unwrap();
     }
 }

@@ -38,8 +38,8 @@ const REASON_KEY_IN_USE: &str = "IDEMPOTENCY_KEY_IN_USE";
 pub enum CompleteError {
     #[error(transparent)]
     Config(#[from] ConfigError),
-    #[error("API_SERVER_URL is not a valid URL")]
-    ApiUrl(#[source] tonic::transport::Error),
+    #[error("API_SERVER_URL and its TLS settings are not usable")]
+    ApiUrl(#[source] proto::client::EndpointError),
     #[error("no database connection available")]
     Pool(#[from] PoolError),
     #[error("database error")]
@@ -142,7 +142,7 @@ pub struct Completer {
 impl Completer {
     pub fn new(pool: Pool, config: CompleterConfig) -> Result<Completer, CompleteError> {
         let token = config.token()?.clone();
-        let channel = tonic::transport::Endpoint::from_shared(config.api_server_url.clone())
+        let channel = proto::client::endpoint(&config.api_server_url, &config.api_server_tls)
             .map_err(CompleteError::ApiUrl)?
             .timeout(config.rpc_timeout)
             .connect_timeout(Duration::from_secs(10))

@@ -2,7 +2,9 @@
 //! and its default is listed in `docs/workers.md`. Each worker takes only its own section, so
 //! tests build those sections directly.
 
-use std::{fmt, str::FromStr, time::Duration};
+use std::{fmt, path::PathBuf, str::FromStr, time::Duration};
+
+use proto::client::ClientTls;
 
 pub use telemetry::Secret;
 
@@ -44,7 +46,8 @@ pub struct EnqueuerConfig {
 
 #[derive(Clone, Debug)]
 pub struct ReceiptsConfig {
-    pub smtp_url: String,
+    /// May hold the relay's password (see `mailer`).
+    pub smtp_url: Secret,
     pub from: String,
     pub smtp_timeout: Duration,
     /// Unacknowledged deliveries in flight per worker.
@@ -63,6 +66,9 @@ pub struct ReceiptsConfig {
 #[derive(Clone, Debug)]
 pub struct CompleterConfig {
     pub api_server_url: String,
+    /// TLS files for an `https://` `api_server_url` (`API_SERVER_CA`, `API_SERVER_CLIENT_CERT`,
+    /// `API_SERVER_CLIENT_KEY`).
+    pub api_server_tls: ClientTls,
     pub internal_api_token: Option<Secret>,
     pub min_age: Duration,
     pub idle: Duration,
@@ -134,6 +140,12 @@ impl Vars<'_> {
         Ok(value)
     }
 
+    fn path(&self, name: &str) -> Option<PathBuf> {
+        (self.0)(name)
+            .filter(|value| !value.is_empty())
+            .map(PathBuf::from)
+    }
+
     fn secs(&self, name: &'static str, default: u64) -> Result<Duration, ConfigError> {
         Ok(Duration::from_secs(self.parse(name, default)?))
     }
@@ -183,7 +195,7 @@ impl Config {
                 backoff_max: vars.millis("ENQUEUER_BACKOFF_MAX_MS", 300_000)?,
             },
             receipts: ReceiptsConfig {
-                smtp_url: vars.string("SMTP_URL", DEFAULT_SMTP_URL),
+                smtp_url: Secret::new(vars.string("SMTP_URL", DEFAULT_SMTP_URL)),
                 from: vars.string("RECEIPT_FROM", DEFAULT_RECEIPT_FROM),
                 smtp_timeout,
                 prefetch: vars.positive("RECEIPTS_PREFETCH", 16)?,
@@ -194,6 +206,11 @@ impl Config {
             },
             completer: CompleterConfig {
                 api_server_url: vars.string("API_SERVER_URL", DEFAULT_API_SERVER_URL),
+                api_server_tls: ClientTls {
+                    ca: vars.path("API_SERVER_CA"),
+                    cert: vars.path("API_SERVER_CLIENT_CERT"),
+                    key: vars.path("API_SERVER_CLIENT_KEY"),
+                },
                 internal_api_token,
                 min_age: vars.secs("COMPLETER_MIN_AGE_SECS", 300)?,
                 idle: vars.secs("COMPLETER_IDLE_SECS", 60)?,
@@ -246,9 +263,10 @@ mod tests {
         assert_eq!(config.completer.min_age, Duration::from_secs(300));
         assert_eq!(config.reaper.key_ttl, Duration::from_secs(72 * 3600));
         assert!(config.completer.token().is_err());
-        assert_eq!(config.receipts.smtp_url, DEFAULT_SMTP_URL);
+        assert_eq!(config.receipts.smtp_url.expose(), DEFAULT_SMTP_URL);
         assert_eq!(config.receipts.claim_lease, Duration::from_secs(120));
         assert_eq!(config.receipts.mail_search_url, None);
+        assert_eq!(config.completer.api_server_tls, ClientTls::default());
     }
 
     #[test]

@@ -138,7 +138,7 @@ async fn run(cli: Cli, shutdown: tokio_util::sync::CancellationToken) -> anyhow:
         }
         Command::Receipts(Once { once }) => {
             let mailer = Mailer::new(
-                &config.receipts.smtp_url,
+                config.receipts.smtp_url.expose(),
                 &config.receipts.from,
                 config.receipts.smtp_timeout,
             )?;

@@ -34,7 +34,7 @@ use diesel::{
     QueryableByName,
     sql_types::{Array, BigInt, Text},
 };
-use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
+use diesel_async::RunQueryDsl;
 use proto::v1::{CreateRideRequest, ride_service_client::RideServiceClient};
 use rand::Rng;
 use serde_json::json;
@@ -47,9 +47,18 @@ use tonic_types::StatusExt;
     about = "CreateRide load generator for the Rocket Rides api-server"
 )]
 struct Args {
-    /// The api-server's gRPC endpoint.
+    /// The api-server's gRPC endpoint (`https://` for TLS).
     #[arg(long, default_value = "http://127.0.0.1:25151")]
     target: String,
+    /// CA certificate (PEM) that signed the api-server's, for an `https://` target.
+    #[arg(long, env = "API_SERVER_CA")]
+    ca: Option<std::path::PathBuf>,
+    /// Client certificate (PEM) for mutual TLS; needs --client-key.
+    #[arg(long, env = "API_SERVER_CLIENT_CERT")]
+    client_cert: Option<std::path::PathBuf>,
+    /// The client certificate's private key (PEM).
+    #[arg(long, env = "API_SERVER_CLIENT_KEY")]
+    client_key: Option<std::path::PathBuf>,
     /// The api-server's database (users are created here; the check reads it).
     #[arg(long, env = "DATABASE_URL")]
     database_url: String,
@@ -199,9 +208,14 @@ async fn main() -> anyhow::Result<()> {
         .connections
         .unwrap_or_else(|| args.clients.div_ceil(50))
         .max(1);
+    let tls = proto::client::ClientTls {
+        ca: args.ca.clone(),
+        cert: args.client_cert.clone(),
+        key: args.client_key.clone(),
+    };
     let mut channels = Vec::new();
     for _ in 0..connections {
-        let channel = Channel::from_shared(args.target.clone())?
+        let channel = proto::client::endpoint(&args.target, &tls)?
             .connect()
             .await
             .with_context(|| format!("cannot connect to {}", args.target))?;
@@ -625,7 +639,7 @@ async fn sample_wait_events(
     url: String,
     stop: Arc<AtomicBool>,
 ) -> anyhow::Result<(u64, BTreeMap<String, u64>)> {
-    let mut conn = AsyncPgConnection::establish(&url).await?;
+    let mut conn = schema::connect(&url).await?;
     let mut totals = BTreeMap::new();
     let mut samples = 0;
     while !AtomicBool::load(&stop, Ordering::SeqCst) {
@@ -649,7 +663,7 @@ async fn sample_wait_events(
 }
 
 async fn database_backends(url: &str) -> anyhow::Result<Vec<u32>> {
-    let mut conn = AsyncPgConnection::establish(url).await?;
+    let mut conn = schema::connect(url).await?;
     let rows: Vec<PidRow> = diesel::sql_query(
         "SELECT pid FROM pg_stat_activity WHERE datname = current_database() \
          AND pid <> pg_backend_pid() AND backend_type = 'client backend'",
@@ -741,7 +755,7 @@ async fn check(
 ) -> anyhow::Result<(bool, serde_json::Value)> {
     let expected = i64::try_from(total.new_keys_ok)?;
     let ids: Vec<i64> = users.iter().map(|u| u.id).collect();
-    let mut conn = AsyncPgConnection::establish(&args.database_url).await?;
+    let mut conn = schema::connect(&args.database_url).await?;
     let mut count = async |sql: &str| -> anyhow::Result<i64> {
         let row: Count = diesel::sql_query(sql)
             .bind::<Array<BigInt>, _>(&ids)

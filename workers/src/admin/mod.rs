@@ -29,7 +29,7 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use clap::{Args, Subcommand, ValueEnum};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
-use lapin::{Channel, Connection, ConnectionProperties};
+use lapin::{Channel, Connection};
 use schema::{Pool, PoolError};
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
@@ -219,7 +219,7 @@ pub(crate) async fn bound_waits(conn: &mut AsyncPgConnection) -> Result<(), Admi
 /// or alter topology in production (a declaration with different arguments would even be
 /// refused). Queues are checked with passive declarations instead.
 pub(crate) async fn connect_broker(amqp_url: &str) -> Result<Connection, AdminError> {
-    Ok(Connection::connect(amqp_url, ConnectionProperties::default()).await?)
+    Ok(crate::amqp::connect(amqp_url).await?)
 }
 
 /// The message and consumer counts of a queue (a passive declare, on a channel of its own: a

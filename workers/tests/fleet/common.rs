@@ -222,7 +222,7 @@ pub async fn staged_ids(pool: &Pool) -> Vec<i64> {
 
 pub fn receipts_config(smtp_url: &str) -> ReceiptsConfig {
     ReceiptsConfig {
-        smtp_url: smtp_url.to_owned(),
+        smtp_url: workers::config::Secret::new(smtp_url),
         from: workers::config::DEFAULT_RECEIPT_FROM.to_owned(),
         smtp_timeout: Duration::from_secs(10),
         prefetch: 4,
@@ -252,7 +252,7 @@ pub fn receipt_worker_with(
 ) -> Arc<ReceiptWorker> {
     let mut config = receipts_config(&sink.smtp_url());
     config.mail_search_url = search_url.map(str::to_owned);
-    let mailer = Mailer::new(&config.smtp_url, &config.from, config.smtp_timeout).unwrap();
+    let mailer = Mailer::new(config.smtp_url.expose(), &config.from, config.smtp_timeout).unwrap();
     let search = search_url.map(|url| RelaySearch::new(url, Duration::from_secs(5)).unwrap());
     ReceiptWorker::new(
         pool.clone(),

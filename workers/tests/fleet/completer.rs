@@ -14,9 +14,10 @@ use workers::{
     config::{CompleterConfig, Secret},
 };
 
-fn config(app: &TestApp) -> CompleterConfig {
+pub(crate) fn config(app: &TestApp) -> CompleterConfig {
     CompleterConfig {
         api_server_url: format!("http://{}", app.addr),
+        api_server_tls: Default::default(),
         internal_api_token: Some(Secret::new(INTERNAL_API_TOKEN)),
         min_age: Duration::from_secs(300),
         idle: Duration::from_secs(60),
@@ -42,7 +43,11 @@ fn params() -> RideParams {
 }
 
 /// A key abandoned at `point` (its attempt died holding the lock, long ago); returns its id.
-async fn abandoned_key(app: &TestApp, user: &TestUser, point: RecoveryPoint) -> (String, i64) {
+pub(crate) async fn abandoned_key(
+    app: &TestApp,
+    user: &TestUser,
+    point: RecoveryPoint,
+) -> (String, i64) {
     let key = new_key();
     let mut lease = app.claim(user, &key, &params()).await;
     let request = app.rides_request(user, params()).await;

@@ -10,3 +10,4 @@ mod end_to_end;
 mod enqueuer;
 mod reaper;
 mod receipts;
+mod tls;
