@@ -2,6 +2,8 @@
 //!
 //! Layout, from the outside in:
 //! - [`server`]: assembles tonic with health and reflection, and drains on shutdown.
+//! - [`listener`]: the accept pipeline in front of tonic: connection caps, handshake and preface
+//!   deadline, idle timeout; [`tls`]: certificates, reloaded without dropping connections.
 //! - [`grpc`]: the transport. Metadata and messages in, `Status` and responses out.
 //! - [`rides`]: CreateRide as a state machine over recovery points (the domain).
 //! - [`idempotency`]: the engine underneath: key claims, fenced atomic phases, retries.
@@ -15,16 +17,18 @@ pub mod config;
 pub mod fault;
 pub mod grpc;
 pub mod idempotency;
+pub mod listener;
 pub mod metrics;
 pub mod payments;
 pub mod rides;
 pub mod server;
 #[cfg(feature = "testing")]
 pub mod testing;
+pub mod tls;
 
 use std::sync::Arc;
 
-use config::{Config, Secret, ServingConfig};
+use config::{Config, Secret, ServingConfig, TlsConfig, TransportConfig};
 use payments::StripeClient;
 use rides::Rides;
 
@@ -34,6 +38,8 @@ pub struct App {
     pub rides: Arc<Rides>,
     pub internal_api_token: Option<Secret>,
     pub serving: ServingConfig,
+    pub transport: TransportConfig,
+    pub tls: Option<TlsConfig>,
     /// Reports pool usage while the app lives.
     _pool_gauge: opentelemetry::metrics::ObservableGauge<u64>,
 }
@@ -55,6 +61,8 @@ impl App {
             rides: Rides::new(pool, stripe, config.price.clone(), config.idempotency),
             internal_api_token: config.internal_api_token.clone(),
             serving: config.serving,
+            transport: config.transport,
+            tls: config.tls.clone(),
         })
     }
 }

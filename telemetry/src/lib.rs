@@ -31,9 +31,12 @@ use tracing_subscriber::{
     layer::{Filter, SubscriberExt},
 };
 
+pub mod accept;
 mod metrics_endpoint;
 
-pub use metrics_endpoint::{metrics_addr, serve_metrics};
+pub use metrics_endpoint::{
+    MetricsServerLimits, metrics_addr, serve_metrics, serve_metrics_with_limits,
+};
 pub use opentelemetry::metrics::Meter;
 
 #[derive(Debug, thiserror::Error)]
