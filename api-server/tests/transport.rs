@@ -1,6 +1,6 @@
 //! The gRPC listener against real clients on loopback: TLS and mutual TLS with certificate
 //! reloads, and the transport limits (HTTP/2 stream cap, message caps on every service, the
-//! preface deadline, the per-IP connection cap).
+//! preface deadline, the idle timeout, the per-IP connection cap).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::time::Duration;
@@ -280,4 +280,20 @@ async fn the_per_ip_cap_refuses_the_next_connection() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert!(served, "the freed place was never given back");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_idle_connection_is_closed_though_it_answers_pings() {
+    let app = spawn(&[
+        ("GRPC_REQUEST_TIMEOUT_SECS", "3".to_owned()),
+        ("GRPC_IDLE_TIMEOUT_MS", "3500".to_owned()),
+        ("GRPC_KEEPALIVE_INTERVAL_SECS", "1".to_owned()),
+    ])
+    .await;
+    let tcp = TcpStream::connect(app.addr).await.unwrap();
+    // h2 answers the server's keepalive PINGs by itself; the client opens no stream.
+    let (client, connection) = h2::client::handshake(tcp).await.unwrap();
+    let closed = tokio::time::timeout(Duration::from_secs(60), connection).await;
+    assert!(closed.is_ok(), "an idle connection was kept open");
+    drop(client);
 }
