@@ -1,7 +1,7 @@
 //! Configuration, read once from the environment at start-up into typed structs. Every variable
 //! is documented with its default in the README's configuration table.
 
-use std::{fmt, net::SocketAddr, str::FromStr, time::Duration};
+use std::{fmt, net::SocketAddr, path::PathBuf, str::FromStr, time::Duration};
 
 pub use telemetry::Secret;
 
@@ -23,6 +23,50 @@ pub struct Config {
     pub serving: ServingConfig,
     /// Per-user limits of this process (see `crate::limits`).
     pub limits: LimitsConfig,
+    pub transport: TransportConfig,
+    /// Set: the gRPC listener speaks TLS only.
+    pub tls: Option<TlsConfig>,
+}
+
+/// The gRPC listener's limits: what one peer, or many, may hold open (see `listener`).
+#[derive(Clone, Copy, Debug)]
+pub struct TransportConfig {
+    /// Advertised in HTTP/2 SETTINGS: streams one connection may have open at once.
+    pub max_concurrent_streams: u32,
+    /// Open connections in all; more are closed right after accept.
+    pub max_connections: usize,
+    /// Open connections from one peer IP address; more are closed right after accept.
+    pub max_connections_per_ip: usize,
+    /// A connection must complete the TLS handshake (if any) and send the HTTP/2 preface within
+    /// this, or it is closed.
+    pub preface_timeout: Duration,
+    /// HTTP/2 PING interval, and how long an unanswered PING waits before the connection closes.
+    pub keepalive_interval: Duration,
+    pub keepalive_timeout: Duration,
+    /// A connection whose peer opens no stream and sends no data for this long is closed.
+    pub idle_timeout: Duration,
+    /// After this a connection is asked to go away (GOAWAY) and given `max_connection_age_grace`
+    /// to finish its calls before it is closed.
+    pub max_connection_age: Duration,
+    pub max_connection_age_grace: Duration,
+    /// Idle time before the kernel's TCP keepalive probes start.
+    pub tcp_keepalive: Duration,
+    /// Longest a call may run before it is answered CANCELLED (tonic's server timeout).
+    pub request_timeout: Duration,
+    /// Streams the peer made the server reset (protocol errors) before the connection is closed
+    /// with GOAWAY: h2's reset-flood protection.
+    pub max_local_error_reset_streams: usize,
+}
+
+/// PEM files for the gRPC listener. Re-read on SIGHUP and when their modification times change.
+#[derive(Clone, Debug)]
+pub struct TlsConfig {
+    pub cert_path: PathBuf,
+    pub key_path: PathBuf,
+    /// Set: clients must present a certificate signed by one of these CAs (mutual TLS).
+    pub client_ca_path: Option<PathBuf>,
+    /// How often the files' modification times are compared.
+    pub reload_interval: Duration,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -160,6 +204,32 @@ impl Config {
                 drain_delay: Duration::from_millis(vars.parse("SHUTDOWN_DRAIN_DELAY_MS", 0)?),
             },
             limits: limits(&vars)?,
+            transport: TransportConfig {
+                max_concurrent_streams: vars.parse("GRPC_MAX_CONCURRENT_STREAMS", 128)?,
+                max_connections: vars.parse("GRPC_MAX_CONNECTIONS", 10_000)?,
+                max_connections_per_ip: vars.parse("GRPC_MAX_CONNECTIONS_PER_IP", 256)?,
+                preface_timeout: Duration::from_millis(
+                    vars.parse("GRPC_PREFACE_TIMEOUT_MS", 10_000)?,
+                ),
+                keepalive_interval: Duration::from_secs(
+                    vars.parse("GRPC_KEEPALIVE_INTERVAL_SECS", 60)?,
+                ),
+                keepalive_timeout: Duration::from_secs(
+                    vars.parse("GRPC_KEEPALIVE_TIMEOUT_SECS", 20)?,
+                ),
+                idle_timeout: Duration::from_millis(vars.parse("GRPC_IDLE_TIMEOUT_MS", 300_000)?),
+                max_connection_age: Duration::from_secs(
+                    vars.parse("GRPC_MAX_CONNECTION_AGE_SECS", 1800)?,
+                ),
+                max_connection_age_grace: Duration::from_secs(
+                    vars.parse("GRPC_MAX_CONNECTION_AGE_GRACE_SECS", 60)?,
+                ),
+                tcp_keepalive: Duration::from_secs(vars.parse("GRPC_TCP_KEEPALIVE_SECS", 60)?),
+                request_timeout: Duration::from_secs(vars.parse("GRPC_REQUEST_TIMEOUT_SECS", 120)?),
+                max_local_error_reset_streams: vars
+                    .parse("GRPC_MAX_LOCAL_ERROR_RESET_STREAMS", 1024)?,
+            },
+            tls: tls_config(&vars)?,
             internal_api_token: lookup("INTERNAL_API_TOKEN")
                 .filter(|token| !token.is_empty())
                 .map(Secret::new),
@@ -174,6 +244,7 @@ impl Config {
                 reason: "must be at least 32 characters".into(),
             });
         }
+        config.transport.validate(config.stripe.timeout)?;
         if config.database.pool_size == 0 {
             return Err(ConfigError::Invalid {
                 name: "DATABASE_POOL_SIZE",
@@ -221,6 +292,85 @@ fn limits(vars: &Vars<'_>) -> Result<LimitsConfig, ConfigError> {
         unknown_token_ttl: Duration::from_millis(vars.parse("UNKNOWN_TOKEN_CACHE_TTL_MS", 60_000)?),
         unknown_token_capacity: vars.parse("UNKNOWN_TOKEN_CACHE_SIZE", 10_000)?,
     })
+}
+
+impl TransportConfig {
+    fn validate(&self, stripe_timeout: Duration) -> Result<(), ConfigError> {
+        let positive = [
+            (
+                "GRPC_MAX_CONCURRENT_STREAMS",
+                self.max_concurrent_streams == 0,
+            ),
+            ("GRPC_MAX_CONNECTIONS", self.max_connections == 0),
+            (
+                "GRPC_MAX_CONNECTIONS_PER_IP",
+                self.max_connections_per_ip == 0,
+            ),
+            ("GRPC_PREFACE_TIMEOUT_MS", self.preface_timeout.is_zero()),
+            (
+                "GRPC_KEEPALIVE_INTERVAL_SECS",
+                self.keepalive_interval.is_zero(),
+            ),
+            (
+                "GRPC_KEEPALIVE_TIMEOUT_SECS",
+                self.keepalive_timeout.is_zero(),
+            ),
+            ("GRPC_TCP_KEEPALIVE_SECS", self.tcp_keepalive.is_zero()),
+            (
+                "GRPC_MAX_LOCAL_ERROR_RESET_STREAMS",
+                self.max_local_error_reset_streams == 0,
+            ),
+        ];
+        if let Some((name, _)) = positive.into_iter().find(|(_, zero)| *zero) {
+            return Err(ConfigError::Invalid {
+                name,
+                reason: "must be at least 1".into(),
+            });
+        }
+        // A CreateRide may wait on the provider for the whole Stripe timeout: cutting it short
+        // would leave its key locked until the lock times out.
+        if self.request_timeout <= stripe_timeout {
+            return Err(ConfigError::Invalid {
+                name: "GRPC_REQUEST_TIMEOUT_SECS",
+                reason: "must be longer than STRIPE_TIMEOUT_MS".into(),
+            });
+        }
+        // The idle timer does not see calls in flight, only what the peer sends: a call may not
+        // outlive it, or a peer waiting quietly on a slow answer would be cut off.
+        if self.idle_timeout <= self.request_timeout {
+            return Err(ConfigError::Invalid {
+                name: "GRPC_IDLE_TIMEOUT_MS",
+                reason: "must be longer than GRPC_REQUEST_TIMEOUT_SECS".into(),
+            });
+        }
+        Ok(())
+    }
+}
+
+fn tls_config(vars: &Vars<'_>) -> Result<Option<TlsConfig>, ConfigError> {
+    let path = |name: &str| (vars.0)(name).filter(|value| !value.is_empty());
+    let reload_interval = Duration::from_secs(vars.parse::<u64>("GRPC_TLS_RELOAD_SECS", 5)?.max(1));
+    match (path("GRPC_TLS_CERT"), path("GRPC_TLS_KEY")) {
+        (Some(cert), Some(key)) => Ok(Some(TlsConfig {
+            cert_path: cert.into(),
+            key_path: key.into(),
+            client_ca_path: path("GRPC_TLS_CLIENT_CA").map(PathBuf::from),
+            reload_interval,
+        })),
+        (None, None) if path("GRPC_TLS_CLIENT_CA").is_some() => Err(ConfigError::Invalid {
+            name: "GRPC_TLS_CLIENT_CA",
+            reason: "needs GRPC_TLS_CERT and GRPC_TLS_KEY".into(),
+        }),
+        (None, None) => Ok(None),
+        (Some(_), None) => Err(ConfigError::Invalid {
+            name: "GRPC_TLS_KEY",
+            reason: "must be set with GRPC_TLS_CERT".into(),
+        }),
+        (None, Some(_)) => Err(ConfigError::Invalid {
+            name: "GRPC_TLS_CERT",
+            reason: "must be set with GRPC_TLS_KEY".into(),
+        }),
+    }
 }
 
 struct Vars<'a>(&'a dyn Fn(&str) -> Option<String>);
@@ -306,6 +456,23 @@ mod tests {
                 unknown_token_capacity: 10_000,
             }
         );
+        let transport = config.transport;
+        assert_eq!(transport.max_concurrent_streams, 128);
+        assert_eq!(transport.max_connections, 10_000);
+        assert_eq!(transport.max_connections_per_ip, 256);
+        assert_eq!(transport.preface_timeout, Duration::from_secs(10));
+        assert_eq!(transport.keepalive_interval, Duration::from_secs(60));
+        assert_eq!(transport.keepalive_timeout, Duration::from_secs(20));
+        assert_eq!(transport.idle_timeout, Duration::from_secs(300));
+        assert_eq!(transport.max_connection_age, Duration::from_secs(1800));
+        assert_eq!(transport.max_connection_age_grace, Duration::from_secs(60));
+        assert_eq!(transport.tcp_keepalive, Duration::from_secs(60));
+        assert_eq!(transport.request_timeout, Duration::from_secs(120));
+        assert_eq!(transport.max_local_error_reset_streams, 1024);
+        assert!(
+            config.tls.is_none(),
+            "plaintext unless certificates are set"
+        );
     }
 
     #[test]
@@ -317,6 +484,20 @@ mod tests {
             (vec![("RIDE_PRICE_CURRENCY", "USD")], "RIDE_PRICE_CURRENCY"),
             (vec![("GRPC_LISTEN_ADDR", "nowhere")], "GRPC_LISTEN_ADDR"),
             (vec![("INTERNAL_API_TOKEN", "short")], "INTERNAL_API_TOKEN"),
+            (vec![("GRPC_MAX_CONNECTIONS", "0")], "GRPC_MAX_CONNECTIONS"),
+            (
+                vec![("GRPC_REQUEST_TIMEOUT_SECS", "30")],
+                "GRPC_REQUEST_TIMEOUT_SECS",
+            ),
+            (
+                vec![("GRPC_IDLE_TIMEOUT_MS", "60000")],
+                "GRPC_IDLE_TIMEOUT_MS",
+            ),
+            (vec![("GRPC_TLS_CERT", "/tls/cert.pem")], "GRPC_TLS_KEY"),
+            (
+                vec![("GRPC_TLS_CLIENT_CA", "/tls/ca.pem")],
+                "GRPC_TLS_CLIENT_CA",
+            ),
             (
                 vec![("RATE_LIMIT_CREATE_PER_SEC", "0")],
                 "RATE_LIMIT_CREATE_PER_SEC",

@@ -2,6 +2,8 @@
 //!
 //! Layout, from the outside in:
 //! - [`server`]: assembles tonic with health and reflection, and drains on shutdown.
+//! - [`listener`]: the accept pipeline in front of tonic: connection caps, handshake and preface
+//!   deadline, idle timeout; [`tls`]: certificates, reloaded without dropping connections.
 //! - [`grpc`]: the transport. Metadata and messages in, `Status` and responses out.
 //! - [`rides`]: CreateRide as a state machine over recovery points (the domain).
 //! - [`idempotency`]: the engine underneath: key claims, fenced atomic phases, retries.
@@ -17,16 +19,18 @@ pub mod fault;
 pub mod grpc;
 pub mod idempotency;
 pub mod limits;
+pub mod listener;
 pub mod metrics;
 pub mod payments;
 pub mod rides;
 pub mod server;
 #[cfg(feature = "testing")]
 pub mod testing;
+pub mod tls;
 
 use std::sync::Arc;
 
-use config::{Config, Secret, ServingConfig};
+use config::{Config, Secret, ServingConfig, TlsConfig, TransportConfig};
 use limits::LimitsConfig;
 use payments::StripeClient;
 use rides::Rides;
@@ -38,6 +42,8 @@ pub struct App {
     pub internal_api_token: Option<Secret>,
     pub serving: ServingConfig,
     pub limits: LimitsConfig,
+    pub transport: TransportConfig,
+    pub tls: Option<TlsConfig>,
     /// Reports pool usage while the app lives.
     _pool_gauge: opentelemetry::metrics::ObservableGauge<u64>,
 }
@@ -60,6 +66,8 @@ impl App {
             internal_api_token: config.internal_api_token.clone(),
             serving: config.serving,
             limits: config.limits,
+            transport: config.transport,
+            tls: config.tls.clone(),
         })
     }
 }

@@ -76,6 +76,7 @@ async fn run(cli: Cli, telemetry: &telemetry::Telemetry) -> anyhow::Result<()> {
             }
         }
         Command::Serve => {
+            raise_open_file_limit();
             let app = App::from_config(&config).context("cannot build the service")?;
             let listener = tokio::net::TcpListener::bind(config.grpc_listen_addr)
                 .await
@@ -125,6 +126,26 @@ async fn run(cli: Cli, telemetry: &telemetry::Telemetry) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// Raises the soft limit on open files to the hard limit: every connection is a descriptor, and
+/// a pod cannot set its limits (Kubernetes has no rlimit field), while container runtimes leave
+/// a low soft limit under a high hard one. The limits in force are logged.
+fn raise_open_file_limit() {
+    use rustix::process::{Resource, getrlimit, setrlimit};
+    let limit = getrlimit(Resource::Nofile);
+    let raised = rustix::process::Rlimit {
+        current: limit.maximum,
+        maximum: limit.maximum,
+    };
+    match setrlimit(Resource::Nofile, raised) {
+        Ok(()) => {
+            tracing::info!(open_files = ?limit.maximum, "open-file limit raised to the hard limit")
+        }
+        Err(error) => {
+            tracing::warn!(%error, soft = ?limit.current, hard = ?limit.maximum, "cannot raise the open-file limit");
+        }
+    }
 }
 
 /// Completes on SIGINT or SIGTERM.

@@ -23,6 +23,11 @@ pub struct Metrics {
     pub serialization_retries: Counter<u64>,
     /// Requests decided by one batched statement, by statement.
     pub batch_size: Histogram<u64>,
+    /// gRPC connections closed by the listener before tonic saw them, by `reason`
+    /// (`max_connections`, `max_connections_per_ip`, `preface_timeout`, `handshake_failed`).
+    pub connections_refused: Counter<u64>,
+    /// TLS certificate reloads, by `outcome` (`reloaded`, `failed`).
+    pub tls_reloads: Counter<u64>,
 }
 
 static METRICS: LazyLock<Metrics> = LazyLock::new(|| {
@@ -60,6 +65,14 @@ static METRICS: LazyLock<Metrics> = LazyLock::new(|| {
             .with_unit("{request}")
             .with_description("Requests decided by one batched statement")
             .with_boundaries(vec![1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0])
+            .build(),
+        connections_refused: meter
+            .u64_counter("rpc.server.connections.refused")
+            .with_description("gRPC connections closed before HTTP/2, by reason")
+            .build(),
+        tls_reloads: meter
+            .u64_counter("rides.tls.reloads")
+            .with_description("Reloads of the gRPC listener's TLS certificates, by outcome")
             .build(),
     }
 });

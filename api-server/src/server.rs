@@ -5,15 +5,22 @@ use std::future::Future;
 
 use proto::v1::ride_service_server::RideServiceServer;
 use tokio::net::TcpListener;
-use tokio_stream::wrappers::TcpListenerStream;
 use tokio_util::task::TaskTracker;
 use tonic_health::ServingStatus;
 
-use crate::{App, grpc::RideApi};
+use crate::{
+    App,
+    grpc::RideApi,
+    listener,
+    tls::{TlsError, TlsReloader},
+};
 
 /// Largest request accepted. A CreateRideRequest is about 40 bytes; anything near this limit is
 /// not a ride.
 pub const MAX_REQUEST_BYTES: usize = 16 * 1024;
+/// Streams a peer may open and reset at once before the connection is closed (h2's own default,
+/// which tonic turns off): the "rapid reset" flood.
+const MAX_PENDING_ACCEPT_RESET_STREAMS: usize = 20;
 /// Largest metadata (all headers of one call) accepted. A call carries a token, a key of at most
 /// 255 characters and a trace context: a few hundred bytes.
 pub const MAX_METADATA_BYTES: u32 = 16 * 1024;
@@ -22,11 +29,13 @@ pub const MAX_METADATA_BYTES: u32 = 16 * 1024;
 pub enum ServeError {
     #[error("cannot build the reflection service")]
     Reflection(#[from] tonic_reflection::server::Error),
+    #[error("cannot load the TLS certificates")]
+    Tls(#[from] TlsError),
     #[error("the gRPC server failed")]
     Transport(#[from] tonic::transport::Error),
 }
 
-/// Serves on `listener` until `shutdown` completes, then drains: health turns NOT_SERVING, no
+/// Serves on `listener` (in TLS if the app has certificates) until `shutdown` completes, then drains: health turns NOT_SERVING, no
 /// new connections are accepted, in-flight requests finish (each ends by finishing or unlocking
 /// its key), and this returns once the last CreateRide task is done.
 pub async fn serve(
@@ -45,6 +54,8 @@ pub async fn serve(
     };
     let reflection_v1 = reflection().build_v1()?;
     let reflection_v1alpha = reflection().build_v1alpha()?;
+    // Loaded before anything is served: bad certificates stop the start-up.
+    let tls = app.tls.clone().map(TlsReloader::load).transpose()?;
     let tasks = TaskTracker::new();
     let serving = app.serving;
     let monitor = tokio::spawn(watch_database(
@@ -52,8 +63,14 @@ pub async fn serve(
         health.clone(),
         serving.health_check_interval,
     ));
+    let transport = app.transport;
     let rides_service = RideServiceServer::new(RideApi::new(app, tasks.clone()))
         .max_decoding_message_size(MAX_REQUEST_BYTES);
+    // Health and reflection answer without a token: the same cap, or anyone could make the
+    // server buffer tonic's default of 4 MiB per call.
+    let health_service = health_service.max_decoding_message_size(MAX_REQUEST_BYTES);
+    let reflection_v1 = reflection_v1.max_decoding_message_size(MAX_REQUEST_BYTES);
+    let reflection_v1alpha = reflection_v1alpha.max_decoding_message_size(MAX_REQUEST_BYTES);
 
     let draining = async move {
         shutdown.await;
@@ -64,14 +81,39 @@ pub async fn serve(
         tokio::time::sleep(serving.drain_delay).await;
         tracing::info!("draining in-flight requests");
     };
-    tonic::transport::Server::builder()
+    let router = tonic::transport::Server::builder()
         .http2_max_header_list_size(MAX_METADATA_BYTES)
+        .max_concurrent_streams(transport.max_concurrent_streams)
+        .http2_keepalive_interval(Some(transport.keepalive_interval))
+        .http2_keepalive_timeout(Some(transport.keepalive_timeout))
+        .http2_max_local_error_reset_streams(Some(transport.max_local_error_reset_streams))
+        .http2_max_pending_accept_reset_streams(Some(MAX_PENDING_ACCEPT_RESET_STREAMS))
+        .max_connection_age(transport.max_connection_age)
+        .max_connection_age_grace(transport.max_connection_age_grace)
+        .timeout(transport.request_timeout)
         .add_service(health_service)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)
-        .add_service(rides_service)
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), draining)
-        .await?;
+        .add_service(rides_service);
+    match tls {
+        None => {
+            let incoming = listener::incoming(listener, transport, |tcp| async { Ok(tcp) });
+            router
+                .serve_with_incoming_shutdown(incoming, draining)
+                .await?;
+        }
+        Some(tls) => {
+            let watcher = tls.spawn_watcher();
+            let incoming = listener::incoming(listener, transport, move |tcp| {
+                tokio_rustls::TlsAcceptor::from(tls.current()).accept(tcp)
+            });
+            let served = router
+                .serve_with_incoming_shutdown(incoming, draining)
+                .await;
+            watcher.abort();
+            served?;
+        }
+    }
     tasks.close();
     tasks.wait().await;
     Ok(())

@@ -8,6 +8,8 @@
 //!   AMQP headers ([`inject_current`], [`extract`]).
 //! - Metrics: OpenTelemetry instruments (see [`meter`]), exported over OTLP when configured and
 //!   always readable in the Prometheus text format on `METRICS_LISTEN_ADDR` ([`serve_metrics`]).
+//! - Listeners: [`accept`] is every TCP listener's accept loop (back-off when out of descriptors)
+//!   and its caps on open connections; the metrics endpoint caps connections and header time.
 //! - Logs: `RUST_LOG` filtering, JSON lines when `LOG_FORMAT=json`. Each request's or job's root
 //!   span records `trace_id`, so every line logged inside it carries the trace id.
 //!
@@ -31,9 +33,12 @@ use tracing_subscriber::{
     layer::{Filter, SubscriberExt},
 };
 
+pub mod accept;
 mod metrics_endpoint;
 
-pub use metrics_endpoint::{metrics_addr, serve_metrics};
+pub use metrics_endpoint::{
+    MetricsServerLimits, metrics_addr, serve_metrics, serve_metrics_with_limits,
+};
 pub use opentelemetry::metrics::Meter;
 
 #[derive(Debug, thiserror::Error)]
