@@ -21,7 +21,9 @@
 # WARMUP_SECS (unrecorded pgbench load on the fresh database before any measured window,
 # default 10; 0 skips it).
 # API_SERVER_BIN (the api-server binary to measure, default target/release/api-server: for A/B
-# runs of another build). Traffic goes to 127.0.0.1 only.
+# runs of another build), ENQUEUER_BIN (the workers binary the enqueuer scenario drains with,
+# default target/release/workers; an older build works against the newer schema, so the same
+# database serves both sides). Traffic goes to 127.0.0.1 only.
 set -euo pipefail
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO_ROOT"
@@ -102,6 +104,7 @@ cargo build --release --quiet -p api-server -p workers -p fake-stripe -p bench
 BIN="$REPO_ROOT/target/release"
 # A/B comparisons: another build's api-server against the same stack and database.
 API_SERVER_BIN=${API_SERVER_BIN:-$BIN/api-server}
+ENQUEUER_BIN=${ENQUEUER_BIN:-$BIN/workers}
 
 declare -A PIDS=()
 cleanup() {
@@ -298,7 +301,7 @@ if wants enqueuer; then
   psql_db -c "VACUUM ANALYZE staged_jobs" >/dev/null
   load=$(la); t0=$(now); passes=0
   while [ "$(count 'SELECT count(*) FROM staged_jobs')" -gt 0 ] && [ $passes -lt 20 ]; do
-    AMQP_TOPOLOGY_PREFIX="$AMQP_TOPOLOGY_PREFIX-enq" "$BIN/workers" enqueuer --once >>"$OUT/logs/enqueuer.log" 2>&1
+    AMQP_TOPOLOGY_PREFIX="$AMQP_TOPOLOGY_PREFIX-enq" "$ENQUEUER_BIN" enqueuer --once >>"$OUT/logs/enqueuer.log" 2>&1
     passes=$((passes + 1))
   done
   t1=$(now)
