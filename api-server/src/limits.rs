@@ -35,6 +35,19 @@ use std::{
     time::{Duration, Instant},
 };
 
+/// The settings that lift every per-user limit, for callers that are not real users: the test
+/// harness, and the reliability campaign's closed-loop clients (hundreds of calls per second per
+/// user, many of them declined), which prove exactly-once under crashes, not the limits.
+/// `bench/run.sh` sets the same variables in shell.
+pub const LIFTED: &[(&str, &str)] = &[
+    ("RATE_LIMIT_CREATE_PER_SEC", "1000000"),
+    ("RATE_LIMIT_CREATE_BURST", "1000000"),
+    ("RATE_LIMIT_GET_PER_SEC", "1000000"),
+    ("RATE_LIMIT_GET_BURST", "1000000"),
+    ("MAX_CONCURRENT_CREATES_PER_USER", "1000000"),
+    ("DECLINE_BUDGET_PER_10_MIN", "1000000"),
+];
+
 /// How long the decline budget's window lasts.
 pub const DECLINE_WINDOW: Duration = Duration::from_secs(600);
 /// How often the bucket table is swept of idle callers.

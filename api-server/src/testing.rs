@@ -35,14 +35,7 @@ pub const GOOD_CARD: &str = "pm_card_visa";
 pub const INTERNAL_API_TOKEN: &str = "internal-test-token-0123456789abcdef";
 
 /// The per-user limits every TestApp starts with: high enough never to refuse a test's calls.
-pub const UNLIMITED: &[(&str, &str)] = &[
-    ("RATE_LIMIT_CREATE_PER_SEC", "1000000"),
-    ("RATE_LIMIT_CREATE_BURST", "1000000"),
-    ("RATE_LIMIT_GET_PER_SEC", "1000000"),
-    ("RATE_LIMIT_GET_BURST", "1000000"),
-    ("MAX_CONCURRENT_CREATES_PER_USER", "1000000"),
-    ("DECLINE_BUDGET_PER_10_MIN", "1000000"),
-];
+pub const UNLIMITED: &[(&str, &str)] = crate::limits::LIFTED;
 
 pub struct TestApp {
     pub db: TestDatabase,

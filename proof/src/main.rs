@@ -963,14 +963,6 @@ async fn campaign(args: Args) -> anyhow::Result<bool> {
         ("STRIPE_TIMEOUT_MS", "2000"),
         ("IDEMPOTENCY_LOCK_TIMEOUT_SECS", LOCK_TIMEOUT_SECS),
         ("INTERNAL_API_TOKEN", internal_token.as_str()),
-        // The campaign's clients run closed loops (hundreds of calls per second per user, many
-        // declines) to prove exactly-once under crashes, not the per-user limits: lifted here.
-        ("RATE_LIMIT_CREATE_PER_SEC", "1000000"),
-        ("RATE_LIMIT_CREATE_BURST", "1000000"),
-        ("RATE_LIMIT_GET_PER_SEC", "1000000"),
-        ("RATE_LIMIT_GET_BURST", "1000000"),
-        ("MAX_CONCURRENT_CREATES_PER_USER", "1000000"),
-        ("DECLINE_BUDGET_PER_10_MIN", "1000000"),
         ("METRICS_LISTEN_ADDR", "off"),
         ("RUST_LOG", "info"),
         ("AMQP_URL", amqp_url.as_str()),
@@ -994,6 +986,9 @@ async fn campaign(args: Args) -> anyhow::Result<bool> {
         ("COMPLETER_BATCH_SIZE", "200"),
     ]
     .iter()
+    // The campaign's clients run closed loops to prove exactly-once under crashes, not the
+    // per-user limits: lifted.
+    .chain(api_server::limits::LIFTED)
     .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
     .collect();
 
