@@ -223,18 +223,19 @@ impl Limiter {
     ) -> Result<T, Refusal> {
         let now = Instant::now();
         let mut buckets = locked(&self.buckets);
-        let due = now.saturating_duration_since(buckets.last_sweep) >= SWEEP_INTERVAL;
-        let full = buckets.callers.len() >= self.config.max_tracked_callers
-            && !buckets.callers.contains_key(&caller);
+        // No room for a caller the table does not hold yet.
+        let no_room = |buckets: &Buckets| {
+            buckets.callers.len() >= self.config.max_tracked_callers
+                && !buckets.callers.contains_key(&caller)
+        };
+        let since_sweep = now.saturating_duration_since(buckets.last_sweep);
         // A full table is swept at most once a second, so a flood cannot make every call O(n).
-        if due
-            || (full && now.saturating_duration_since(buckets.last_sweep) >= Duration::from_secs(1))
+        if since_sweep >= SWEEP_INTERVAL
+            || (no_room(&buckets) && since_sweep >= Duration::from_secs(1))
         {
             self.sweep(&mut buckets, now);
         }
-        if buckets.callers.len() >= self.config.max_tracked_callers
-            && !buckets.callers.contains_key(&caller)
-        {
+        if no_room(&buckets) {
             return Err(Refusal {
                 retry_after: RETRY_SOON,
             });

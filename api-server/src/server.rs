@@ -35,9 +35,10 @@ pub enum ServeError {
     Transport(#[from] tonic::transport::Error),
 }
 
-/// Serves on `listener` (in TLS if the app has certificates) until `shutdown` completes, then drains: health turns NOT_SERVING, no
-/// new connections are accepted, in-flight requests finish (each ends by finishing or unlocking
-/// its key), and this returns once the last CreateRide task is done.
+/// Serves on `listener` (in TLS if the app has certificates) until `shutdown` completes, then
+/// drains: health turns NOT_SERVING, no new connections are accepted, in-flight requests finish
+/// (each ends by finishing or unlocking its key), and this returns once the last CreateRide task
+/// is done.
 pub async fn serve(
     listener: TcpListener,
     app: App,

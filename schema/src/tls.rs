@@ -129,26 +129,15 @@ pub async fn connect(url: &str) -> ConnectionResult<AsyncPgConnection> {
     let (client, connection) = config
         .connect(connector)
         .await
-        .map_err(|error| bad("cannot connect", with_sources(&error)))?;
+        // tokio-postgres's own message is only "error performing TLS handshake"; the cause (an
+        // unknown issuer, a name mismatch) is what an operator needs.
+        .map_err(|error| bad("cannot connect", telemetry::error_chain(&error)))?;
     AsyncPgConnection::try_from_client_and_connection(client, connection).await
 }
 
 /// The boxed form [`diesel_async::pooled_connection::ManagerConfig::custom_setup`] takes.
 pub(crate) fn connect_boxed(url: &str) -> BoxFuture<'_, ConnectionResult<AsyncPgConnection>> {
     Box::pin(connect(url))
-}
-
-/// tokio-postgres's message without its cause is "error performing TLS handshake"; the cause
-/// (an unknown issuer, a name mismatch) is what an operator needs.
-fn with_sources(error: &dyn std::error::Error) -> String {
-    let mut message = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        message.push_str(": ");
-        message.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    message
 }
 
 fn bad(context: &str, error: impl std::fmt::Display) -> ConnectionError {
@@ -159,15 +148,14 @@ fn client_config(tls: &TlsParams) -> ConnectionResult<ClientConfig> {
     let provider = Arc::new(ring::default_provider());
     let verifier: Arc<dyn ServerCertVerifier> = match (&tls.root_cert, tls.verify) {
         (Some(path), Verify::Ca | Verify::Full) => {
+            let unusable = |error: &dyn std::fmt::Display| {
+                bad(&format!("sslrootcert {}", path.display()), error)
+            };
             let mut roots = RootCertStore::empty();
-            for cert in CertificateDer::pem_file_iter(path)
-                .map_err(|error| bad(&format!("sslrootcert {}", path.display()), error))?
-            {
-                let cert =
-                    cert.map_err(|error| bad(&format!("sslrootcert {}", path.display()), error))?;
+            for cert in CertificateDer::pem_file_iter(path).map_err(|e| unusable(&e))? {
                 roots
-                    .add(cert)
-                    .map_err(|error| bad(&format!("sslrootcert {}", path.display()), error))?;
+                    .add(cert.map_err(|e| unusable(&e))?)
+                    .map_err(|e| unusable(&e))?;
             }
             let webpki =
                 WebPkiServerVerifier::builder_with_provider(Arc::new(roots), provider.clone())

@@ -154,9 +154,12 @@ impl RideApi {
     /// choose the trace id and the sampling decision. The internal credential is authenticated in
     /// memory; a user token needs a lookup unless it was authenticated lately, and only when the
     /// call carries a trace context at all. An unknown token is refused here.
-    async fn trusts_trace(&self, caller: Caller, metadata: &MetadataMap) -> Result<bool, Status> {
-        let parent = telemetry::extract(&MetadataExtractor(metadata));
-        if !parent.span().span_context().is_valid() {
+    async fn trusts_trace(
+        &self,
+        caller: Caller,
+        caller_trace: &opentelemetry::Context,
+    ) -> Result<bool, Status> {
+        if !caller_trace.span().span_context().is_valid() {
             return Ok(false);
         }
         let Caller::Token(digest) = caller else {
@@ -299,10 +302,10 @@ impl opentelemetry::propagation::Extractor for MetadataExtractor<'_> {
     }
 }
 
-/// The server span of one RPC. It continues the caller's `traceparent` only if `trusted` (an
+/// The server span of one RPC. It continues the caller's trace context only if `trusted` (an
 /// authenticated caller); otherwise it is a root, linked to the caller's context. The parent must
 /// be chosen here, before the span is first entered.
-fn rpc_span(method: &'static str, metadata: &MetadataMap, trusted: bool) -> Span {
+fn rpc_span(method: &'static str, caller_trace: opentelemetry::Context, trusted: bool) -> Span {
     let span = tracing::info_span!(
         "rpc",
         otel.name = %format_args!("rides.v1.RideService/{method}"),
@@ -317,16 +320,15 @@ fn rpc_span(method: &'static str, metadata: &MetadataMap, trusted: bool) -> Span
         rides.idempotency_key = field::Empty,
         rides.replayed = field::Empty,
     );
-    if trusted {
-        telemetry::continue_trace(&span, &MetadataExtractor(metadata));
-    } else {
-        let caller = telemetry::extract(&MetadataExtractor(metadata));
-        let caller = caller.span().span_context().clone();
-        if caller.is_valid() {
+    let caller = caller_trace.span().span_context().clone();
+    if caller.is_valid() {
+        if trusted {
+            let _ = span.set_parent(caller_trace);
+        } else {
             span.add_link(caller);
         }
-        telemetry::record_trace_id(&span);
     }
+    telemetry::record_trace_id(&span);
     span
 }
 
@@ -368,16 +370,9 @@ impl RideService for RideApi {
         request: Request<CreateRideRequest>,
     ) -> Result<Response<CreateRideResponse>, Status> {
         let admitted = self.admit_create(request.metadata());
-        let trusted = match &admitted {
-            Ok(admitted) => self.trusts_trace(admitted.caller, request.metadata()).await,
-            Err(_) => Ok(false),
-        };
-        let span = rpc_span(
-            "CreateRide",
-            request.metadata(),
-            matches!(trusted, Ok(true)),
-        );
-        let admitted = trusted.and(admitted);
+        let (span, admitted) = self
+            .server_span("CreateRide", request.metadata(), admitted)
+            .await;
         traced(
             "CreateRide",
             span,
@@ -388,13 +383,29 @@ impl RideService for RideApi {
 
     async fn get_ride(&self, request: Request<GetRideRequest>) -> Result<Response<Ride>, Status> {
         let admitted = self.admit_get(request.metadata());
+        let (span, admitted) = self
+            .server_span("GetRide", request.metadata(), admitted)
+            .await;
+        traced("GetRide", span, self.get_ride_traced(request, admitted)).await
+    }
+}
+
+impl RideApi {
+    /// The RPC's server span, continuing the caller's trace only if the admitted caller is
+    /// authenticated; a token the trust check finds unknown turns the admission into a refusal.
+    async fn server_span<P>(
+        &self,
+        method: &'static str,
+        metadata: &MetadataMap,
+        admitted: Result<Admitted<P>, Status>,
+    ) -> (Span, Result<Admitted<P>, Status>) {
+        let caller_trace = telemetry::extract(&MetadataExtractor(metadata));
         let trusted = match &admitted {
-            Ok(admitted) => self.trusts_trace(admitted.caller, request.metadata()).await,
+            Ok(admitted) => self.trusts_trace(admitted.caller, &caller_trace).await,
             Err(_) => Ok(false),
         };
-        let span = rpc_span("GetRide", request.metadata(), matches!(trusted, Ok(true)));
-        let admitted = trusted.and(admitted);
-        traced("GetRide", span, self.get_ride_traced(request, admitted)).await
+        let span = rpc_span(method, caller_trace, matches!(trusted, Ok(true)));
+        (span, trusted.and(admitted))
     }
 }
 
