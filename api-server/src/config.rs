@@ -28,6 +28,9 @@ pub struct Config {
     pub tls: Option<TlsConfig>,
 }
 
+/// A peer's refusal budget holds this many seconds of its refill rate.
+const REFUSAL_BURST_SECS: f64 = 4.0;
+
 /// The gRPC listener's limits: what one peer, or many, may hold open (see `listener`).
 #[derive(Clone, Copy, Debug)]
 pub struct TransportConfig {
@@ -37,6 +40,10 @@ pub struct TransportConfig {
     pub max_connections: usize,
     /// Open connections from one peer IP address; more are closed right after accept.
     pub max_connections_per_ip: usize,
+    /// Calls of one peer address refused before the database (credentials, limits) that it may
+    /// earn before it is shut out (`crate::penalty`).
+    pub refusals_per_ip: Rate,
+    pub refusal_cooldown: Duration,
     /// A connection must complete the TLS handshake (if any) and send the HTTP/2 preface within
     /// this, or it is closed.
     pub preface_timeout: Duration,
@@ -208,6 +215,16 @@ impl Config {
                 max_concurrent_streams: vars.parse("GRPC_MAX_CONCURRENT_STREAMS", 128)?,
                 max_connections: vars.parse("GRPC_MAX_CONNECTIONS", 10_000)?,
                 max_connections_per_ip: vars.parse("GRPC_MAX_CONNECTIONS_PER_IP", 256)?,
+                refusals_per_ip: {
+                    let per_sec = vars.parse("GRPC_REFUSALS_PER_IP_PER_SEC", 50.0)?;
+                    Rate {
+                        per_sec,
+                        burst: (per_sec * REFUSAL_BURST_SECS).max(1.0),
+                    }
+                },
+                refusal_cooldown: Duration::from_secs(
+                    vars.parse("GRPC_REFUSAL_COOLDOWN_SECS", 10)?,
+                ),
                 preface_timeout: Duration::from_millis(
                     vars.parse("GRPC_PREFACE_TIMEOUT_MS", 10_000)?,
                 ),
@@ -283,7 +300,7 @@ fn limits(vars: &Vars<'_>) -> Result<LimitsConfig, ConfigError> {
         }
         Ok(rate)
     };
-    Ok(LimitsConfig {
+    let config = LimitsConfig {
         create: rate("RATE_LIMIT_CREATE_PER_SEC", "RATE_LIMIT_CREATE_BURST", 50.0)?,
         get: rate("RATE_LIMIT_GET_PER_SEC", "RATE_LIMIT_GET_BURST", 200.0)?,
         max_concurrent_creates: vars.parse("MAX_CONCURRENT_CREATES_PER_USER", 16)?,
@@ -291,7 +308,31 @@ fn limits(vars: &Vars<'_>) -> Result<LimitsConfig, ConfigError> {
         max_tracked_callers: vars.parse("RATE_LIMIT_MAX_TRACKED_USERS", 100_000)?,
         unknown_token_ttl: Duration::from_millis(vars.parse("UNKNOWN_TOKEN_CACHE_TTL_MS", 60_000)?),
         unknown_token_capacity: vars.parse("UNKNOWN_TOKEN_CACHE_SIZE", 10_000)?,
-    })
+        max_concurrent_token_lookups: vars.parse("MAX_CONCURRENT_TOKEN_LOOKUPS", 4)?,
+    };
+    // Zero would refuse every call (or every new key) of every user: never what was meant.
+    let zero = [
+        (
+            "MAX_CONCURRENT_CREATES_PER_USER",
+            config.max_concurrent_creates == 0,
+        ),
+        ("DECLINE_BUDGET_PER_10_MIN", config.decline_budget == 0),
+        (
+            "RATE_LIMIT_MAX_TRACKED_USERS",
+            config.max_tracked_callers == 0,
+        ),
+        (
+            "MAX_CONCURRENT_TOKEN_LOOKUPS",
+            config.max_concurrent_token_lookups == 0,
+        ),
+    ];
+    if let Some((name, _)) = zero.into_iter().find(|(_, zero)| *zero) {
+        return Err(ConfigError::Invalid {
+            name,
+            reason: "must be at least 1".into(),
+        });
+    }
+    Ok(config)
 }
 
 impl TransportConfig {
@@ -316,6 +357,18 @@ impl TransportConfig {
                 self.keepalive_timeout.is_zero(),
             ),
             ("GRPC_TCP_KEEPALIVE_SECS", self.tcp_keepalive.is_zero()),
+            (
+                "GRPC_REFUSALS_PER_IP_PER_SEC",
+                !(self.refusals_per_ip.per_sec.is_finite() && self.refusals_per_ip.per_sec > 0.0),
+            ),
+            (
+                "GRPC_REFUSAL_COOLDOWN_SECS",
+                self.refusal_cooldown.is_zero(),
+            ),
+            (
+                "GRPC_MAX_CONNECTION_AGE_SECS",
+                self.max_connection_age.is_zero(),
+            ),
             (
                 "GRPC_MAX_LOCAL_ERROR_RESET_STREAMS",
                 self.max_local_error_reset_streams == 0,
@@ -454,6 +507,7 @@ mod tests {
                 max_tracked_callers: 100_000,
                 unknown_token_ttl: Duration::from_secs(60),
                 unknown_token_capacity: 10_000,
+                max_concurrent_token_lookups: 4,
             }
         );
         let transport = config.transport;
@@ -469,6 +523,14 @@ mod tests {
         assert_eq!(transport.tcp_keepalive, Duration::from_secs(60));
         assert_eq!(transport.request_timeout, Duration::from_secs(120));
         assert_eq!(transport.max_local_error_reset_streams, 1024);
+        assert_eq!(
+            transport.refusals_per_ip,
+            Rate {
+                per_sec: 50.0,
+                burst: 200.0
+            }
+        );
+        assert_eq!(transport.refusal_cooldown, Duration::from_secs(10));
         assert!(
             config.tls.is_none(),
             "plaintext unless certificates are set"
@@ -485,6 +547,26 @@ mod tests {
             (vec![("GRPC_LISTEN_ADDR", "nowhere")], "GRPC_LISTEN_ADDR"),
             (vec![("INTERNAL_API_TOKEN", "short")], "INTERNAL_API_TOKEN"),
             (vec![("GRPC_MAX_CONNECTIONS", "0")], "GRPC_MAX_CONNECTIONS"),
+            (
+                vec![("GRPC_MAX_CONNECTION_AGE_SECS", "0")],
+                "GRPC_MAX_CONNECTION_AGE_SECS",
+            ),
+            (
+                vec![("MAX_CONCURRENT_CREATES_PER_USER", "0")],
+                "MAX_CONCURRENT_CREATES_PER_USER",
+            ),
+            (
+                vec![("DECLINE_BUDGET_PER_10_MIN", "0")],
+                "DECLINE_BUDGET_PER_10_MIN",
+            ),
+            (
+                vec![("RATE_LIMIT_MAX_TRACKED_USERS", "0")],
+                "RATE_LIMIT_MAX_TRACKED_USERS",
+            ),
+            (
+                vec![("MAX_CONCURRENT_TOKEN_LOOKUPS", "0")],
+                "MAX_CONCURRENT_TOKEN_LOOKUPS",
+            ),
             (
                 vec![("GRPC_REQUEST_TIMEOUT_SECS", "30")],
                 "GRPC_REQUEST_TIMEOUT_SECS",

@@ -22,6 +22,7 @@ pub mod limits;
 pub mod listener;
 pub mod metrics;
 pub mod payments;
+pub mod penalty;
 pub mod rides;
 pub mod server;
 #[cfg(feature = "testing")]

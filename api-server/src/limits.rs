@@ -46,6 +46,8 @@ pub const LIFTED: &[(&str, &str)] = &[
     ("RATE_LIMIT_GET_BURST", "1000000"),
     ("MAX_CONCURRENT_CREATES_PER_USER", "1000000"),
     ("DECLINE_BUDGET_PER_10_MIN", "1000000"),
+    ("MAX_CONCURRENT_TOKEN_LOOKUPS", "1000000"),
+    ("GRPC_REFUSALS_PER_IP_PER_SEC", "1000000"),
 ];
 
 /// How long the decline budget's window lasts.
@@ -74,6 +76,8 @@ pub struct LimitsConfig {
     /// (or restored) after it was tried is refused for at most this long.
     pub unknown_token_ttl: Duration,
     pub unknown_token_capacity: usize,
+    /// Calls with a token not verified lately that may run at once (each costs a lookup).
+    pub max_concurrent_token_lookups: usize,
 }
 
 /// Who a call's limits are kept for, known before the database.
@@ -92,13 +96,13 @@ pub struct Refusal {
 }
 
 #[derive(Clone, Copy, Debug)]
-struct Bucket {
+pub(crate) struct Bucket {
     tokens: f64,
     updated: Instant,
 }
 
 impl Bucket {
-    fn full(rate: Rate, now: Instant) -> Bucket {
+    pub(crate) fn full(rate: Rate, now: Instant) -> Bucket {
         Bucket {
             tokens: rate.burst,
             updated: now,
@@ -112,7 +116,7 @@ impl Bucket {
     }
 
     /// Takes one token, or says how long until one is there.
-    fn take(&mut self, rate: Rate, now: Instant) -> Result<(), Refusal> {
+    pub(crate) fn take(&mut self, rate: Rate, now: Instant) -> Result<(), Refusal> {
         self.refill(rate, now);
         if self.tokens >= 1.0 {
             self.tokens -= 1.0;
@@ -124,7 +128,7 @@ impl Bucket {
         })
     }
 
-    fn is_full(&self, rate: Rate, now: Instant) -> bool {
+    pub(crate) fn is_full(&self, rate: Rate, now: Instant) -> bool {
         let mut bucket = *self;
         bucket.refill(rate, now);
         bucket.tokens >= rate.burst
@@ -348,7 +352,14 @@ impl DigestCache {
                 inner.expires.remove(&oldest);
             }
         }
-        if inner.expires.get(&digest).is_some_and(|at| *at > now) {
+        // A digest still in use is kept: re-inserted once less than half its TTL is left, so an
+        // active user's token never drops out, and each digest takes at most two places in
+        // `order` per TTL.
+        if inner
+            .expires
+            .get(&digest)
+            .is_some_and(|at| at.saturating_duration_since(now) > self.ttl / 2)
+        {
             return;
         }
         let expires = now + self.ttl;
@@ -388,6 +399,7 @@ mod tests {
             max_tracked_callers: 2,
             unknown_token_ttl: Duration::from_secs(60),
             unknown_token_capacity: 2,
+            max_concurrent_token_lookups: 4,
         }
     }
 
@@ -458,6 +470,16 @@ mod tests {
         assert_eq!(cache.len(), 2);
         cache.remove(&[2; 32]);
         assert!(!cache.contains(&[2; 32]));
+    }
+
+    #[test]
+    fn the_digest_cache_keeps_a_digest_in_use_past_its_ttl() {
+        let cache = DigestCache::new(Duration::from_millis(200), 10);
+        cache.insert([1; 32]);
+        std::thread::sleep(Duration::from_millis(120));
+        cache.insert([1; 32]);
+        std::thread::sleep(Duration::from_millis(120));
+        assert!(cache.contains(&[1; 32]), "dropped while in use");
     }
 
     #[test]

@@ -2,14 +2,16 @@
 //! it has sent a single call is bounded here.
 //!
 //! 1. Accept, backing off when the process is out of descriptors (`telemetry::accept`).
-//! 2. Admit under the caps on open connections, in all and per peer IP; a connection over a cap
-//!    is closed at once and counted in `rpc.server.connections.refused`.
+//! 2. Refuse a peer shut out for its refused calls (`crate::penalty`); admit under the caps on
+//!    open connections, in all and per peer IP. A connection refused is closed at once and
+//!    counted in `rpc.server.connections.refused`.
 //! 3. TCP keepalive and no-delay on the socket.
 //! 4. In a task of its own, so a slow peer holds up nobody else: the TLS handshake (if any) and
 //!    the 24-byte HTTP/2 connection preface, both within `GRPC_PREFACE_TIMEOUT_MS`, else closed.
 //! 5. Handed to tonic as a [`Conn`], which replays the preface, closes the connection once the
-//!    peer has opened no stream and sent no data for `GRPC_IDLE_TIMEOUT_MS`, and gives its place
-//!    under the caps back when it closes.
+//!    peer has opened no stream and sent no data for `GRPC_IDLE_TIMEOUT_MS`, at its maximum age
+//!    and grace, or as soon as its peer is shut out, and gives its place under the caps back
+//!    when it closes.
 //!
 //! HTTP/2 itself (stream cap, keepalive pings, connection age, reset-flood protection) is set on
 //! tonic's builder in `server`.
@@ -18,7 +20,9 @@ use std::{
     convert::Infallible,
     future::Future,
     io,
+    net::IpAddr,
     pin::Pin,
+    sync::Arc,
     task::{Context, Poll},
     time::Duration,
 };
@@ -37,7 +41,7 @@ use tokio::{
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::server::Connected;
 
-use crate::{config::TransportConfig, metrics::metrics};
+use crate::{config::TransportConfig, metrics::metrics, penalty::Penalties};
 
 /// What every HTTP/2 client sends first (RFC 9113, section 3.4).
 const PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
@@ -51,6 +55,7 @@ const READY_QUEUE: usize = 64;
 pub fn incoming<IO, H, F>(
     listener: TcpListener,
     transport: TransportConfig,
+    penalties: Arc<Penalties>,
     handshake: H,
 ) -> ReceiverStream<Result<Conn<IO>, Infallible>>
 where
@@ -66,6 +71,10 @@ where
                 () = ready.closed() => return,
                 accepted = accept(&listener) => accepted,
             };
+            if penalties.is_shut_out(peer.ip()) {
+                refuse("shut_out");
+                continue;
+            }
             let permit = match limits.admit(peer.ip()) {
                 Ok(permit) => permit,
                 Err(refused) => {
@@ -77,6 +86,7 @@ where
             configure(&tcp, transport.tcp_keepalive);
             let opening = handshake(tcp);
             let ready = ready.clone();
+            let penalties = Arc::clone(&penalties);
             tokio::spawn(async move {
                 let opened = tokio::time::timeout(transport.preface_timeout, async {
                     let mut io = opening.await?;
@@ -93,7 +103,7 @@ where
                 .await;
                 match opened {
                     Ok(Ok(io)) => {
-                        let conn = Conn::new(io, permit, transport.idle_timeout);
+                        let conn = Conn::new(io, permit, &transport, peer.ip(), penalties);
                         let _ = ready.send(Ok(conn)).await;
                     }
                     Ok(Err(error)) => {
@@ -135,17 +145,35 @@ pub struct Conn<IO> {
     frames: FrameWatch,
     idle: Pin<Box<Sleep>>,
     idle_timeout: Duration,
+    /// Connection age plus its grace. tonic is given only the age, at which it sends GOAWAY and
+    /// lets calls finish: given a grace too, it would send no GOAWAY at all and cut the
+    /// connection at age + grace (tonic 0.14's `connection_timeout_future`). The grace is kept
+    /// here instead, as the hard end of a connection whose peer never finishes its calls.
+    end_of_grace: Pin<Box<Sleep>>,
+    /// The peer's address, and the record of peers shut out for their refused calls.
+    peer: IpAddr,
+    penalties: Arc<Penalties>,
     _permit: ConnectionPermit,
 }
 
 impl<IO> Conn<IO> {
-    fn new(io: IO, permit: ConnectionPermit, idle_timeout: Duration) -> Conn<IO> {
+    fn new(
+        io: IO,
+        permit: ConnectionPermit,
+        transport: &TransportConfig,
+        peer: IpAddr,
+        penalties: Arc<Penalties>,
+    ) -> Conn<IO> {
+        let lifetime = transport.max_connection_age + transport.max_connection_age_grace;
         Conn {
             io,
             preface: PREFACE,
             frames: FrameWatch::default(),
-            idle: Box::pin(tokio::time::sleep(idle_timeout)),
-            idle_timeout,
+            idle: Box::pin(tokio::time::sleep(transport.idle_timeout)),
+            idle_timeout: transport.idle_timeout,
+            end_of_grace: Box::pin(tokio::time::sleep(lifetime)),
+            peer,
+            penalties,
             _permit: permit,
         }
     }
@@ -173,11 +201,24 @@ impl<IO: AsyncRead + Unpin> AsyncRead for Conn<IO> {
             this.preface = &this.preface[n..];
             return Poll::Ready(Ok(()));
         }
-        // hyper always has a read pending, so the timer's wake-up reaches this poll.
+        // hyper always has a read pending, so the timers' wake-ups reach this poll.
         if this.idle.as_mut().poll(cx).is_ready() {
             return Poll::Ready(Err(io::Error::new(
                 io::ErrorKind::TimedOut,
                 "connection idle for too long",
+            )));
+        }
+        // A flood keeps this connection reading, so a peer shut out is cut off at once.
+        if this.penalties.is_shut_out(this.peer) {
+            return Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::PermissionDenied,
+                "peer shut out for its refused calls",
+            )));
+        }
+        if this.end_of_grace.as_mut().poll(cx).is_ready() {
+            return Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "connection past its maximum age and grace",
             )));
         }
         let before = buf.filled().len();

@@ -1,7 +1,7 @@
 //! Assembles the gRPC server: the ride service, `grpc.health.v1`, and reflection (v1 and
 //! v1alpha, so that both current and older grpcurl builds work without proto files).
 
-use std::future::Future;
+use std::{future::Future, sync::Arc};
 
 use proto::v1::ride_service_server::RideServiceServer;
 use tokio::net::TcpListener;
@@ -12,12 +12,16 @@ use crate::{
     App,
     grpc::RideApi,
     listener,
+    penalty::{Penalties, PenaltyConfig},
     tls::{TlsError, TlsReloader},
 };
 
 /// Largest request accepted. A CreateRideRequest is about 40 bytes; anything near this limit is
 /// not a ride.
 pub const MAX_REQUEST_BYTES: usize = 16 * 1024;
+/// HTTP/2 flow-control window of each request stream: the largest request and its gRPC frame
+/// header, rounded up to twice the cap.
+const STREAM_WINDOW_BYTES: u32 = 2 * MAX_REQUEST_BYTES as u32;
 /// Streams a peer may open and reset at once before the connection is closed (h2's own default,
 /// which tonic turns off): the "rapid reset" flood.
 const MAX_PENDING_ACCEPT_RESET_STREAMS: usize = 20;
@@ -65,8 +69,13 @@ pub async fn serve(
         serving.health_check_interval,
     ));
     let transport = app.transport;
-    let rides_service = RideServiceServer::new(RideApi::new(app, tasks.clone()))
-        .max_decoding_message_size(MAX_REQUEST_BYTES);
+    let penalties = Arc::new(Penalties::new(PenaltyConfig {
+        refusals: transport.refusals_per_ip,
+        cooldown: transport.refusal_cooldown,
+    }));
+    let rides_service =
+        RideServiceServer::new(RideApi::new(app, tasks.clone(), Arc::clone(&penalties)))
+            .max_decoding_message_size(MAX_REQUEST_BYTES);
     // Health and reflection answer without a token: the same cap, or anyone could make the
     // server buffer tonic's default of 4 MiB per call.
     let health_service = health_service.max_decoding_message_size(MAX_REQUEST_BYTES);
@@ -84,13 +93,17 @@ pub async fn serve(
     };
     let router = tonic::transport::Server::builder()
         .http2_max_header_list_size(MAX_METADATA_BYTES)
+        // No request may exceed MAX_REQUEST_BYTES, so a stream never needs more window than
+        // this; a peer sending an oversized message gets this much in before its call is
+        // refused, not hyper's default 1 MiB.
+        .initial_stream_window_size(STREAM_WINDOW_BYTES)
         .max_concurrent_streams(transport.max_concurrent_streams)
         .http2_keepalive_interval(Some(transport.keepalive_interval))
         .http2_keepalive_timeout(Some(transport.keepalive_timeout))
         .http2_max_local_error_reset_streams(Some(transport.max_local_error_reset_streams))
         .http2_max_pending_accept_reset_streams(Some(MAX_PENDING_ACCEPT_RESET_STREAMS))
+        // GOAWAY at the age; the grace is enforced by the listener (`listener::Conn`).
         .max_connection_age(transport.max_connection_age)
-        .max_connection_age_grace(transport.max_connection_age_grace)
         .timeout(transport.request_timeout)
         .add_service(health_service)
         .add_service(reflection_v1)
@@ -98,14 +111,18 @@ pub async fn serve(
         .add_service(rides_service);
     match tls {
         None => {
-            let incoming = listener::incoming(listener, transport, |tcp| async { Ok(tcp) });
-            router
+            let hangup = ignore_hangup();
+            let incoming =
+                listener::incoming(listener, transport, penalties, |tcp| async { Ok(tcp) });
+            let served = router
                 .serve_with_incoming_shutdown(incoming, draining)
-                .await?;
+                .await;
+            hangup.abort();
+            served?;
         }
         Some(tls) => {
             let watcher = tls.spawn_watcher();
-            let incoming = listener::incoming(listener, transport, move |tcp| {
+            let incoming = listener::incoming(listener, transport, penalties, move |tcp| {
                 tokio_rustls::TlsAcceptor::from(tls.current()).accept(tcp)
             });
             let served = router
@@ -118,6 +135,22 @@ pub async fn serve(
     tasks.close();
     tasks.wait().await;
     Ok(())
+}
+
+/// SIGHUP reloads the TLS certificates; without TLS there is nothing to reload, but the signal's
+/// default action would end the process, and an operator's reload habit must not stop a
+/// payments server.
+fn ignore_hangup() -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async {
+        #[cfg(unix)]
+        if let Ok(mut hangup) =
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
+        {
+            while hangup.recv().await.is_some() {
+                tracing::info!("SIGHUP: nothing to reload (the gRPC port has no TLS certificates)");
+            }
+        }
+    })
 }
 
 async fn set_health(health: &tonic_health::server::HealthReporter, status: ServingStatus) {

@@ -117,6 +117,7 @@ fn free_port() -> u16 {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn the_binary_serves_metrics_logs_trace_ids_and_drains_on_sigterm() {
+    const INTERNAL_SECRET: &str = "internal-credential-that-must-never-be-logged";
     let db = schema::testing::TestDatabase::new().await;
     let stripe = fake_stripe::FakeStripe::spawn(fake_stripe::Config::default())
         .await
@@ -133,6 +134,7 @@ async fn the_binary_serves_metrics_logs_trace_ids_and_drains_on_sigterm() {
         .env("DATABASE_URL", db.url())
         .env("STRIPE_API_BASE", stripe.base_url())
         .env("STRIPE_SECRET_KEY", "sk_test_binary_secret")
+        .env("INTERNAL_API_TOKEN", INTERNAL_SECRET)
         .env("GRPC_LISTEN_ADDR", format!("127.0.0.1:{grpc_port}"))
         .env("METRICS_LISTEN_ADDR", format!("127.0.0.1:{metrics_port}"))
         .env("LOG_FORMAT", "json")
@@ -186,6 +188,21 @@ async fn the_binary_serves_metrics_logs_trace_ids_and_drains_on_sigterm() {
     }
     assert!(metrics.contains("rpc_method=\"CreateRide\""), "{metrics}");
 
+    // SIGHUP reloads certificates; without TLS it must not end the process (its default).
+    Command::new("kill")
+        .args(["-HUP", &child.id().to_string()])
+        .status()
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        child.try_wait().unwrap().is_none(),
+        "SIGHUP ended the server"
+    );
+    client
+        .create_ride(authed(&token, Some(&new_key()), ride_request()))
+        .await
+        .unwrap();
+
     Command::new("kill")
         .args(["-TERM", &child.id().to_string()])
         .status()
@@ -213,7 +230,13 @@ async fn the_binary_serves_metrics_logs_trace_ids_and_drains_on_sigterm() {
     let trace_id = line["spans"][0]["trace_id"].as_str().unwrap_or_default();
     assert_eq!(trace_id.len(), 32, "trace id on the line: {outage}");
     assert!(logs.contains("shutting down"), "{logs}");
-    for secret in [token.as_str(), key.as_str(), "sk_test_binary_secret"] {
+    assert!(logs.contains("nothing to reload"), "{logs}");
+    for secret in [
+        token.as_str(),
+        key.as_str(),
+        "sk_test_binary_secret",
+        INTERNAL_SECRET,
+    ] {
         assert!(!logs.contains(secret), "a secret reached the logs");
     }
 }

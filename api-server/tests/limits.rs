@@ -329,3 +329,63 @@ async fn the_internal_credential_cannot_read_rides() {
         .insert(ON_BEHALF_OF_HEADER, user.id.to_string().parse().unwrap());
     client.create_ride(request).await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn calls_with_tokens_not_verified_lately_are_capped_but_known_tokens_pass() {
+    let stripe = fake_stripe::Config {
+        latency: Duration::from_secs(5),
+        ..fake_stripe::Config::default()
+    };
+    let app = TestApp::spawn_with(
+        stripe,
+        &[
+            ("MAX_CONCURRENT_TOKEN_LOOKUPS", "1"),
+            ("STRIPE_TIMEOUT_MS", "30000"),
+        ],
+    )
+    .await;
+    let (first, second, known) = (
+        app.create_user(GOOD_CARD).await,
+        app.create_user(GOOD_CARD).await,
+        app.create_user(GOOD_CARD).await,
+    );
+    let mut client = app.client().await;
+    // `known` is verified once (a GetRide of a ride that does not exist).
+    let missing = |user: &TestUser| authed(&user.token, None, GetRideRequest { id: i64::MAX });
+    let status = client.get_ride(missing(&known)).await.unwrap_err();
+    assert_eq!(status.code(), Code::NotFound, "{status:?}");
+
+    // The first user's first call takes the only lookup place and keeps it at the provider.
+    let slow = {
+        let mut client = app.client().await;
+        let request = authed(&first.token, Some(&new_key()), ride_request());
+        tokio::spawn(async move { client.create_ride(request).await })
+    };
+    while app.stripe.create_calls() == 0 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+
+    // Meanwhile a user not verified lately, and a made-up token, are refused before the database.
+    let refused_key = new_key();
+    let status = app
+        .create_ride(&second, &refused_key, ride_request())
+        .await
+        .unwrap_err();
+    assert_status(&status, Code::ResourceExhausted, reason::RATE_LIMITED);
+    assert!(retry_delay(&status) > Duration::ZERO);
+    assert!(app.key_row(&second, &refused_key).await.is_none());
+    let made_up = TestUser {
+        id: 0,
+        token: well_shaped_unknown_token(),
+    };
+    let status = client.get_ride(missing(&made_up)).await.unwrap_err();
+    assert_status(&status, Code::ResourceExhausted, reason::RATE_LIMITED);
+    // A verified user needs no place.
+    let status = client.get_ride(missing(&known)).await.unwrap_err();
+    assert_eq!(status.code(), Code::NotFound, "{status:?}");
+
+    // Once the first call is done, its place is free again.
+    slow.await.unwrap().unwrap();
+    let status = client.get_ride(missing(&second)).await.unwrap_err();
+    assert_eq!(status.code(), Code::NotFound, "{status:?}");
+}

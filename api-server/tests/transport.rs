@@ -297,3 +297,103 @@ async fn an_idle_connection_is_closed_though_it_answers_pings() {
     assert!(closed.is_ok(), "an idle connection was kept open");
     drop(client);
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_old_connection_gets_goaway_at_its_age_and_is_closed_after_the_grace() {
+    let app = spawn(&[
+        ("GRPC_MAX_CONNECTION_AGE_SECS", "1".to_owned()),
+        ("GRPC_MAX_CONNECTION_AGE_GRACE_SECS", "2".to_owned()),
+    ])
+    .await;
+    let opened = std::time::Instant::now();
+    let tcp = TcpStream::connect(app.addr).await.unwrap();
+    let (client, connection) = h2::client::handshake(tcp).await.unwrap();
+    let connection = tokio::spawn(connection);
+    let mut client = client.ready().await.unwrap();
+    // A call that never finishes: its request body is never ended.
+    let held = tonic::codegen::http::Request::post(format!(
+        "http://{}/rides.v1.RideService/GetRide",
+        app.addr
+    ))
+    .header("content-type", "application/grpc")
+    .body(())
+    .unwrap();
+    let (_response, _body) = client.send_request(held, false).unwrap();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    // Past the age: the server has said GOAWAY, so no new stream may be opened...
+    let late = tonic::codegen::http::Request::post(format!(
+        "http://{}/grpc.health.v1.Health/Check",
+        app.addr
+    ))
+    .body(())
+    .unwrap();
+    let refused = match client.clone().ready().await {
+        Ok(mut ready) => ready.send_request(late, true).err(),
+        Err(error) => Some(error),
+    };
+    assert!(
+        refused.as_ref().is_some_and(h2::Error::is_go_away),
+        "no GOAWAY after the connection's age: {refused:?}"
+    );
+    // ...and the held call keeps the connection only until the grace runs out.
+    let closed = tokio::time::timeout(Duration::from_secs(10), connection).await;
+    assert!(closed.is_ok(), "the connection outlived its age and grace");
+    assert!(
+        opened.elapsed() >= Duration::from_millis(2500),
+        "closed after {:?}, before the grace was over",
+        opened.elapsed()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_peer_whose_calls_keep_being_refused_is_shut_out_for_the_cool_down() {
+    let app = spawn(&[
+        // A budget of 4 refusals (4 s of a refill of 1 a second), then 2 s shut out.
+        ("GRPC_REFUSALS_PER_IP_PER_SEC", "1".to_owned()),
+        ("GRPC_REFUSAL_COOLDOWN_SECS", "2".to_owned()),
+    ])
+    .await;
+    let from = |address: &'static str| {
+        let endpoint = Channel::from_shared(format!("http://{}", app.addr))
+            .unwrap()
+            .local_address(Some(address.parse().unwrap()));
+        async move { endpoint.connect().await }
+    };
+    let mut flooder =
+        proto::v1::ride_service_client::RideServiceClient::new(from("127.0.0.3").await.unwrap());
+    let bad = || authed("not-a-token", Some(&new_key()), ride_request());
+    for _ in 0..4 {
+        let refused = flooder.create_ride(bad()).await.unwrap_err();
+        assert_eq!(refused.code(), Code::Unauthenticated, "{refused:?}");
+    }
+    // The next refusal overdraws the budget: the connection is cut (the call that overdrew it
+    // may be answered first or cut with it).
+    let mut cut = None;
+    for _ in 0..3 {
+        let status = flooder.create_ride(bad()).await.unwrap_err();
+        if status.code() != Code::Unauthenticated {
+            cut = Some(status);
+            break;
+        }
+    }
+    let cut = cut.expect("the peer was never cut off");
+    // A connection cut mid-call surfaces as a transport error (UNKNOWN, or UNAVAILABLE when the
+    // client found it closed before sending).
+    assert!(
+        matches!(cut.code(), Code::Unavailable | Code::Unknown)
+            && cut.message().contains("transport error"),
+        "{cut:?}"
+    );
+    // New connections from that address are refused; another address is served.
+    let refused = match from("127.0.0.3").await {
+        Ok(channel) => check(channel).await.is_err(),
+        Err(_) => true,
+    };
+    assert!(refused, "a shut-out peer was served");
+    let other = check(from("127.0.0.4").await.unwrap()).await.unwrap();
+    assert_eq!(other, ServingStatus::Serving);
+    // After the cool-down it is served again.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let again = check(from("127.0.0.3").await.unwrap()).await.unwrap();
+    assert_eq!(again, ServingStatus::Serving);
+}

@@ -62,6 +62,13 @@ fn tls_config(url: &str) -> std::io::Result<OwnedTLSConfig> {
         serde_urlencoded::from_str(query).map_err(std::io::Error::other)?;
     let cert_chain = match pairs.iter().find(|(name, _)| name == "cacertfile") {
         None => None,
+        // A CA that would never be used is a configuration mistake that reads like TLS.
+        Some(_) if !url.starts_with("amqps://") => {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                "cacertfile needs TLS (an amqps:// URL)",
+            ));
+        }
         Some((_, path)) => Some(std::fs::read_to_string(path).map_err(|error| {
             std::io::Error::new(
                 error.kind(),
@@ -103,6 +110,8 @@ mod tests {
     #[test]
     fn reads_the_ca_named_in_the_url() {
         assert_eq!(tls_config("amqps://broker/%2f").unwrap().cert_chain, None);
+        let plaintext = tls_config("amqp://broker/%2f?cacertfile=/etc/ca.pem").unwrap_err();
+        assert_eq!(plaintext.kind(), std::io::ErrorKind::InvalidInput);
         let dir = std::env::temp_dir().join(format!("amqp-ca-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let ca = dir.join("ca.pem");

@@ -8,7 +8,7 @@ use std::{
     future::Future,
     net::{IpAddr, Ipv4Addr},
     sync::Arc,
-    time::Instant,
+    time::{Duration, Instant},
 };
 
 use opentelemetry::trace::TraceContextExt;
@@ -17,6 +17,7 @@ use proto::v1::{
 };
 use schema::models::User;
 use telemetry::attr;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_util::task::TaskTracker;
 use tonic::{
     Request, Response, Status,
@@ -31,6 +32,7 @@ use crate::{
     idempotency::{self, IdempotencyKey},
     limits::{Caller, CreatePermit, DigestCache, Limiter},
     metrics::metrics,
+    penalty::Penalties,
     rides::{CreateRideReply, FieldViolation, Outcome, RideParams, RideRequest, RideView, Rides},
 };
 
@@ -41,6 +43,8 @@ pub const IDEMPOTENCY_KEY_HEADER: &str = "idempotency-key";
 pub const ON_BEHALF_OF_HEADER: &str = "on-behalf-of-user";
 pub const REPLAYED_HEADER: &str = "idempotent-replayed";
 pub const EXPIRES_AT_HEADER: &str = "idempotency-key-expires-at";
+/// The retry hint when every token-lookup place is taken: a lookup takes milliseconds.
+const LOOKUP_RETRY: Duration = Duration::from_millis(200);
 
 /// The `rides.v1.RideService` implementation.
 pub struct RideApi {
@@ -51,18 +55,27 @@ pub struct RideApi {
     limiter: Limiter,
     /// Digests no user has: refused from memory for a while (`crate::limits`).
     unknown_tokens: DigestCache,
-    /// Digests authenticated lately: their callers' trace context is trusted without a lookup.
+    /// Digests authenticated lately: their callers' trace context is trusted without a lookup,
+    /// and their calls need no [`RideApi::token_lookups`] permit.
     known_tokens: DigestCache,
+    /// Calls whose token has not been verified lately each cost a database lookup (the claim
+    /// statement, or a read): at most this many run at once, so a flood of made-up well-shaped
+    /// tokens cannot take the pool and the database from users whose tokens are known.
+    token_lookups: Arc<Semaphore>,
+    /// Peers whose calls keep being refused are shut out (`crate::penalty`).
+    penalties: Arc<Penalties>,
 }
 
-/// A caller that passed the checks made in memory, with its CreateRide concurrency permit.
+/// A caller that passed the checks made in memory, with its CreateRide concurrency permit and,
+/// for a token not verified lately, its place among the token lookups.
 struct Admitted<P> {
     caller: Caller,
     permit: P,
+    lookup: Option<OwnedSemaphorePermit>,
 }
 
 impl RideApi {
-    pub fn new(app: App, tasks: TaskTracker) -> RideApi {
+    pub fn new(app: App, tasks: TaskTracker, penalties: Arc<Penalties>) -> RideApi {
         let limits = app.limits;
         RideApi {
             rides: app.rides,
@@ -74,7 +87,43 @@ impl RideApi {
                 limits.unknown_token_capacity,
             ),
             known_tokens: DigestCache::new(limits.unknown_token_ttl, limits.unknown_token_capacity),
+            token_lookups: Arc::new(Semaphore::new(limits.max_concurrent_token_lookups)),
+            penalties,
         }
+    }
+
+    /// Counts a call refused before the database (credentials, limits) against its peer.
+    fn note_refusal<T>(&self, peer: Option<IpAddr>, result: &Result<Response<T>, Status>) {
+        let Err(status) = result else { return };
+        let refused_early = matches!(
+            status.code(),
+            tonic::Code::Unauthenticated
+                | tonic::Code::PermissionDenied
+                | tonic::Code::ResourceExhausted
+        );
+        if refused_early && let Some(peer) = peer {
+            self.penalties.record_refusal(peer);
+        }
+    }
+
+    /// A place among the token lookups for a caller whose token was not verified lately; none
+    /// needed for a known token or the internal credential.
+    fn admit_lookup(&self, caller: Caller) -> Result<Option<OwnedSemaphorePermit>, Status> {
+        let Caller::Token(digest) = caller else {
+            return Ok(None);
+        };
+        if self.known_tokens.contains(&digest) {
+            return Ok(None);
+        }
+        Arc::clone(&self.token_lookups)
+            .try_acquire_owned()
+            .map(Some)
+            .map_err(|_| {
+                status::rate_limited(
+                    "too many calls with tokens not verified lately; retry later",
+                    LOOKUP_RETRY,
+                )
+            })
     }
 
     fn is_internal(&self, token: &str) -> bool {
@@ -126,7 +175,12 @@ impl RideApi {
                 refusal.retry_after,
             )
         })?;
-        Ok(Admitted { caller, permit })
+        let lookup = self.admit_lookup(caller)?;
+        Ok(Admitted {
+            caller,
+            permit,
+            lookup,
+        })
     }
 
     /// Identifies a GetRide caller and admits it under its limit. The internal credential is for
@@ -147,7 +201,12 @@ impl RideApi {
                 refusal.retry_after,
             )
         })?;
-        Ok(Admitted { caller, permit: () })
+        let lookup = self.admit_lookup(caller)?;
+        Ok(Admitted {
+            caller,
+            permit: (),
+            lookup,
+        })
     }
 
     /// Whether the caller's `traceparent` may be continued: only an authenticated caller's may
@@ -369,24 +428,30 @@ impl RideService for RideApi {
         &self,
         request: Request<CreateRideRequest>,
     ) -> Result<Response<CreateRideResponse>, Status> {
+        let peer = request.remote_addr().map(|addr| addr.ip());
         let admitted = self.admit_create(request.metadata());
         let (span, admitted) = self
             .server_span("CreateRide", request.metadata(), admitted)
             .await;
-        traced(
+        let result = traced(
             "CreateRide",
             span,
             self.create_ride_traced(request, admitted),
         )
-        .await
+        .await;
+        self.note_refusal(peer, &result);
+        result
     }
 
     async fn get_ride(&self, request: Request<GetRideRequest>) -> Result<Response<Ride>, Status> {
+        let peer = request.remote_addr().map(|addr| addr.ip());
         let admitted = self.admit_get(request.metadata());
         let (span, admitted) = self
             .server_span("GetRide", request.metadata(), admitted)
             .await;
-        traced("GetRide", span, self.get_ride_traced(request, admitted)).await
+        let result = traced("GetRide", span, self.get_ride_traced(request, admitted)).await;
+        self.note_refusal(peer, &result);
+        result
     }
 }
 
@@ -421,7 +486,11 @@ impl RideApi {
                 .insert(REPLAYED_HEADER, MetadataValue::from_static("false"));
             status
         };
-        let Admitted { caller, permit } = admitted.map_err(fresh)?;
+        let Admitted {
+            caller,
+            permit,
+            lookup,
+        } = admitted.map_err(fresh)?;
         let origin_ip = request
             .remote_addr()
             .map_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED), |addr| addr.ip());
@@ -441,7 +510,7 @@ impl RideApi {
                 let redacted_key = key.redacted();
                 let answered = self
                     .detached(async move {
-                        let _permit = permit;
+                        let _permits = (permit, lookup);
                         rides
                             .authenticate_and_create_ride(&digest, &key, params, origin_ip)
                             .await
@@ -474,7 +543,7 @@ impl RideApi {
                     origin_ip,
                 };
                 self.detached(async move {
-                    let _permit = permit;
+                    let _permits = (permit, lookup);
                     rides.create_ride(&key, &ride_request).await
                 })
                 .await
@@ -508,7 +577,9 @@ impl RideApi {
         request: Request<GetRideRequest>,
         admitted: Result<Admitted<()>, Status>,
     ) -> Result<Response<Ride>, Status> {
-        let user = self.authenticate(admitted?.caller).await?;
+        // The lookup permit, if any, is held until the answer.
+        let admitted = admitted?;
+        let user = self.authenticate(admitted.caller).await?;
         let ride_id = request.into_inner().id;
         self.rides
             .get_ride(user.id, ride_id)
