@@ -59,7 +59,7 @@ export SMTP_URL="smtp://$SMTP_ADDR"
 # CreateRide/s, 16 in flight): the benchmark measures throughput, so the limits are lifted.
 export RATE_LIMIT_CREATE_PER_SEC=1000000 RATE_LIMIT_CREATE_BURST=1000000
 export RATE_LIMIT_GET_PER_SEC=1000000 RATE_LIMIT_GET_BURST=1000000
-export MAX_CONCURRENT_CREATES_PER_USER=1000000 DECLINE_BUDGET_PER_10_MIN=1000000
+export MAX_CONCURRENT_CREATES_PER_USER=1000000 DECLINE_BUDGET_PER_10_MIN=1000000 MAX_CONCURRENT_TOKEN_LOOKUPS=1000000
 
 SCENARIOS=("$@")
 [ ${#SCENARIOS[@]} -gt 0 ] || SCENARIOS=(all)
@@ -73,17 +73,10 @@ wants() { # scenario name -> selected?
   return 1
 }
 
-log() { printf '\033[1;34m==>\033[0m %s\n' "$*" >&2; }
+# shellcheck source=bench/lib.sh
+. "$REPO_ROOT/bench/lib.sh"
 die() { printf '\033[1;31merror:\033[0m %s\n' "$*" >&2; exit 1; }
 la() { cut -d' ' -f1-3 /proc/loadavg; }
-port_open() { (exec 3<>"/dev/tcp/$1/$2") 2>/dev/null; }
-wait_for_port() { # addr what
-  local deadline=$((SECONDS + 60))
-  until port_open "${1%:*}" "${1##*:}"; do
-    [ $SECONDS -lt $deadline ] || die "$2 did not come up on $1 (see $OUT/logs)"
-    sleep 0.2
-  done
-}
 psql_db() { psql "$DATABASE_URL" -X -q -v ON_ERROR_STOP=1 "$@"; }
 
 command -v pgbench >/dev/null || die "pgbench is missing (apt-get install postgresql-client)"
@@ -106,12 +99,9 @@ BIN="$REPO_ROOT/target/release"
 API_SERVER_BIN=${API_SERVER_BIN:-$BIN/api-server}
 ENQUEUER_BIN=${ENQUEUER_BIN:-$BIN/workers}
 
-declare -A PIDS=()
 cleanup() {
   trap - INT TERM EXIT
-  local name
-  for name in "${!PIDS[@]}"; do kill -TERM "${PIDS[$name]}" 2>/dev/null || true; done
-  for name in "${!PIDS[@]}"; do wait "${PIDS[$name]}" 2>/dev/null || true; done
+  stop_all
   psql "$PG_URL/postgres" -X -q -c "DROP DATABASE IF EXISTS \"$DB\" WITH (FORCE)" >/dev/null 2>&1 ||
     log "could not drop database $DB"
   if command -v rabbitmqctl >/dev/null; then
@@ -129,11 +119,6 @@ cleanup() {
 }
 trap cleanup INT TERM EXIT
 
-start() { # name command...
-  local name=$1; shift
-  "$@" >"$OUT/logs/$name.log" 2>&1 &
-  PIDS[$name]=$!
-}
 stop() { # name
   local pid=${PIDS[$1]:-}
   [ -n "$pid" ] || return 0

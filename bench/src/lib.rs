@@ -10,7 +10,9 @@
 //!
 //! The pure logic (histogram, ratio math, pgbench output parsing) lives here and is unit-tested.
 
+pub mod h2wire;
 pub mod latency;
+pub mod procfs;
 pub mod ratio;
 pub mod report;
 

@@ -28,7 +28,10 @@ use std::{
 };
 
 use anyhow::{Context, bail};
-use bench::latency::Latencies;
+use bench::{
+    latency::Latencies,
+    procfs::{cpu_ticks, load_average, machine_ticks, pids_named, vm_rss_kb},
+};
 use clap::Parser;
 use diesel::{
     QueryableByName,
@@ -388,7 +391,7 @@ async fn main() -> anyhow::Result<()> {
     let secs = elapsed.as_secs_f64().max(1e-9);
     let throughput = total.measured_ok as f64 / secs;
     let p = total.latencies.percentiles();
-    let ticks_per_s = 100.0; // USER_HZ on Linux
+    let ticks_per_s = bench::procfs::TICKS_PER_SEC as f64;
     let cpu: BTreeMap<String, f64> = cpu_groups
         .iter()
         .zip(cpu_before.iter().zip(&cpu_after))
@@ -687,63 +690,6 @@ async fn sample_rss(pid: u32, stop: Arc<AtomicBool>) -> (u64, u64) {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     (peak, last)
-}
-
-fn vm_rss_kb(pid: u32) -> Option<u64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    status
-        .lines()
-        .find_map(|line| line.strip_prefix("VmRSS:"))?
-        .trim()
-        .trim_end_matches("kB")
-        .trim()
-        .parse()
-        .ok()
-}
-
-/// utime + stime of the processes (all their threads), in clock ticks.
-fn cpu_ticks(pids: &[u32]) -> u64 {
-    pids.iter()
-        .filter_map(|pid| {
-            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-            let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
-            let utime: u64 = fields.get(11)?.parse().ok()?;
-            let stime: u64 = fields.get(12)?.parse().ok()?;
-            Some(utime + stime)
-        })
-        .sum()
-}
-
-fn pids_named(name: &str) -> Vec<u32> {
-    let Ok(entries) = std::fs::read_dir("/proc") else {
-        return Vec::new();
-    };
-    entries
-        .filter_map(|entry| {
-            let pid: u32 = entry.ok()?.file_name().to_str()?.parse().ok()?;
-            let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).ok()?;
-            (comm.trim() == name).then_some(pid)
-        })
-        .collect()
-}
-
-/// (busy, total) jiffies of the whole machine from /proc/stat.
-fn machine_ticks() -> Option<(u64, u64)> {
-    let stat = std::fs::read_to_string("/proc/stat").ok()?;
-    let line = stat.lines().next()?.strip_prefix("cpu ")?;
-    let values: Vec<u64> = line
-        .split_whitespace()
-        .filter_map(|v| v.parse().ok())
-        .collect();
-    let total: u64 = values.iter().take(8).sum();
-    let idle = values.get(3)? + values.get(4)?;
-    Some((total - idle, total))
-}
-
-fn load_average() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
-        .unwrap_or_default()
 }
 
 /// Rides, charged rides, finished keys, staged jobs and provider PaymentIntents of this run's
