@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds the real binaries and runs the crash-and-fault campaign (see docs/reliability.md).
-#   proof/run.sh [--short|--long] [more proof flags, e.g. --duration-secs 900 --seed 42 --keep]
+#   [TLS=1] proof/run.sh [--short|--long] [more proof flags, e.g. --duration-secs 900 --seed 42 --keep]
 # Exit code = the campaign's: 0 all invariants hold, 1 a violation, 2 the campaign could not run.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -16,4 +16,12 @@ cargo build --locked --quiet -p workers -p fake-stripe -p proof
 # Last, so that target/debug/api-server is the build with the crash points compiled in (the
 # feature is never enabled by any other build, so release images never carry it).
 cargo build --locked --quiet -p api-server --features fault-injection
+# TLS=1: every gRPC hop over mutual TLS, with a throwaway CA and certificates (openssl).
+if [ "${TLS:-0}" = 1 ]; then
+  # shellcheck source=deploy/local/lib.sh
+  . deploy/local/lib.sh
+  tls_dir="$PWD/target/proof-tls"
+  make_tls_certificates "$tls_dir" 127.0.0.1
+  args+=(--tls-dir "$tls_dir")
+fi
 exec target/debug/proof "$mode" "${args[@]}"

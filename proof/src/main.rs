@@ -62,6 +62,11 @@ struct Args {
     /// Concurrent clients, one user each.
     #[arg(long, default_value_t = 16)]
     clients: u32,
+    /// Every gRPC hop over mutual TLS, with the certificates in this directory (`ca.pem`,
+    /// `server.pem`/`.key` for the api-servers, `client.pem`/`.key` for the campaign's clients
+    /// and the completer), as `deploy/local/lib.sh`'s `make_tls_certificates` writes them.
+    #[arg(long)]
+    tls_dir: Option<PathBuf>,
     /// How many of the clients' users have the declining card `pm_card_chargeDeclined`.
     #[arg(long, default_value_t = 2)]
     declined_clients: u32,
@@ -728,11 +733,41 @@ struct CountRow {
 
 /// The proof drives api-servers it starts itself on loopback, in plaintext; the endpoint is still
 /// built where every client builds one.
-fn plaintext_endpoint(url: &str) -> anyhow::Result<tonic::transport::Endpoint> {
-    Ok(proto::client::endpoint(
-        url,
-        &proto::client::ClientTls::default(),
-    )?)
+/// The endpoint of the api-server at `addr`: plaintext, or mutual TLS with `--tls-dir`.
+fn grpc_endpoint(args: &Args, addr: &str) -> anyhow::Result<tonic::transport::Endpoint> {
+    let (url, tls) = match &args.tls_dir {
+        None => (
+            format!("http://{addr}"),
+            proto::client::ClientTls::default(),
+        ),
+        Some(dir) => (
+            format!("https://{addr}"),
+            proto::client::ClientTls {
+                ca: Some(dir.join("ca.pem")),
+                cert: Some(dir.join("client.pem")),
+                key: Some(dir.join("client.key")),
+            },
+        ),
+    };
+    Ok(proto::client::endpoint(&url, &tls)?)
+}
+
+/// The environment that puts every gRPC hop over mutual TLS (`--tls-dir`): the api-servers'
+/// certificates and client CA, and the completer's URL, CA and client certificate.
+fn tls_env(args: &Args, grpc_addr: &str) -> Vec<(String, String)> {
+    let Some(dir) = &args.tls_dir else {
+        return vec![("API_SERVER_URL".into(), format!("http://{grpc_addr}"))];
+    };
+    let file = |name: &str| dir.join(name).display().to_string();
+    vec![
+        ("API_SERVER_URL".into(), format!("https://{grpc_addr}")),
+        ("GRPC_TLS_CERT".into(), file("server.pem")),
+        ("GRPC_TLS_KEY".into(), file("server.key")),
+        ("GRPC_TLS_CLIENT_CA".into(), file("ca.pem")),
+        ("API_SERVER_CA".into(), file("ca.pem")),
+        ("API_SERVER_CLIENT_CERT".into(), file("client.pem")),
+        ("API_SERVER_CLIENT_KEY".into(), file("client.key")),
+    ]
 }
 
 async fn count(conn: &mut AsyncPgConnection, sql: &str) -> anyhow::Result<i64> {
@@ -953,7 +988,7 @@ async fn campaign(args: Args) -> anyhow::Result<bool> {
         out_dir.display()
     );
 
-    let env: Vec<(String, String)> = [
+    let mut env: Vec<(String, String)> = [
         ("DATABASE_URL", database_url.as_str()),
         ("DATABASE_POOL_SIZE", "8"),
         ("DATABASE_POOL_TIMEOUT_MS", "2000"),
@@ -975,7 +1010,6 @@ async fn campaign(args: Args) -> anyhow::Result<bool> {
         ("RECEIPTS_RETRY_MAX_MS", "2000"),
         ("ENQUEUER_IDLE_MAX_MS", "500"),
         ("ENQUEUER_CONFIRM_TIMEOUT_MS", "5000"),
-        ("API_SERVER_URL", &format!("http://{grpc_addr}")),
         ("COMPLETER_MIN_AGE_SECS", "3"),
         ("COMPLETER_IDLE_SECS", "2"),
         ("COMPLETER_BACKOFF_BASE_SECS", "1"),
@@ -991,6 +1025,7 @@ async fn campaign(args: Args) -> anyhow::Result<bool> {
     .chain(api_server::limits::LIFTED)
     .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
     .collect();
+    env.extend(tls_env(&args, &grpc_addr));
 
     let services = Arc::new(Services {
         pg,
@@ -1412,7 +1447,7 @@ async fn run(args: &Args, s: RunSetup) -> anyhow::Result<bool> {
     for (i, user) in users.iter().enumerate() {
         let mut rpcs = Vec::new();
         for port in [args.grpc_port, args.grpc_port_b] {
-            let channel = plaintext_endpoint(&format!("http://127.0.0.1:{port}"))?
+            let channel = grpc_endpoint(args, &format!("127.0.0.1:{port}"))?
                 .connect_timeout(Duration::from_secs(1))
                 .connect_lazy();
             rpcs.push(RideServiceClient::new(channel));
@@ -1726,9 +1761,7 @@ async fn run(args: &Args, s: RunSetup) -> anyhow::Result<bool> {
         .map(|k| ((k.user_id, k.idempotency_key.clone()), k))
         .collect();
     let token_of: HashMap<i64, &User> = users.iter().map(|u| (u.id, u)).collect();
-    let replay_channel = plaintext_endpoint(&format!("http://{}", s.grpc_addr))?
-        .connect()
-        .await?;
+    let replay_channel = grpc_endpoint(args, &s.grpc_addr)?.connect().await?;
     let rpc = RideServiceClient::new(replay_channel);
     let mut replay_stats: BTreeMap<&'static str, u64> = BTreeMap::new();
     let mut replay_seen: HashMap<String, Seen> = HashMap::new();
