@@ -8,7 +8,8 @@
 # Plaintext on loopback by default. TLS=1 generates a throwaway CA with server and client
 # certificates (openssl, into .run/tls/) and runs gRPC over mutual TLS (the api-server asks every
 # client for a certificate its CA signed: the completer and the printed grpcurl command present
-# one) and PostgreSQL with sslmode=require. RabbitMQ and the mail sink stay plaintext on loopback:
+# one) and PostgreSQL with sslmode=require where the server offers TLS (Debian's clusters do;
+# the Compose image does not, and then that hop stays plaintext, with a notice). RabbitMQ and the mail sink stay plaintext on loopback:
 # the local broker has no TLS listener and the sink speaks plain SMTP.
 set -euo pipefail
 # shellcheck source=deploy/local/lib.sh
@@ -39,10 +40,17 @@ if [ "$TLS" = 1 ]; then
   export API_SERVER_URL="${API_SERVER_URL:-https://$GRPC_LISTEN_ADDR}"
   export API_SERVER_CA="$TLS_DIR/ca.pem"
   export API_SERVER_CLIENT_CERT="$TLS_DIR/client.pem" API_SERVER_CLIENT_KEY="$TLS_DIR/client.key"
+  # Debian's clusters have ssl = on (a snakeoil certificate); the Compose image has it off, and
+  # sslmode=require would then refuse to connect: that hop stays plaintext, said out loud.
+  sslmode=require
+  if [ "$(psql "$TEST_DATABASE_URL" -XAtc 'show ssl' 2>/dev/null || true)" != on ]; then
+    sslmode=prefer
+    log "TLS: the PostgreSQL on 127.0.0.1:5432 does not offer TLS (ssl = off): the database hop stays plaintext"
+  fi
   case "$DATABASE_URL" in
     *sslmode=*) ;;
-    *\?*) export DATABASE_URL="$DATABASE_URL&sslmode=require" ;;
-    *) export DATABASE_URL="$DATABASE_URL?sslmode=require" ;;
+    *\?*) export DATABASE_URL="$DATABASE_URL&sslmode=$sslmode" ;;
+    *) export DATABASE_URL="$DATABASE_URL?sslmode=$sslmode" ;;
   esac
   grpcurl_tls="-cacert $TLS_DIR/ca.pem -cert $TLS_DIR/client.pem -key $TLS_DIR/client.key"
 else
