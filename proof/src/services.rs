@@ -6,7 +6,7 @@
 use std::{
     path::{Path, PathBuf},
     process::Stdio,
-    time::{Duration, Instant},
+    time::Duration,
 };
 
 use anyhow::{Context, bail};
@@ -47,20 +47,6 @@ async fn is_root() -> bool {
         .output()
         .await
         .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
-}
-
-async fn wait_for_port(port: u16, timeout: Duration) -> anyhow::Result<()> {
-    let deadline = Instant::now() + timeout;
-    while tokio::net::TcpStream::connect(("127.0.0.1", port))
-        .await
-        .is_err()
-    {
-        if Instant::now() > deadline {
-            bail!("127.0.0.1:{port} not open after {timeout:?}");
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    Ok(())
 }
 
 pub struct Postgres {
@@ -242,7 +228,7 @@ impl Rabbit {
             .stderr(Stdio::from(log))
             .spawn()
             .context("starting rabbitmq-server")?;
-        wait_for_port(self.port, Duration::from_secs(90)).await
+        crate::wait_for_port(self.port, Duration::from_secs(90)).await
     }
 
     /// A clean stop of the whole node (`rabbitmqctl stop`): every connection is closed.

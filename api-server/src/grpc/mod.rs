@@ -136,14 +136,11 @@ impl RideApi {
     /// in the contract's order. A token that cannot be one of ours, or that was looked up lately
     /// and belongs to nobody, is refused here.
     fn identify(&self, metadata: &MetadataMap) -> Result<Caller, Status> {
-        let header = metadata
-            .get("authorization")
-            .ok_or_else(status::missing_credentials)?;
-        let token = header
-            .to_str()
-            .ok()
-            .and_then(auth::bearer_token)
-            .ok_or_else(status::invalid_credentials)?;
+        self.caller(bearer(metadata)?, metadata)
+    }
+
+    /// The caller that presents `token`, in the contract's order of checks.
+    fn caller(&self, token: &str, metadata: &MetadataMap) -> Result<Caller, Status> {
         match (self.is_internal(token), metadata.get(ON_BEHALF_OF_HEADER)) {
             (false, None) => {
                 if !auth::is_token_shaped(token) {
@@ -186,15 +183,11 @@ impl RideApi {
     /// Identifies a GetRide caller and admits it under its limit. The internal credential is for
     /// CreateRide only: the completer never reads rides.
     fn admit_get(&self, metadata: &MetadataMap) -> Result<Admitted<()>, Status> {
-        let internal = metadata
-            .get("authorization")
-            .and_then(|value| value.to_str().ok())
-            .and_then(auth::bearer_token)
-            .is_some_and(|token| self.is_internal(token));
-        if internal {
+        let token = bearer(metadata);
+        if token.as_ref().is_ok_and(|token| self.is_internal(token)) {
             return Err(status::internal_credential_not_allowed());
         }
-        let caller = self.identify(metadata)?;
+        let caller = self.caller(token?, metadata)?;
         self.limiter.admit_get(caller).map_err(|refusal| {
             status::rate_limited(
                 "too many GetRide calls for this user; retry later",
@@ -359,6 +352,17 @@ impl opentelemetry::propagation::Extractor for MetadataExtractor<'_> {
             })
             .collect()
     }
+}
+
+/// The token of the `authorization: Bearer <token>` metadata.
+fn bearer(metadata: &MetadataMap) -> Result<&str, Status> {
+    metadata
+        .get("authorization")
+        .ok_or_else(status::missing_credentials)?
+        .to_str()
+        .ok()
+        .and_then(auth::bearer_token)
+        .ok_or_else(status::invalid_credentials)
 }
 
 /// The server span of one RPC. It continues the caller's trace context only if `trusted` (an

@@ -22,7 +22,6 @@
 use std::collections::{HashMap, HashSet};
 
 use diesel::{
-    QueryableByName,
     result::Error as DieselError,
     sql_types::{self, Array, BigInt, Cidr, Double, Integer, Jsonb, Text},
 };
@@ -36,7 +35,10 @@ use schema::{
 use uuid::Uuid;
 
 use super::RideParams;
-use crate::{config::Price, idempotency::BatchStatement};
+use crate::{
+    config::Price,
+    idempotency::{BatchStatement, KeyMoved},
+};
 
 /// The CTEs every batched phase starts with: `input` (the arrays, one row per request, with the
 /// column names `columns` gives after the key id and the lock token) and `fence`.
@@ -160,15 +162,8 @@ pub struct ChargeMade {
     pub charge_id: String,
 }
 
-/// What a batched phase returns per key it moved on.
-#[derive(QueryableByName)]
-struct MovedKey {
-    #[diesel(sql_type = BigInt)]
-    id: i64,
-}
-
 /// For each request, in order, `Some` if its key is among those the statement moved on.
-fn moved_keys<T>(items: &[T], key_id: fn(&T) -> i64, moved: Vec<MovedKey>) -> Vec<Option<()>> {
+fn moved_keys<T>(items: &[T], key_id: fn(&T) -> i64, moved: Vec<KeyMoved>) -> Vec<Option<()>> {
     let moved: HashSet<i64> = moved.into_iter().map(|key| key.id).collect();
     items
         .iter()
@@ -199,7 +194,7 @@ impl BatchStatement for RecordCharges {
                 .bind::<Array<Text>, _>(&charge_ids)
                 .bind::<Array<BigInt>, _>(&ride_ids)
         })
-        .load::<MovedKey>(conn)
+        .load::<KeyMoved>(conn)
         .await?;
         Ok(moved_keys(items, |item| item.key_id, moved))
     }
@@ -264,7 +259,7 @@ impl BatchStatement for StageReceipts {
                 .bind::<Array<Jsonb>, _>(&bodies)
                 .bind::<Text, _>(SEND_RIDE_RECEIPT_JOB)
         })
-        .load::<MovedKey>(conn)
+        .load::<KeyMoved>(conn)
         .await?;
         Ok(moved_keys(items, |item| item.key_id, moved))
     }

@@ -663,9 +663,7 @@ impl Rides {
                 ("user_id", ride.user_id.to_string()),
                 ("idempotency_key_id", lease.key_id.to_string()),
             ],
-            // Derived from the key row, so every attempt at this ride, by any api-server or the
-            // completer, presents the same key to the provider.
-            idempotency_key: format!("rocket-rides-{}", lease.key_id),
+            idempotency_key: crate::payments::provider_idempotency_key(lease.key_id),
         };
         // No transaction is open and no connection is held here: the call may take seconds.
         let started = Instant::now();

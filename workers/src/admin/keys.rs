@@ -8,7 +8,10 @@
 //! token gone and commits nothing (`IDEMPOTENCY_KEY_LOCK_LOST`). What fencing cannot stop is a
 //! provider call the holder has already started, which is why a live lock needs `--force`.
 
-use api_server::rides::{Outcome, PAYMENT_ACCEPTED, RideView, receipt_job_args};
+use api_server::{
+    payments::provider_idempotency_key,
+    rides::{Outcome, PAYMENT_ACCEPTED, RideView, receipt_job_args},
+};
 use chrono::{DateTime, Utc};
 use diesel::{
     ExpressionMethods, OptionalExtension, QueryDsl, Queryable, QueryableByName, Selectable,
@@ -268,11 +271,6 @@ fn key_details(
             }
         }),
     }
-}
-
-/// The provider idempotency key the api-server derives from the key row (see `rides/mod.rs`).
-pub fn provider_idempotency_key(key_id: i64) -> String {
-    format!("rocket-rides-{key_id}")
 }
 
 async fn attention_rows(
