@@ -397,3 +397,53 @@ async fn a_peer_whose_calls_keep_being_refused_is_shut_out_for_the_cool_down() {
     let again = check(from("127.0.0.3").await.unwrap()).await.unwrap();
     assert_eq!(again, ServingStatus::Serving);
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_total_cap_refuses_the_next_connection_from_any_address() {
+    let app = spawn(&[("GRPC_MAX_CONNECTIONS", "2".to_owned())]).await;
+    let connect_from = |address: &str| {
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket
+            .bind(std::net::SocketAddr::new(address.parse().unwrap(), 0))
+            .unwrap();
+        socket.connect(app.addr)
+    };
+    let mut admitted = Vec::new();
+    for address in ["127.0.0.6", "127.0.0.7"] {
+        let mut tcp = connect_from(address).await.unwrap();
+        tcp.write_all(PREFACE).await.unwrap();
+        assert!(
+            next_from_server(&mut tcp).await.is_some(),
+            "{address} refused"
+        );
+        admitted.push(tcp);
+    }
+    // A third address, under its own per-IP cap, but over the total.
+    let mut third = connect_from("127.0.0.8").await.unwrap();
+    let _ = third.write_all(PREFACE).await;
+    assert_eq!(next_from_server(&mut third).await, None, "third admitted");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_peer_that_never_answers_pings_is_closed() {
+    let app = spawn(&[
+        ("GRPC_KEEPALIVE_INTERVAL_SECS", "1".to_owned()),
+        ("GRPC_KEEPALIVE_TIMEOUT_SECS", "1".to_owned()),
+    ])
+    .await;
+    let opened = std::time::Instant::now();
+    let mut tcp = TcpStream::connect(app.addr).await.unwrap();
+    // The preface and an empty SETTINGS frame, then silence: no SETTINGS ack, no PING answer.
+    tcp.write_all(PREFACE).await.unwrap();
+    tcp.write_all(&[0, 0, 0, 0x4, 0, 0, 0, 0, 0]).await.unwrap();
+    let closed = tokio::time::timeout(Duration::from_secs(15), async {
+        while next_from_server(&mut tcp).await.is_some() {}
+    })
+    .await;
+    assert!(closed.is_ok(), "a peer that never answers PINGs was kept");
+    assert!(
+        opened.elapsed() >= Duration::from_secs(1),
+        "closed after {:?}, before a PING could go unanswered",
+        opened.elapsed()
+    );
+}
