@@ -13,6 +13,8 @@
 
 mod services;
 
+use services::{ServerKind, Services};
+
 use std::{
     collections::{BTreeMap, HashMap, HashSet},
     fs::OpenOptions,
@@ -1089,30 +1091,6 @@ async fn migrate(bin_dir: &Path, env: &[(String, String)]) -> anyhow::Result<()>
     Ok(())
 }
 
-/// One of the private servers the campaign restarts.
-#[derive(Clone, Copy)]
-enum ServerKind {
-    Postgres,
-    Rabbit,
-}
-
-impl ServerKind {
-    fn label(self) -> &'static str {
-        match self {
-            ServerKind::Postgres => "restart/postgresql (fast shutdown)",
-            ServerKind::Rabbit => "restart/rabbitmq",
-        }
-    }
-
-    /// How long the server stays down, in milliseconds.
-    fn downtime_ms(self) -> std::ops::Range<u64> {
-        match self {
-            ServerKind::Postgres => 200..2500,
-            ServerKind::Rabbit => 200..2000,
-        }
-    }
-}
-
 /// Stops and starts `kind` at random moments until traffic stops; counts it as skipped when the
 /// campaign runs on the shared server.
 async fn restart_at_random(
@@ -1156,60 +1134,6 @@ async fn interrupted() {
 
 /// The private servers of this run, for the interrupt path.
 static RUNNING_SERVICES: std::sync::OnceLock<Arc<Services>> = std::sync::OnceLock::new();
-
-/// The private servers, if the campaign runs its own.
-struct Services {
-    pg: Option<services::Postgres>,
-    rabbit: Option<services::Rabbit>,
-    dir: PathBuf,
-}
-
-impl Services {
-    fn runs(&self, kind: ServerKind) -> bool {
-        match kind {
-            ServerKind::Postgres => self.pg.is_some(),
-            ServerKind::Rabbit => self.rabbit.is_some(),
-        }
-    }
-
-    /// Fast shutdown for PostgreSQL, a whole-node stop for RabbitMQ; nothing for a shared server.
-    async fn stop_server(&self, kind: ServerKind) -> anyhow::Result<()> {
-        match (kind, &self.pg, &self.rabbit) {
-            (ServerKind::Postgres, Some(pg), _) => pg.stop_fast().await,
-            (ServerKind::Rabbit, _, Some(rabbit)) => rabbit.stop().await,
-            _ => Ok(()),
-        }
-    }
-
-    async fn start_server(&self, kind: ServerKind) -> anyhow::Result<()> {
-        match (kind, &self.pg, &self.rabbit) {
-            (ServerKind::Postgres, Some(pg), _) => pg.start().await,
-            (ServerKind::Rabbit, _, Some(rabbit)) => rabbit.start().await,
-            _ => Ok(()),
-        }
-    }
-
-    async fn stop(&self, keep: bool) {
-        if let Some(rabbit) = &self.rabbit
-            && let Err(error) = rabbit.stop().await
-        {
-            eprintln!("proof: stopping RabbitMQ: {error:#}");
-        }
-        if let Some(pg) = &self.pg
-            && let Err(error) = pg.stop_fast().await
-        {
-            eprintln!("proof: stopping PostgreSQL: {error:#}");
-        }
-        if keep {
-            println!(
-                "proof: kept the private servers' data in {}",
-                self.dir.display()
-            );
-        } else if self.pg.is_some() || self.rabbit.is_some() {
-            let _ = std::fs::remove_dir_all(&self.dir);
-        }
-    }
-}
 
 struct DbGuard {
     admin_url: String,

@@ -2,6 +2,7 @@
 //! under load without disturbing anything else on the machine (the test suite, a `run.sh`
 //! stack). Both come from the machine's Debian packages; when the binaries are missing the
 //! campaign runs against the shared servers and reports those faults as skipped.
+//! [`Services`] holds this run's servers, [`ServerKind`] names the one a fault restarts.
 
 use std::{
     path::{Path, PathBuf},
@@ -247,5 +248,83 @@ impl Rabbit {
             );
         }
         Ok(())
+    }
+}
+
+/// One of the private servers the campaign restarts.
+#[derive(Clone, Copy)]
+pub(crate) enum ServerKind {
+    Postgres,
+    Rabbit,
+}
+
+impl ServerKind {
+    pub(crate) fn label(self) -> &'static str {
+        match self {
+            ServerKind::Postgres => "restart/postgresql (fast shutdown)",
+            ServerKind::Rabbit => "restart/rabbitmq",
+        }
+    }
+
+    /// How long the server stays down, in milliseconds.
+    pub(crate) fn downtime_ms(self) -> std::ops::Range<u64> {
+        match self {
+            ServerKind::Postgres => 200..2500,
+            ServerKind::Rabbit => 200..2000,
+        }
+    }
+}
+
+/// The private servers, if the campaign runs its own.
+pub(crate) struct Services {
+    pub(crate) pg: Option<Postgres>,
+    pub(crate) rabbit: Option<Rabbit>,
+    pub(crate) dir: PathBuf,
+}
+
+impl Services {
+    pub(crate) fn runs(&self, kind: ServerKind) -> bool {
+        match kind {
+            ServerKind::Postgres => self.pg.is_some(),
+            ServerKind::Rabbit => self.rabbit.is_some(),
+        }
+    }
+
+    /// Fast shutdown for PostgreSQL, a whole-node stop for RabbitMQ; nothing for a shared server.
+    pub(crate) async fn stop_server(&self, kind: ServerKind) -> anyhow::Result<()> {
+        match (kind, &self.pg, &self.rabbit) {
+            (ServerKind::Postgres, Some(pg), _) => pg.stop_fast().await,
+            (ServerKind::Rabbit, _, Some(rabbit)) => rabbit.stop().await,
+            _ => Ok(()),
+        }
+    }
+
+    pub(crate) async fn start_server(&self, kind: ServerKind) -> anyhow::Result<()> {
+        match (kind, &self.pg, &self.rabbit) {
+            (ServerKind::Postgres, Some(pg), _) => pg.start().await,
+            (ServerKind::Rabbit, _, Some(rabbit)) => rabbit.start().await,
+            _ => Ok(()),
+        }
+    }
+
+    pub(crate) async fn stop(&self, keep: bool) {
+        if let Some(rabbit) = &self.rabbit
+            && let Err(error) = rabbit.stop().await
+        {
+            eprintln!("proof: stopping RabbitMQ: {error:#}");
+        }
+        if let Some(pg) = &self.pg
+            && let Err(error) = pg.stop_fast().await
+        {
+            eprintln!("proof: stopping PostgreSQL: {error:#}");
+        }
+        if keep {
+            println!(
+                "proof: kept the private servers' data in {}",
+                self.dir.display()
+            );
+        } else if self.pg.is_some() || self.rabbit.is_some() {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
     }
 }
