@@ -318,7 +318,7 @@ async fn claim_for(
                 user.id,
                 key,
                 request,
-                chrono_timeout(lock_timeout),
+                chrono_duration(lock_timeout),
                 found,
             )
             .await?;
@@ -351,7 +351,7 @@ async fn claim_rounds(
     request: &RequestSignature,
     lock_timeout: Duration,
 ) -> Result<Claimed, StoreError> {
-    let lock_timeout = chrono_timeout(lock_timeout);
+    let lock_timeout = chrono_duration(lock_timeout);
     // Each round pays only for what the key needs: a new key, a replay and a mismatch are one
     // statement (`insert_or_read`); only a key that may need work takes the row lock. A round ends
     // without a decision only if another claim inserted the key after this one's snapshot, or the
@@ -368,8 +368,21 @@ async fn claim_rounds(
     Err(StoreError::KeyVanished)
 }
 
-fn chrono_timeout(lock_timeout: Duration) -> chrono::Duration {
-    chrono::Duration::from_std(lock_timeout).unwrap_or(chrono::Duration::MAX)
+/// A configured duration (the lock timeout, the key TTL) as timestamp arithmetic wants it; one
+/// too long for chrono saturates rather than fails.
+pub fn chrono_duration(duration: Duration) -> chrono::Duration {
+    chrono::Duration::from_std(duration).unwrap_or(chrono::Duration::MAX)
+}
+
+/// Whether a key locked at `locked_at` is still held at `now`: a lock older than the lock timeout
+/// may be taken over (its holder is presumed dead). The one statement of the rule, for the claim
+/// here and for `workers admin`.
+pub fn lock_is_live(
+    locked_at: chrono::DateTime<chrono::Utc>,
+    now: chrono::DateTime<chrono::Utc>,
+    lock_timeout: chrono::Duration,
+) -> bool {
+    locked_at > now - lock_timeout
 }
 
 /// What a claim's statement found, decided: at once for a new key, a replay or a mismatch, under
@@ -684,7 +697,7 @@ async fn lock_existing(
         Claim::Replay(stored_response(row.response_code, row.response_body)?)
     } else if row
         .locked_at
-        .is_some_and(|locked_at| locked_at > now - lock_timeout)
+        .is_some_and(|locked_at| lock_is_live(locked_at, now, lock_timeout))
     {
         Claim::InUse
     } else {

@@ -432,9 +432,9 @@ impl Rides {
                 };
             }
         };
-        let key_expires_at = chrono::Duration::from_std(self.idempotency.key_ttl)
-            .ok()
-            .and_then(|ttl| claimed.key_created_at.checked_add_signed(ttl));
+        let key_expires_at = claimed
+            .key_created_at
+            .checked_add_signed(idempotency::chrono_duration(self.idempotency.key_ttl));
         let (replayed, result) = match claimed.claim {
             Claim::Mismatch => (false, Err(CreateRideError::KeyReused)),
             Claim::InUse => {

@@ -9,6 +9,7 @@
 //! provider call the holder has already started, which is why a live lock needs `--force`.
 
 use api_server::{
+    idempotency::{chrono_duration, lock_is_live},
     payments::provider_idempotency_key,
     rides::{Outcome, PAYMENT_ACCEPTED, RideView, receipt_job_args},
 };
@@ -245,7 +246,7 @@ fn key_details(
             locked_at: key.locked_at,
             live: key
                 .locked_at
-                .is_some_and(|locked_at| is_live(locked_at, now, lock_timeout)),
+                .is_some_and(|locked_at| lock_is_live(locked_at, now, lock_timeout)),
             expires_at: key
                 .locked_at
                 .and_then(|locked_at| locked_at.checked_add_signed(lock_timeout)),
@@ -359,14 +360,6 @@ fn now_sql() -> diesel::expression::SqlLiteral<diesel::sql_types::Timestamptz> {
     diesel::dsl::sql::<diesel::sql_types::Timestamptz>("now()")
 }
 
-fn chrono_duration(duration: std::time::Duration) -> chrono::Duration {
-    chrono::Duration::from_std(duration).unwrap_or(chrono::Duration::MAX)
-}
-
-fn is_live(locked_at: DateTime<Utc>, now: DateTime<Utc>, lock_timeout: chrono::Duration) -> bool {
-    locked_at > now - lock_timeout
-}
-
 /// Loads the key, locking its row when the command is going to change it. A dry run takes no
 /// lock: it never delays an api-server phase.
 async fn load_key(
@@ -402,7 +395,7 @@ fn check_lock(
     let Some(locked_at) = key.locked_at else {
         return Ok(None);
     };
-    if !is_live(locked_at, now, lock_timeout) {
+    if !lock_is_live(locked_at, now, lock_timeout) {
         return Ok(None);
     }
     let age = render::duration(now - locked_at);
