@@ -12,6 +12,7 @@
 //! - [`migrations`]: `migrations/` embedded in the binary and applied over an async connection.
 //! - `testing` (feature `testing`): one database per test, cloned from a migrated template.
 
+pub mod jobs;
 pub mod migrations;
 pub mod models;
 pub mod pool;
@@ -26,5 +27,4 @@ pub use pool::{DbConn, PlanCache, Pool, PoolError, build_pool};
 pub use recovery_point::{RecoveryPoint, UnknownRecoveryPoint};
 pub use tls::connect;
 
-/// Job name of the receipt staged when a ride is paid for.
-pub const SEND_RIDE_RECEIPT_JOB: &str = "send_ride_receipt";
+pub use jobs::SEND_RIDE_RECEIPT_JOB;

@@ -44,7 +44,10 @@ use lapin::{
     options::{BasicPublishOptions, ConfirmSelectOptions},
     types::{AMQPValue, FieldTable, LongString, ShortString},
 };
-use schema::{Pool, PoolError, SEND_RIDE_RECEIPT_JOB, models::StagedJob, schema::staged_jobs};
+use schema::{
+    Pool, PoolError, SEND_RIDE_RECEIPT_JOB, jobs::ReceiptJobArgs, models::StagedJob,
+    schema::staged_jobs,
+};
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 
@@ -52,7 +55,7 @@ use crate::{
     amqp::AmqpSession,
     backoff::{Backoff, exponential},
     config::EnqueuerConfig,
-    message::{ReceiptJobArgs, ReceiptMessage},
+    message::ReceiptMessage,
     shutdown,
     topology::{RECEIPT_ROUTING_KEY, Topology},
 };
@@ -446,7 +449,7 @@ fn encode(job: &StagedJob) -> (String, Vec<u8>) {
     if job.job_name == SEND_RIDE_RECEIPT_JOB {
         let body = serde_json::from_value::<ReceiptJobArgs>(job.job_args.clone())
             .ok()
-            .map(ReceiptMessage::from_job_args)
+            .and_then(ReceiptMessage::from_job_args)
             .and_then(|message| message.encode().ok());
         match body {
             Some(body) => return (RECEIPT_ROUTING_KEY.to_owned(), body),

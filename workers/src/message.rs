@@ -2,6 +2,7 @@
 //! shape only changes additively within a version; anything else is a new `version`.
 
 use chrono::{DateTime, Utc};
+use schema::jobs::ReceiptJobArgs;
 use serde::{Deserialize, Serialize};
 
 pub const RECEIPT_MESSAGE_TYPE: &str = "ride.receipt";
@@ -25,17 +26,6 @@ pub struct ReceiptMessage {
     pub created_at: DateTime<Utc>,
 }
 
-/// The `job_args` the api-server stages for `send_ride_receipt`.
-#[derive(Clone, Debug, Deserialize)]
-pub struct ReceiptJobArgs {
-    pub ride_id: i64,
-    pub user_id: i64,
-    pub charge_id: String,
-    pub amount: i64,
-    pub currency: String,
-    pub created_at: DateTime<Utc>,
-}
-
 #[derive(Debug, thiserror::Error)]
 pub enum DecodeError {
     #[error("the message is not a JSON object: {0}")]
@@ -51,17 +41,18 @@ pub enum DecodeError {
 }
 
 impl ReceiptMessage {
-    pub fn from_job_args(args: ReceiptJobArgs) -> ReceiptMessage {
-        ReceiptMessage {
+    /// The message for a staged receipt job; `None` for args without a charge.
+    pub fn from_job_args(args: ReceiptJobArgs) -> Option<ReceiptMessage> {
+        Some(ReceiptMessage {
             version: RECEIPT_MESSAGE_VERSION,
             kind: RECEIPT_MESSAGE_TYPE.to_owned(),
             ride_id: args.ride_id,
             user_id: args.user_id,
-            charge_id: args.charge_id,
+            charge_id: args.charge_id?,
             amount: args.amount,
             currency: args.currency,
             created_at: args.created_at,
-        }
+        })
     }
 
     pub fn encode(&self) -> Result<Vec<u8>, serde_json::Error> {

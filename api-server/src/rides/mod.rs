@@ -140,14 +140,8 @@ impl RideParams {
 /// The `send_ride_receipt` job's arguments. Public because an operator finishing a key by hand
 /// (`workers admin key finish`) must stage exactly what this service stages.
 pub fn receipt_job_args(ride: &Ride) -> serde_json::Value {
-    serde_json::json!({
-        "ride_id": ride.id,
-        "user_id": ride.user_id,
-        "amount": ride.amount,
-        "currency": ride.currency,
-        "charge_id": ride.stripe_charge_id,
-        "created_at": ride.created_at,
-    })
+    // Plain fields only: serialising cannot fail.
+    serde_json::to_value(schema::jobs::ReceiptJobArgs::from(ride)).unwrap_or_default()
 }
 
 /// A ride as the API shows it.
