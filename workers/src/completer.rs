@@ -28,7 +28,8 @@ use tonic_types::StatusExt;
 use crate::{
     backoff,
     config::{CompleterConfig, ConfigError, Secret},
-    redact, shutdown,
+    redact,
+    shutdown::{self, Next, Passes},
 };
 
 const REASON_CARD_DECLINED: &str = "CARD_DECLINED";
@@ -226,31 +227,13 @@ impl Completer {
     }
 
     pub async fn run(&self, shutdown_token: CancellationToken) -> CompleteSummary {
-        let mut total = CompleteSummary::default();
-        while !shutdown_token.is_cancelled() {
-            match self.run_once().await {
-                Ok(summary) => {
-                    total.claimed += summary.claimed;
-                    total.completed += summary.completed;
-                    total.declined += summary.declined;
-                    total.still_failing += summary.still_failing;
-                    total.skipped_in_use += summary.skipped_in_use;
-                    total.gave_up += summary.gave_up;
-                    if summary.claimed > 0 {
-                        tracing::info!(?summary, "completer pass");
-                        // A full batch suggests more are due: go again at once.
-                        if summary.claimed >= u64::try_from(self.config.batch_size).unwrap_or(0) {
-                            continue;
-                        }
-                    }
-                }
-                Err(error) => tracing::error!(%error, "completer pass failed"),
-            }
-            if !shutdown::sleep(&shutdown_token, self.config.interval).await {
-                break;
-            }
-        }
-        total
+        let mut passes = CompleterPasses {
+            completer: self,
+            total: CompleteSummary::default(),
+        };
+        let failing = backoff::Backoff::new(self.config.interval, self.config.interval);
+        shutdown::run_passes(&mut passes, &shutdown_token, failing).await;
+        passes.total
     }
 
     async fn attempt(&self, key: &ClaimedKey) -> Attempt {
@@ -369,6 +352,37 @@ pub fn request_from_params(params: &serde_json::Value) -> Option<CreateRideReque
         target_lat: field("target_lat"),
         target_lon: field("target_lon"),
     })
+}
+
+/// The completer's loop state: a pass, then again at once after a full batch (more are likely
+/// due), else after the interval.
+struct CompleterPasses<'a> {
+    completer: &'a Completer,
+    total: CompleteSummary,
+}
+
+impl Passes for CompleterPasses<'_> {
+    type Error = CompleteError;
+    const WORKER: &'static str = "completer";
+
+    async fn pass(&mut self) -> Result<Next, CompleteError> {
+        let summary = self.completer.run_once().await?;
+        let total = &mut self.total;
+        total.claimed += summary.claimed;
+        total.completed += summary.completed;
+        total.declined += summary.declined;
+        total.still_failing += summary.still_failing;
+        total.skipped_in_use += summary.skipped_in_use;
+        total.gave_up += summary.gave_up;
+        let config = &self.completer.config;
+        if summary.claimed > 0 {
+            tracing::info!(?summary, "completer pass");
+            if summary.claimed >= u64::try_from(config.batch_size).unwrap_or(0) {
+                return Ok(Next::Now);
+            }
+        }
+        Ok(Next::After(config.interval))
+    }
 }
 
 #[cfg(test)]

@@ -56,7 +56,7 @@ use crate::{
     backoff::{Backoff, exponential},
     config::EnqueuerConfig,
     message::ReceiptMessage,
-    shutdown,
+    shutdown::{self, Next, Passes},
     topology::{RECEIPT_ROUTING_KEY, Topology},
 };
 
@@ -169,38 +169,20 @@ impl Enqueuer {
     /// idle enqueuer polls, backing off up to `idle_max`. (It does not LISTEN: a NOTIFY per staged
     /// job would serialise every CreateRide's commit across the database; see the
     /// `drop_staged_jobs_notify` migration.)
-    pub async fn run(mut self, shutdown_token: CancellationToken) -> EnqueueSummary {
-        let mut total = EnqueueSummary::default();
-        let mut idle = Backoff::new(Duration::from_millis(50), self.config.idle_max);
-        let mut failing = Backoff::new(Duration::from_millis(200), Duration::from_secs(30));
-        while !shutdown_token.is_cancelled() {
-            match self.run_pass(&shutdown_token).await {
-                Ok(summary) => {
-                    failing.reset();
-                    total.add(&summary);
-                    if summary.published > 0 {
-                        tracing::info!(?summary, "enqueuer pass");
-                        idle.reset();
-                        continue;
-                    }
-                    shutdown::sleep(&shutdown_token, idle.next_delay()).await;
-                }
-                Err(error) => {
-                    let delay = failing.next_delay();
-                    tracing::error!(error = %telemetry::error_chain(&error), ?delay, "enqueuer pass failed, retrying");
-                    if let Some(session) = self.session.take() {
-                        session.close().await;
-                    }
-                    if !shutdown::sleep(&shutdown_token, delay).await {
-                        break;
-                    }
-                }
-            }
-        }
-        if let Some(session) = self.session.take() {
+    pub async fn run(self, shutdown_token: CancellationToken) -> EnqueueSummary {
+        let idle = Backoff::new(Duration::from_millis(50), self.config.idle_max);
+        let mut passes = EnqueuerPasses {
+            enqueuer: self,
+            stop: shutdown_token.clone(),
+            idle,
+            total: EnqueueSummary::default(),
+        };
+        let failing = Backoff::new(Duration::from_millis(200), Duration::from_secs(30));
+        shutdown::run_passes(&mut passes, &shutdown_token, failing).await;
+        if let Some(session) = passes.enqueuer.session.take() {
             session.close().await;
         }
-        total
+        passes.total
     }
 
     async fn channel(&mut self) -> Result<Channel, EnqueueError> {
@@ -518,4 +500,39 @@ fn properties(job: &StagedJob, exchange: &str) -> BasicProperties {
         .with_message_id(job.id.to_string().into())
         .with_timestamp(u64::try_from(job.created_at.timestamp()).unwrap_or(0))
         .with_headers(headers)
+}
+
+/// The enqueuer's loop state: again at once while there is work, otherwise an idle wait that
+/// doubles up to `ENQUEUER_IDLE_MAX_MS`; a failed pass drops the broker session, so the next
+/// opens a fresh one.
+struct EnqueuerPasses {
+    enqueuer: Enqueuer,
+    stop: CancellationToken,
+    idle: Backoff,
+    total: EnqueueSummary,
+}
+
+impl Passes for EnqueuerPasses {
+    type Error = EnqueueError;
+    const WORKER: &'static str = "enqueuer";
+
+    async fn pass(&mut self) -> Result<Next, EnqueueError> {
+        match self.enqueuer.run_pass(&self.stop).await {
+            Ok(summary) => {
+                self.total.add(&summary);
+                if summary.published > 0 {
+                    tracing::info!(?summary, "enqueuer pass");
+                    self.idle.reset();
+                    return Ok(Next::Now);
+                }
+                Ok(Next::After(self.idle.next_delay()))
+            }
+            Err(error) => {
+                if let Some(session) = self.enqueuer.session.take() {
+                    session.close().await;
+                }
+                Err(error)
+            }
+        }
+    }
 }

@@ -12,7 +12,11 @@ use schema::{Pool, PoolError};
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 
-use crate::{config::ReaperConfig, shutdown};
+use crate::{
+    backoff::Backoff,
+    config::ReaperConfig,
+    shutdown::{self, Next, Passes},
+};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ReapError {
@@ -102,28 +106,37 @@ impl Reaper {
     }
 
     pub async fn run(&self, shutdown_token: CancellationToken) -> ReapSummary {
-        let mut total = ReapSummary::default();
-        while !shutdown_token.is_cancelled() {
-            match self.run_once().await {
-                Ok(summary) => {
-                    total.batches += summary.batches;
-                    total.deleted += summary.deleted;
-                    total.unfinished_recorded += summary.unfinished_recorded;
-                    if summary.deleted > 0 {
-                        tracing::info!(?summary, "reaper pass");
-                    }
-                }
-                Err(error) => tracing::error!(%error, "reaper pass failed"),
-            }
-            if !shutdown::sleep(
-                &shutdown_token,
-                self.config.interval.max(Duration::from_secs(1)),
-            )
-            .await
-            {
-                break;
-            }
+        let interval = self.config.interval.max(Duration::from_secs(1));
+        let mut passes = ReaperPasses {
+            reaper: self,
+            interval,
+            total: ReapSummary::default(),
+        };
+        let failing = Backoff::new(interval, interval);
+        shutdown::run_passes(&mut passes, &shutdown_token, failing).await;
+        passes.total
+    }
+}
+
+/// The reaper's loop state: every pass, then wait the interval.
+struct ReaperPasses<'a> {
+    reaper: &'a Reaper,
+    interval: Duration,
+    total: ReapSummary,
+}
+
+impl Passes for ReaperPasses<'_> {
+    type Error = ReapError;
+    const WORKER: &'static str = "reaper";
+
+    async fn pass(&mut self) -> Result<Next, ReapError> {
+        let summary = self.reaper.run_once().await?;
+        self.total.batches += summary.batches;
+        self.total.deleted += summary.deleted;
+        self.total.unfinished_recorded += summary.unfinished_recorded;
+        if summary.deleted > 0 {
+            tracing::info!(?summary, "reaper pass");
         }
-        total
+        Ok(Next::After(self.interval))
     }
 }
