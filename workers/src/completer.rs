@@ -28,6 +28,7 @@ use tonic_types::StatusExt;
 use crate::{
     backoff,
     config::{CompleterConfig, ConfigError, Secret},
+    metrics::{self, Handled},
     redact,
     shutdown::{self, Next, Passes},
 };
@@ -62,6 +63,17 @@ pub struct CompleteSummary {
     pub skipped_in_use: u64,
     /// Attempts exhausted; recorded in `keys_needing_attention`.
     pub gave_up: u64,
+}
+
+impl CompleteSummary {
+    /// Counts this summary in the worker's metric, by outcome.
+    pub(crate) fn record(&self) {
+        metrics::count(Handled::Completer, "completed", self.completed);
+        metrics::count(Handled::Completer, "declined", self.declined);
+        metrics::count(Handled::Completer, "still_failing", self.still_failing);
+        metrics::count(Handled::Completer, "skipped_in_use", self.skipped_in_use);
+        metrics::count(Handled::Completer, "gave_up", self.gave_up);
+    }
 }
 
 /// A claimed key.
@@ -219,7 +231,7 @@ impl Completer {
                 }
             }
         }
-        crate::metrics::record_completer(&summary);
+        summary.record();
         if let Ok(mut conn) = self.pool.get().await {
             crate::metrics::observe_needing_attention(&mut conn).await;
         }

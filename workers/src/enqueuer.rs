@@ -56,6 +56,7 @@ use crate::{
     backoff::{Backoff, exponential},
     config::EnqueuerConfig,
     message::ReceiptMessage,
+    metrics::{self, Handled},
     shutdown::{self, Next, Passes},
     topology::{RECEIPT_ROUTING_KEY, Topology},
 };
@@ -86,6 +87,17 @@ pub struct EnqueueSummary {
     pub set_aside: u64,
     /// Returned or nacked jobs that reached `ENQUEUER_MAX_ATTEMPTS` and now wait for a human.
     pub parked: u64,
+}
+
+impl EnqueueSummary {
+    /// Counts this summary in the worker's metric, by outcome.
+    pub(crate) fn record(&self) {
+        metrics::count(Handled::Enqueued, "published", self.published);
+        metrics::count(Handled::Enqueued, "returned", self.returned);
+        metrics::count(Handled::Enqueued, "nacked", self.nacked);
+        metrics::count(Handled::Enqueued, "set_aside", self.set_aside);
+        metrics::count(Handled::Enqueued, "parked", self.parked);
+    }
 }
 
 impl EnqueueSummary {
@@ -142,7 +154,7 @@ impl Enqueuer {
         loop {
             let outcome = self.drain_batch().await?;
             total.add(&outcome.summary);
-            crate::metrics::record_enqueue(&outcome.summary);
+            outcome.summary.record();
             if let Some(error) = outcome.error {
                 tracing::warn!(published = total.published, "enqueuer pass interrupted");
                 return Err(error);

@@ -12,11 +12,6 @@ use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use opentelemetry::metrics::{Counter, Gauge};
 use telemetry::attr;
 
-use crate::{
-    completer::CompleteSummary, enqueuer::EnqueueSummary, reaper::ReapSummary,
-    receipts::ReceiptSummary,
-};
-
 struct Instruments {
     enqueued: Counter<u64>,
     backlog: Gauge<u64>,
@@ -72,44 +67,31 @@ static INSTRUMENTS: LazyLock<Instruments> = LazyLock::new(|| {
     }
 });
 
-fn add(counter: &Counter<u64>, outcome: &'static str, count: u64) {
+/// The counters of what each worker handled, by outcome. Each worker counts its own summary
+/// (`record` beside its `*Summary`), so this module knows none of the workers' types.
+#[derive(Clone, Copy, Debug)]
+pub enum Handled {
+    /// `rides.enqueuer.messages`
+    Enqueued,
+    /// `rides.receipts.messages`
+    Receipts,
+    /// `rides.completer.keys`
+    Completer,
+    /// `rides.reaper.keys`
+    Reaped,
+}
+
+/// Adds `count` to `counter` for `outcome` (nothing when 0).
+pub fn count(counter: Handled, outcome: &'static str, count: u64) {
+    let counter = match counter {
+        Handled::Enqueued => &INSTRUMENTS.enqueued,
+        Handled::Receipts => &INSTRUMENTS.receipts,
+        Handled::Completer => &INSTRUMENTS.completer,
+        Handled::Reaped => &INSTRUMENTS.reaped,
+    };
     if count > 0 {
         counter.add(count, &[attr("outcome", outcome)]);
     }
-}
-
-pub fn record_enqueue(summary: &EnqueueSummary) {
-    let counter = &INSTRUMENTS.enqueued;
-    add(counter, "published", summary.published);
-    add(counter, "returned", summary.returned);
-    add(counter, "nacked", summary.nacked);
-    add(counter, "set_aside", summary.set_aside);
-    add(counter, "parked", summary.parked);
-}
-
-pub fn record_receipts(summary: &ReceiptSummary) {
-    let counter = &INSTRUMENTS.receipts;
-    add(counter, "sent", summary.sent);
-    add(counter, "duplicate", summary.duplicates);
-    add(counter, "recovered", summary.recovered);
-    add(counter, "unverified_resend", summary.unverified_resends);
-    add(counter, "dead_lettered", summary.dead_lettered);
-    add(counter, "retried", summary.retried);
-}
-
-pub fn record_completer(summary: &CompleteSummary) {
-    let counter = &INSTRUMENTS.completer;
-    add(counter, "completed", summary.completed);
-    add(counter, "declined", summary.declined);
-    add(counter, "still_failing", summary.still_failing);
-    add(counter, "skipped_in_use", summary.skipped_in_use);
-    add(counter, "gave_up", summary.gave_up);
-}
-
-pub fn record_reaper(summary: &ReapSummary) {
-    let counter = &INSTRUMENTS.reaped;
-    add(counter, "deleted", summary.deleted);
-    add(counter, "recorded_unfinished", summary.unfinished_recorded);
 }
 
 #[derive(QueryableByName)]

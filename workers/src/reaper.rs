@@ -15,6 +15,7 @@ use tokio_util::sync::CancellationToken;
 use crate::{
     backoff::Backoff,
     config::ReaperConfig,
+    metrics::{self, Handled},
     shutdown::{self, Next, Passes},
 };
 
@@ -32,6 +33,18 @@ pub struct ReapSummary {
     pub deleted: u64,
     /// Unfinished keys recorded in `keys_needing_attention` before deletion.
     pub unfinished_recorded: u64,
+}
+
+impl ReapSummary {
+    /// Counts this summary in the worker's metric, by outcome.
+    pub(crate) fn record(&self) {
+        metrics::count(Handled::Reaped, "deleted", self.deleted);
+        metrics::count(
+            Handled::Reaped,
+            "recorded_unfinished",
+            self.unfinished_recorded,
+        );
+    }
 }
 
 #[derive(QueryableByName)]
@@ -99,7 +112,7 @@ impl Reaper {
                 );
             }
             if counts.deleted < self.config.batch_size {
-                crate::metrics::record_reaper(&summary);
+                summary.record();
                 return Ok(summary);
             }
         }

@@ -58,6 +58,7 @@ use crate::{
     config::ReceiptsConfig,
     mailer::{MailError, Mailer, Receipt},
     message::ReceiptMessage,
+    metrics::{self, Handled},
     redact,
     relay_search::RelaySearch,
     topology::Topology,
@@ -89,6 +90,22 @@ pub struct ReceiptSummary {
 }
 
 impl ReceiptSummary {
+    /// Counts this summary in the worker's metric, by outcome.
+    pub(crate) fn record(&self) {
+        metrics::count(Handled::Receipts, "sent", self.sent);
+        metrics::count(Handled::Receipts, "duplicate", self.duplicates);
+        metrics::count(Handled::Receipts, "recovered", self.recovered);
+        metrics::count(
+            Handled::Receipts,
+            "unverified_resend",
+            self.unverified_resends,
+        );
+        metrics::count(Handled::Receipts, "dead_lettered", self.dead_lettered);
+        metrics::count(Handled::Receipts, "retried", self.retried);
+    }
+}
+
+impl ReceiptSummary {
     fn count(&mut self, disposition: &Disposition) {
         let mut one = ReceiptSummary {
             received: 1,
@@ -105,7 +122,7 @@ impl ReceiptSummary {
             Disposition::DeadLetter(_) => one.dead_lettered = 1,
             Disposition::Retry(_) => one.retried = 1,
         }
-        crate::metrics::record_receipts(&one);
+        one.record();
         self.add(&one);
     }
 
