@@ -29,6 +29,21 @@ fn well_shaped_unknown_token() -> String {
     auth::generate_token()
 }
 
+/// A CreateRide of `token`'s user with a new key, once it is at the provider, where it stays for
+/// the fake provider's latency (the test's first provider call).
+async fn held_at_the_provider(
+    app: &TestApp,
+    token: &str,
+) -> tokio::task::JoinHandle<Result<tonic::Response<proto::v1::CreateRideResponse>, Status>> {
+    let mut client = app.client().await;
+    let request = authed(token, Some(&new_key()), ride_request());
+    let call = tokio::spawn(async move { client.create_ride(request).await });
+    while app.stripe.create_calls() == 0 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    call
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn an_empty_create_bucket_refuses_with_retry_info_and_writes_nothing() {
     let app = TestApp::spawn_with(
@@ -118,16 +133,7 @@ async fn one_users_concurrent_creates_are_capped() {
     )
     .await;
     let user = app.create_user(GOOD_CARD).await;
-    let slow_key = new_key();
-    let slow = {
-        let mut client = app.client().await;
-        let request = authed(&user.token, Some(&slow_key), ride_request());
-        tokio::spawn(async move { client.create_ride(request).await })
-    };
-    // Wait until the first call is at the provider, where it stays for the provider's latency.
-    while app.stripe.create_calls() == 0 {
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    let slow = held_at_the_provider(&app, &user.token).await;
 
     let refused_key = new_key();
     let status = app
@@ -356,14 +362,7 @@ async fn calls_with_tokens_not_verified_lately_are_capped_but_known_tokens_pass(
     assert_eq!(status.code(), Code::NotFound, "{status:?}");
 
     // The first user's first call takes the only lookup place and keeps it at the provider.
-    let slow = {
-        let mut client = app.client().await;
-        let request = authed(&first.token, Some(&new_key()), ride_request());
-        tokio::spawn(async move { client.create_ride(request).await })
-    };
-    while app.stripe.create_calls() == 0 {
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    let slow = held_at_the_provider(&app, &first.token).await;
 
     // Meanwhile a user not verified lately, and a made-up token, are refused before the database.
     let refused_key = new_key();

@@ -16,7 +16,7 @@ use std::{
     net::{Ipv4Addr, SocketAddr},
     sync::{
         Arc, Mutex,
-        atomic::{AtomicBool, AtomicU64, Ordering},
+        atomic::{AtomicBool, Ordering},
     },
     time::{Duration, Instant},
 };
@@ -153,7 +153,6 @@ pub struct Seen {
     pub server_settings: AtomicBool,
     pub closed: AtomicBool,
     pub closed_after: Mutex<Option<Duration>>,
-    pub frames: AtomicU64,
 }
 
 impl Seen {
@@ -211,7 +210,6 @@ impl RawConn {
             let (writer, seen) = (Arc::clone(&writer), Arc::clone(&seen));
             tokio::spawn(async move {
                 while let Ok(Some(frame)) = h2wire::read_frame(&mut read).await {
-                    seen.frames.fetch_add(1, Ordering::Relaxed);
                     if let Some(answer) = answer(&frame, &seen, manners) {
                         let _ = writer.lock().await.write_all(&answer).await;
                     }
