@@ -14,7 +14,16 @@ use schema::{
 use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
 
-use crate::idempotency::StoreError;
+use schema::store::StoreError;
+
+/// Who is calling, as far as the credentials say before any database lookup: a user's token (by
+/// its digest, one token per user) or the internal credential acting for a user id. The limits
+/// are kept per caller, and the claim authenticates it in its own statement.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Caller {
+    Token([u8; 32]),
+    OnBehalfOf(i64),
+}
 
 const TOKEN_PREFIX: &str = "rr_";
 /// 32 random bytes in unpadded base64url.

@@ -5,10 +5,15 @@
 //! - [`listener`]: the accept pipeline in front of tonic: connection caps, handshake and preface
 //!   deadline, idle timeout; [`tls`]: certificates, reloaded without dropping connections.
 //! - [`grpc`]: the transport. Metadata and messages in, `Status` and responses out.
-//! - [`rides`]: CreateRide as a state machine over recovery points (the domain).
-//! - [`idempotency`]: the engine underneath: key claims, fenced atomic phases, retries.
+//! - [`rides`]: CreateRide as a state machine over recovery points (the domain), one file per
+//!   phase.
+//! - [`idempotency`]: the engine underneath: key claims and fenced atomic phases.
 //! - [`payments`]: the Stripe client and its error classification.
-//! - [`auth`]: API tokens, stored as digests.
+//! - [`auth`]: API tokens, stored as digests, and who a call's [`Caller`](auth::Caller) is.
+//!
+//! Below it: `contract` (what this service and the workers agree on: the stored outcome, the
+//! receipt job, the key's fence and finish statements) and `schema` (the database: tables,
+//! models, pool, `StoreError` and the retry policy).
 //! - [`limits`]: per-user rate limits and the bad-token cache, decided before the database.
 //! - [`config`]: typed configuration, read once from the environment.
 //! - [`fault`]: crash points for the reliability campaign (feature `fault-injection` only).

@@ -35,6 +35,8 @@ use std::{
     time::{Duration, Instant},
 };
 
+use crate::auth::Caller;
+
 /// The settings that lift every per-user limit, for callers that are not real users: the test
 /// harness, and the reliability campaign's closed-loop clients (hundreds of calls per second per
 /// user, many of them declined), which prove exactly-once under crashes, not the limits.
@@ -78,15 +80,6 @@ pub struct LimitsConfig {
     pub unknown_token_capacity: usize,
     /// Calls with a token not verified lately that may run at once (each costs a lookup).
     pub max_concurrent_token_lookups: usize,
-}
-
-/// Who a call's limits are kept for, known before the database.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Caller {
-    /// A user token, by its digest (one token per user).
-    Token([u8; 32]),
-    /// The internal credential acting for this user id.
-    OnBehalfOf(i64),
 }
 
 /// A refused call, with how long to wait before trying again.

@@ -7,9 +7,10 @@ use std::{collections::HashMap, net::SocketAddr, sync::Arc};
 
 use crate::{
     App,
+    auth::Caller,
     config::Config,
     grpc::{EXPIRES_AT_HEADER, IDEMPOTENCY_KEY_HEADER, REPLAYED_HEADER},
-    idempotency::{self, Claim, IdempotencyKey, Lease, RetryPolicy},
+    idempotency::{self, Decision, IdempotencyKey, Lease},
     rides::{RideParams, RideRequest, Rides},
 };
 use diesel::{ExpressionMethods, OptionalExtension, QueryDsl, SelectableHelper};
@@ -255,18 +256,18 @@ impl TestApp {
     /// Claims a key the way a request's first step does, leaving it locked by the returned lease:
     /// an attempt that is running, or that died holding the lock.
     pub async fn claim(&self, user: &TestUser, key: &str, params: &RideParams) -> Lease {
-        let claimed = idempotency::claim(
-            &self.pool,
-            RetryPolicy::default(),
-            user.id,
+        let (_, claimed) = idempotency::claim(
+            self.rides.claim_batcher(),
+            Caller::OnBehalfOf(user.id),
             &IdempotencyKey::parse(key).unwrap(),
             &params.signature(),
             self.config.idempotency.lock_timeout,
         )
         .await
-        .unwrap();
-        match claimed.claim {
-            Claim::Execute(lease) => lease,
+        .unwrap()
+        .expect("the user exists");
+        match claimed.decision {
+            Decision::Execute(lease) => lease,
             other => panic!("expected to own the key, got {other:?}"),
         }
     }

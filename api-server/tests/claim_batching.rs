@@ -1,4 +1,4 @@
-//! Claims by token that share one statement (`idempotency::ClaimBatcher`) decide exactly what
+//! Claims by token that share one statement (`idempotency::Claims`) decide exactly what
 //! claims made one at a time decide: each claim gets its own answer, two claims of one new key
 //! cannot both win, and nothing is written for an unknown token.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
@@ -6,9 +6,9 @@
 use std::{sync::Arc, time::Duration};
 
 use api_server::{
-    auth,
+    auth::{self, Caller},
     grpc::reason,
-    idempotency::{self, BatchCounts, Batching, Claim, ClaimBatcher, IdempotencyKey, RetryPolicy},
+    idempotency::{self, BatchCounts, Batcher, Batching, Decision, IdempotencyKey},
     rides::RideParams,
     testing::*,
 };
@@ -89,28 +89,25 @@ async fn claims_queued_together_share_a_statement_and_each_get_their_own_answer(
     // One batch at a time, on a pool of one connection that the test holds: the first claim's
     // batch waits for that connection while every other claim is submitted (all in the first
     // poll of `join_all`, before anything can complete), so the rest share the second statement.
-    let pool = app.rides.pool().clone();
     let batcher_pool = app.db.pool(1);
     let held = batcher_pool.get_owned().await.unwrap();
-    let batcher = ClaimBatcher::for_claims(
+    let batcher = Batcher::for_claims(
         batcher_pool,
-        RetryPolicy::default(),
+        Default::default(),
         Batching {
             max_size: 64,
             in_flight: 1,
         },
     );
     let runs = claims.iter().map(|(token, key, request, _)| {
-        let (pool, batcher) = (pool.clone(), Arc::clone(&batcher));
+        let batcher = Arc::clone(&batcher);
         let digest = auth::token_digest(token);
         let key = IdempotencyKey::parse(key).unwrap();
         let signature = params(*request).signature();
         async move {
-            let claimed = idempotency::authenticate_and_claim(
-                &pool,
+            let claimed = idempotency::claim(
                 &batcher,
-                RetryPolicy::default(),
-                &digest,
+                Caller::Token(digest),
                 &key,
                 &signature,
                 LOCK_TIMEOUT,
@@ -119,15 +116,15 @@ async fn claims_queued_together_share_a_statement_and_each_get_their_own_answer(
             .unwrap();
             match claimed {
                 None => Decided::NoSuchUser,
-                Some((user, claimed)) => match claimed.claim {
-                    Claim::Execute(lease) => {
+                Some((user, claimed)) => match claimed.decision {
+                    Decision::Execute(lease) => {
                         assert_eq!(lease.user_id, user.id);
                         assert_eq!(lease.recovery_point, RecoveryPoint::Started);
                         Decided::Execute { user_id: user.id }
                     }
-                    Claim::InUse => Decided::InUse,
-                    Claim::Replay(stored) => Decided::Replay { code: stored.code },
-                    Claim::Mismatch => Decided::Mismatch,
+                    Decision::InUse => Decided::InUse,
+                    Decision::Replay(stored) => Decided::Replay { code: stored.code },
+                    Decision::Mismatch => Decided::Mismatch,
                 },
             }
         }

@@ -1,4 +1,4 @@
-//! CreateRide's write phases sent together (`rides::batched`) decide exactly what one-request
+//! CreateRide's write phases sent together (each phase's batched statement under `rides/`) decide exactly what one-request
 //! phases decide: each key moves on, or its fence fails and nothing of it is written, while the
 //! rest of its batch commits; and a batch that fails is redone request by request.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]

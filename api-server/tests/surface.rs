@@ -12,12 +12,12 @@ use std::{
 
 use api_server::{
     grpc::{ON_BEHALF_OF_HEADER, reason},
-    idempotency::{RetryPolicy, StoreError, retry_transient},
     testing::*,
 };
 use diesel::{QueryableByName, result::DatabaseErrorKind, sql_types::Integer};
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
 use proto::v1::GetRideRequest;
+use schema::store::{RetryPolicy, StoreError, retry_transient};
 use tokio::sync::Barrier;
 use tonic::Code;
 

@@ -34,6 +34,7 @@
 
 use std::time::Duration;
 
+use contract::{BackgroundJob as _, ReceiptJob, message::ReceiptMessage};
 use diesel::{
     BoolExpressionMethods, ExpressionMethods, QueryDsl, SelectableHelper,
     sql_types::{Array, BigInt, Bool, Double, Integer, Text},
@@ -44,10 +45,7 @@ use lapin::{
     options::{BasicPublishOptions, ConfirmSelectOptions},
     types::{AMQPValue, FieldTable, LongString, ShortString},
 };
-use schema::{
-    Pool, PoolError, SEND_RIDE_RECEIPT_JOB, jobs::ReceiptJobArgs, models::StagedJob,
-    schema::staged_jobs,
-};
+use schema::{Pool, PoolError, models::StagedJob, schema::staged_jobs};
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 
@@ -55,7 +53,6 @@ use crate::{
     amqp::AmqpSession,
     backoff::{Backoff, exponential},
     config::EnqueuerConfig,
-    message::ReceiptMessage,
     metrics::{self, Handled},
     shutdown::{self, Next, Passes},
     topology::{RECEIPT_ROUTING_KEY, Topology},
@@ -440,10 +437,10 @@ async fn publish_all(
 /// into the dead-letter queue where a human sees them, instead of blocking the drain. Unknown
 /// job names are routed by name: with no queue bound they are returned and set aside.
 fn encode(job: &StagedJob) -> (String, Vec<u8>) {
-    if job.job_name == SEND_RIDE_RECEIPT_JOB {
-        let body = serde_json::from_value::<ReceiptJobArgs>(job.job_args.clone())
+    if job.job_name == ReceiptJob::JOB_NAME {
+        let body = ReceiptJob::from_args(&job.job_args)
             .ok()
-            .and_then(ReceiptMessage::from_job_args)
+            .and_then(ReceiptMessage::from_job)
             .and_then(|message| message.encode().ok());
         match body {
             Some(body) => return (RECEIPT_ROUTING_KEY.to_owned(), body),

@@ -3,8 +3,8 @@
 //!
 //! Layout:
 //! - [`config`]: typed configuration, read once from the environment.
-//! - [`topology`] and [`message`]: the RabbitMQ contract (exchange, queues, dead-lettering) and
-//!   the versioned receipt message other teams consume.
+//! - [`topology`]: the RabbitMQ layout (exchange, queues, dead-lettering); the versioned receipt
+//!   message other teams consume is `contract::message`, shared with the api-server.
 //! - [`amqp`]: connecting to RabbitMQ with back-off.
 //! - [`enqueuer`]: the transactionally-staged job drain, `staged_jobs` → RabbitMQ.
 //! - [`receipts`]: the receipt worker, RabbitMQ → SMTP, claimed in `receipt_claims` and
@@ -28,7 +28,6 @@ pub mod config;
 pub mod enqueuer;
 pub mod mail_sink;
 pub mod mailer;
-pub mod message;
 pub mod metrics;
 pub mod reaper;
 pub mod receipts;

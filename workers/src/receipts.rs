@@ -27,6 +27,7 @@
 
 use std::{sync::Arc, time::Duration};
 
+use contract::message::ReceiptMessage;
 use diesel::{
     ExpressionMethods, OptionalExtension, QueryDsl, QueryableByName,
     sql_types::{BigInt, Double, Integer, Text},
@@ -57,7 +58,6 @@ use crate::{
     backoff,
     config::ReceiptsConfig,
     mailer::{MailError, Mailer, Receipt},
-    message::ReceiptMessage,
     metrics::{self, Handled},
     redact,
     relay_search::RelaySearch,

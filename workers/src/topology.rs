@@ -20,7 +20,7 @@ use lapin::{
     types::{AMQPValue, FieldTable, LongString, ShortString},
 };
 
-/// Routing key of [`crate::message::ReceiptMessage`].
+/// Routing key of `contract::message::ReceiptMessage`.
 pub const RECEIPT_ROUTING_KEY: &str = "ride.receipt";
 
 #[derive(Clone, Debug, PartialEq, Eq)]

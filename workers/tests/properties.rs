@@ -2,8 +2,8 @@
 //! cross: no input panics it, and everything it accepts round-trips.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+use contract::message::{RECEIPT_MESSAGE_TYPE, RECEIPT_MESSAGE_VERSION, ReceiptMessage};
 use proptest::prelude::*;
-use workers::message::{RECEIPT_MESSAGE_TYPE, RECEIPT_MESSAGE_VERSION, ReceiptMessage};
 
 fn message() -> impl Strategy<Value = ReceiptMessage> {
     (

@@ -26,14 +26,17 @@ use tonic::{
 use tracing::{Instrument, Span, field};
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
+use contract::{Outcome, RideView};
+
 use crate::{
-    App, auth,
+    App,
+    auth::{self, Caller},
     config::Secret,
     idempotency::{self, IdempotencyKey},
-    limits::{Caller, CreatePermit, DigestCache, Limiter},
+    limits::{CreatePermit, DigestCache, Limiter},
     metrics::metrics,
     penalty::Penalties,
-    rides::{CreateRideReply, FieldViolation, Outcome, RideParams, RideRequest, RideView, Rides},
+    rides::{CreateRideReply, FieldViolation, RideParams, Rides},
 };
 
 pub use status::{ERROR_DOMAIN, reason};
@@ -301,23 +304,23 @@ impl TryFrom<CreateRideRequest> for RideParams {
     }
 }
 
-impl From<RideView> for Ride {
-    fn from(ride: RideView) -> Ride {
-        Ride {
-            id: ride.id,
-            origin_lat: ride.origin_lat,
-            origin_lon: ride.origin_lon,
-            target_lat: ride.target_lat,
-            target_lon: ride.target_lon,
-            charge_id: ride.charge_id.unwrap_or_default(),
-            amount: ride.amount,
-            currency: ride.currency,
-            created_at: Some(prost_types::Timestamp {
-                seconds: ride.created_at.timestamp(),
-                // Always below 2e9, so the conversion cannot fail.
-                nanos: i32::try_from(ride.created_at.timestamp_subsec_nanos()).unwrap_or(0),
-            }),
-        }
+/// A ride as the API message carries it (the view lives in `contract`, the message in `proto`,
+/// so this cannot be a `From`).
+fn ride_message(ride: RideView) -> Ride {
+    Ride {
+        id: ride.id,
+        origin_lat: ride.origin_lat,
+        origin_lon: ride.origin_lon,
+        target_lat: ride.target_lat,
+        target_lon: ride.target_lon,
+        charge_id: ride.charge_id.unwrap_or_default(),
+        amount: ride.amount,
+        currency: ride.currency,
+        created_at: Some(prost_types::Timestamp {
+            seconds: ride.created_at.timestamp(),
+            // Always below 2e9, so the conversion cannot fail.
+            nanos: i32::try_from(ride.created_at.timestamp_subsec_nanos()).unwrap_or(0),
+        }),
     }
 }
 
@@ -504,56 +507,43 @@ impl RideApi {
             .map_err(fresh)?;
         let (_, _, message) = request.into_parts();
         let params = RideParams::try_from(message);
-        let rides = Arc::clone(&self.rides);
-        // The permit moves into the detached attempt: a client that hangs up does not free its
-        // place while its attempt still runs.
-        let reply = match (caller, key, params) {
-            // The common case, a user's token with a valid request, authenticates in the claim's
-            // own statement.
-            (Caller::Token(digest), Ok(key), Ok(params)) => {
-                let redacted_key = key.redacted();
-                let answered = self
-                    .detached(async move {
-                        let _permits = (permit, lookup);
-                        rides
-                            .authenticate_and_create_ride(&digest, &key, params, origin_ip)
-                            .await
-                    })
-                    .await
-                    .map_err(fresh)?;
-                let Some((user_id, reply)) = answered else {
-                    self.unknown_caller(caller);
-                    return Err(fresh(status::invalid_credentials()));
-                };
-                if let Some(user_id) = user_id {
-                    self.known_tokens.insert(digest);
-                    Span::current().record("user.id", user_id);
-                }
-                Span::current().record("rides.idempotency_key", redacted_key);
-                reply
-            }
-            // Anything else is checked in the contract's order: credentials first, then the key,
-            // then the parameters.
-            (_, key, params) => {
+        // Checked in the contract's order: credentials first, then the key, then the parameters.
+        // The credentials of a valid request are checked by the claim's own statement; those of
+        // an invalid one need a lookup of their own.
+        let valid = match (key, params) {
+            (Ok(key), Ok(params)) => Ok((key, params)),
+            (Err(invalid_key), _) => Err(invalid_key),
+            (Ok(_), Err(violations)) => Err(status::invalid_params(&violations)),
+        };
+        let (key, params) = match valid {
+            Ok(valid) => valid,
+            Err(invalid) => {
                 let user = self.authenticate(caller).await.map_err(fresh)?;
                 Span::current().record("user.id", user.id);
-                let key = key.map_err(fresh)?;
-                Span::current().record("rides.idempotency_key", key.redacted());
-                let params =
-                    params.map_err(|violations| fresh(status::invalid_params(&violations)))?;
-                let ride_request = RideRequest {
-                    user,
-                    params,
-                    origin_ip,
-                };
-                self.detached(async move {
-                    let _permits = (permit, lookup);
-                    rides.create_ride(&key, &ride_request).await
-                })
-                .await
-                .map_err(fresh)?
+                return Err(fresh(invalid));
             }
         };
+        Span::current().record("rides.idempotency_key", key.redacted());
+        let rides = Arc::clone(&self.rides);
+        // The permits move into the detached attempt: a client that hangs up does not free its
+        // place while its attempt still runs.
+        let answered = self
+            .detached(async move {
+                let _permits = (permit, lookup);
+                rides.create_ride(caller, &key, params, origin_ip).await
+            })
+            .await
+            .map_err(fresh)?;
+        let Some((user_id, reply)) = answered else {
+            self.unknown_caller(caller);
+            return Err(fresh(status::invalid_credentials()));
+        };
+        if let Some(user_id) = user_id {
+            if let Caller::Token(digest) = caller {
+                self.known_tokens.insert(digest);
+            }
+            Span::current().record("user.id", user_id);
+        }
         Span::current().record("rides.replayed", reply.replayed);
         if !reply.replayed && matches!(reply.result, Ok(Outcome::CardDeclined { .. })) {
             self.limiter.record_decline(caller);
@@ -589,7 +579,7 @@ impl RideApi {
             .get_ride(user.id, ride_id)
             .await
             .map_err(status::store_error)?
-            .map(|ride| Response::new(Ride::from(ride)))
+            .map(|ride| Response::new(ride_message(ride)))
             .ok_or_else(status::ride_not_found)
     }
 }
@@ -611,7 +601,7 @@ fn into_response(reply: CreateRideReply) -> Result<Response<CreateRideResponse>,
     };
     let result = match reply.result {
         Ok(Outcome::RideCreated { ride, message }) => Ok(CreateRideResponse {
-            ride: Some(Ride::from(ride)),
+            ride: Some(ride_message(ride)),
             message,
         }),
         Ok(Outcome::CardDeclined {

@@ -7,10 +7,9 @@ use telemetry::error_chain;
 use tonic::{Code, Status};
 use tonic_types::{ErrorDetails, StatusExt};
 
-use crate::{
-    idempotency::StoreError,
-    rides::{CreateRideError, FieldViolation},
-};
+use schema::store::StoreError;
+
+use crate::rides::{CreateRideError, FieldViolation};
 
 pub const ERROR_DOMAIN: &str = "rides.rocketrides.io";
 

@@ -4,8 +4,8 @@
 //! every relation and index the statement touches, and for a write the commit and its WAL flush)
 //! that is several times the price of one more row. On this project's 2-core machine eight claims
 //! in one statement cost the database about a quarter of what eight statements cost
-//! (`docs/performance.md`, run 6). So the claim (`super::claims`) and the three write phases of
-//! CreateRide (`crate::rides::batched`) each have a [`Batcher`] that sends whatever requests are
+//! (`docs/performance.md`, run 6). So the claim (`super::claim`) and the three write phases of
+//! CreateRide (one file each under `crate::rides`) each have a [`Batcher`] that sends whatever requests are
 //! waiting as one statement over arrays, one element per request.
 //!
 //! Batching never adds a wait: a request that finds fewer than `in_flight` batches running starts
@@ -35,11 +35,12 @@ use std::{
 use diesel::result::{DatabaseErrorKind, Error as DieselError};
 use diesel_async::AsyncPgConnection;
 use futures_util::FutureExt;
-use schema::Pool;
+use schema::{
+    Pool,
+    store::{RetryPolicy, StoreError, lost_connection_discarded, retry_transient},
+};
 use telemetry::attr;
 use tokio::sync::oneshot;
-
-use super::{RetryPolicy, StoreError, retry_transient};
 
 /// How one kind of statement is grouped into batches.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -235,7 +236,7 @@ impl<S: BatchStatement> Batcher<S> {
         let outputs = retry_transient(self.policy, || async {
             let mut conn = self.pool.get().await.map_err(StoreError::Unavailable)?;
             let result = self.statement.run(&mut conn, &items).await;
-            result.map_err(|error| super::lost_connection_discarded(&mut conn, error))
+            result.map_err(|error| lost_connection_discarded(&mut conn, error))
         })
         .await;
         let error = match outputs {

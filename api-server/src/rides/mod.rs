@@ -8,203 +8,51 @@
 //! ```
 //!
 //! A retry with the same key re-enters the loop at the key's recovery point; a finished key
-//! replays the outcome stored by the last phase. This module decides *what* happens; the
-//! idempotency engine (`crate::idempotency`) guarantees it happens once, and the gRPC layer
-//! (`crate::grpc`) turns the result into a response. The three write phases go to the database
-//! batched with other requests' same phase (`batched`).
+//! replays the outcome stored by the last phase (`contract::Outcome`). This module decides *what*
+//! happens; the idempotency engine (`crate::idempotency`) guarantees it happens once, and the gRPC
+//! layer (`crate::grpc`) turns the result into a response.
+//!
+//! One file per phase, each with its statement for one request and its batched statement for
+//! several side by side (every write phase goes to the database batched with other requests' same
+//! phase): [`create_ride_record`] (`started`), [`record_charge`] (`ride_created`, with the
+//! charge), [`stage_receipt`] (`charge_created`). [`params`] holds the request's validated
+//! parameters. A new phase is a new recovery point (a migration), a file here with its
+//! statements, and an arm in [`Rides::run_phase`].
 
-mod batched;
+mod create_ride_record;
+mod params;
+mod record_charge;
+mod stage_receipt;
 
-use std::{
-    net::IpAddr,
-    sync::Arc,
-    time::{Duration, Instant},
-};
+use std::{net::IpAddr, sync::Arc, time::Instant};
 
 use chrono::{DateTime, Utc};
-use diesel::{
-    ExpressionMethods, OptionalExtension, QueryDsl, SelectableHelper,
-    sql_types::{self, BigInt, Cidr, Double, Integer, Jsonb, Text},
-};
+use contract::{Outcome, RideView, key::chrono_duration};
+use diesel::{ExpressionMethods, OptionalExtension, QueryDsl, SelectableHelper};
 use diesel_async::RunQueryDsl;
-use futures_util::FutureExt;
-use ipnet::IpNet;
 use schema::{
-    Pool, RecoveryPoint, SEND_RIDE_RECEIPT_JOB,
+    Pool, RecoveryPoint,
     models::{Ride, User},
-    prepared::{Statement, prepared},
     schema::rides,
+    store::{RetryPolicy, StoreError},
 };
-use scoped_futures::ScopedFutureExt;
-use serde::{Deserialize, Serialize};
 use telemetry::attr;
 use tracing::Instrument;
 
-use crate::{
-    config::{IdempotencyConfig, Price},
-    idempotency::{
-        self, BatchCounts, Batcher, Claim, ClaimBatcher, Claimed, IdempotencyKey, KeyMoved, Lease,
-        RequestSignature, RetryPolicy, StoreError, StoredResponse,
-    },
-    metrics::metrics,
-    payments::{ChargeError, ChargeRequest, StripeClient},
+pub use params::{CREATE_RIDE_METHOD, CREATE_RIDE_PATH, FieldViolation, RideParams};
+
+use self::{
+    create_ride_record::CreateRideRecords,
+    record_charge::{Charged, RecordCharges},
+    stage_receipt::StageReceipts,
 };
-
-pub const CREATE_RIDE_METHOD: &str = "POST";
-pub const CREATE_RIDE_PATH: &str = "/rides.v1.RideService/CreateRide";
-pub const PAYMENT_ACCEPTED: &str = "Payment accepted. Your pilot is on their way!";
-
-/// Stored response codes are gRPC status codes, because the stored outcome is replayed as the
-/// same gRPC answer.
-const CODE_OK: i32 = 0;
-const CODE_FAILED_PRECONDITION: i32 = 9;
-
-/// A ride request whose coordinates are finite and in range.
-#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
-pub struct RideParams {
-    pub origin_lat: f64,
-    pub origin_lon: f64,
-    pub target_lat: f64,
-    pub target_lon: f64,
-}
-
-/// One field that failed validation.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct FieldViolation {
-    pub field: &'static str,
-    pub description: String,
-}
-
-impl RideParams {
-    /// Validates raw coordinates, reporting every bad field at once.
-    pub fn new(
-        origin_lat: Option<f64>,
-        origin_lon: Option<f64>,
-        target_lat: Option<f64>,
-        target_lon: Option<f64>,
-    ) -> Result<RideParams, Vec<FieldViolation>> {
-        let mut violations = Vec::new();
-        let mut check = |field: &'static str, value: Option<f64>, limit: f64| match value {
-            None => {
-                violations.push(FieldViolation {
-                    field,
-                    description: format!("{field} is required"),
-                });
-                0.0
-            }
-            Some(value) if !value.is_finite() => {
-                violations.push(FieldViolation {
-                    field,
-                    description: format!("{field} must be a finite number"),
-                });
-                0.0
-            }
-            Some(value) if !(-limit..=limit).contains(&value) => {
-                violations.push(FieldViolation {
-                    field,
-                    description: format!("{field} must be between -{limit} and {limit}"),
-                });
-                0.0
-            }
-            // -0.0 and 0.0 are the same place; storing one spelling keeps retries comparable.
-            Some(value) => value + 0.0,
-        };
-        let params = RideParams {
-            origin_lat: check("origin_lat", origin_lat, 90.0),
-            origin_lon: check("origin_lon", origin_lon, 180.0),
-            target_lat: check("target_lat", target_lat, 90.0),
-            target_lon: check("target_lon", target_lon, 180.0),
-        };
-        if violations.is_empty() {
-            Ok(params)
-        } else {
-            Err(violations)
-        }
-    }
-
-    /// What the key is bound to: a retry must present the same.
-    pub fn signature(&self) -> RequestSignature {
-        RequestSignature {
-            method: CREATE_RIDE_METHOD,
-            path: CREATE_RIDE_PATH,
-            params: serde_json::json!({
-                "origin_lat": self.origin_lat,
-                "origin_lon": self.origin_lon,
-                "target_lat": self.target_lat,
-                "target_lon": self.target_lon,
-            }),
-        }
-    }
-}
-
-/// The `send_ride_receipt` job's arguments. Public because an operator finishing a key by hand
-/// (`workers admin key finish`) must stage exactly what this service stages.
-pub fn receipt_job_args(ride: &Ride) -> serde_json::Value {
-    // Plain fields only: serialising cannot fail.
-    serde_json::to_value(schema::jobs::ReceiptJobArgs::from(ride)).unwrap_or_default()
-}
-
-/// A ride as the API shows it.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct RideView {
-    pub id: i64,
-    pub origin_lat: f64,
-    pub origin_lon: f64,
-    pub target_lat: f64,
-    pub target_lon: f64,
-    pub charge_id: Option<String>,
-    pub amount: i64,
-    pub currency: String,
-    pub created_at: DateTime<Utc>,
-}
-
-impl From<Ride> for RideView {
-    fn from(ride: Ride) -> RideView {
-        RideView {
-            id: ride.id,
-            origin_lat: ride.origin_lat,
-            origin_lon: ride.origin_lon,
-            target_lat: ride.target_lat,
-            target_lon: ride.target_lon,
-            charge_id: ride.stripe_charge_id,
-            amount: ride.amount,
-            currency: ride.currency,
-            created_at: ride.created_at,
-        }
-    }
-}
-
-/// A final outcome: stored on the key by the phase that reaches it, and replayed from there.
-/// Fresh answers are built from the same stored value, so a replay is identical to the original.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "outcome", rename_all = "snake_case")]
-pub enum Outcome {
-    RideCreated {
-        ride: RideView,
-        message: String,
-    },
-    CardDeclined {
-        message: String,
-        decline_code: Option<String>,
-    },
-}
-
-impl Outcome {
-    /// The stored form (response code and body) that a replay is rebuilt from. Anything that
-    /// finishes a key (the phases, an operator) must store exactly this.
-    pub fn to_stored(&self) -> Result<StoredResponse, StoreError> {
-        let code = match self {
-            Outcome::RideCreated { .. } => CODE_OK,
-            Outcome::CardDeclined { .. } => CODE_FAILED_PRECONDITION,
-        };
-        let body = serde_json::to_value(self).map_err(|_| StoreError::CorruptStoredResponse)?;
-        Ok(StoredResponse { code, body })
-    }
-
-    pub fn from_stored(stored: StoredResponse) -> Result<Outcome, StoreError> {
-        serde_json::from_value(stored.body).map_err(|_| StoreError::CorruptStoredResponse)
-    }
-}
+use crate::{
+    auth::Caller,
+    config::{IdempotencyConfig, Price},
+    idempotency::{self, BatchCounts, Batcher, Claimed, Claims, Decision, IdempotencyKey, Lease},
+    metrics::metrics,
+    payments::{ChargeError, StripeClient},
+};
 
 /// Why a CreateRide attempt ended without a final outcome.
 #[derive(Debug, thiserror::Error)]
@@ -270,11 +118,11 @@ pub struct RideRequest {
 pub struct Rides {
     pool: Pool,
     /// Groups concurrent claims by token into shared statements.
-    claims: Arc<ClaimBatcher>,
+    claims: Arc<Batcher<Claims>>,
     /// Group concurrent requests' write phases into shared statements, one batcher per phase.
-    new_rides: Arc<Batcher<batched::CreateRideRecords>>,
-    charges: Arc<Batcher<batched::RecordCharges>>,
-    receipts: Arc<Batcher<batched::StageReceipts>>,
+    new_rides: Arc<Batcher<CreateRideRecords>>,
+    charges: Arc<Batcher<RecordCharges>>,
+    receipts: Arc<Batcher<StageReceipts>>,
     stripe: StripeClient,
     price: Price,
     idempotency: IdempotencyConfig,
@@ -290,9 +138,9 @@ impl Rides {
     ) -> Arc<Rides> {
         let retry = RetryPolicy::default();
         Arc::new(Rides {
-            claims: ClaimBatcher::for_claims(pool.clone(), retry, idempotency.claim_batching),
+            claims: Batcher::for_claims(pool.clone(), retry, idempotency.claim_batching),
             new_rides: Batcher::new(
-                batched::CreateRideRecords {
+                CreateRideRecords {
                     price: price.clone(),
                 },
                 pool.clone(),
@@ -300,13 +148,13 @@ impl Rides {
                 idempotency.phase_batching,
             ),
             charges: Batcher::new(
-                batched::RecordCharges,
+                RecordCharges,
                 pool.clone(),
                 retry,
                 idempotency.phase_batching,
             ),
             receipts: Batcher::new(
-                batched::StageReceipts,
+                StageReceipts,
                 pool.clone(),
                 retry,
                 idempotency.phase_batching,
@@ -324,7 +172,7 @@ impl Rides {
     }
 
     /// The claim batcher, whose counts tell how many claims shared statements.
-    pub fn claim_batcher(&self) -> &ClaimBatcher {
+    pub fn claim_batcher(&self) -> &Arc<Batcher<Claims>> {
         &self.claims
     }
 
@@ -348,41 +196,21 @@ impl Rides {
         )
     }
 
-    /// Runs CreateRide to a final outcome or an error, claiming the key first. On any error that
+    /// Runs CreateRide for `caller` to a final outcome or an error, claiming the key first; the
+    /// claim's own statement authenticates the caller (one round trip for a new key, a replay or
+    /// a mismatch). `None` if the caller is no user; nothing is written then. Otherwise the reply,
+    /// with the caller's user id unless the claim failed before it was known. On any error that
     /// leaves the key unfinished the key is unlocked, so a retry resumes at once.
     pub async fn create_ride(
         &self,
-        key: &IdempotencyKey,
-        request: &RideRequest,
-    ) -> CreateRideReply {
-        let claimed = idempotency::claim(
-            &self.pool,
-            self.retry,
-            request.user.id,
-            key,
-            &request.params.signature(),
-            self.idempotency.lock_timeout,
-        )
-        .await;
-        self.answer(claimed, request).await
-    }
-
-    /// CreateRide for the owner of the API token whose digest is `token_digest`, authenticated
-    /// by the claim's own statement (one round trip for a new key, a replay or a mismatch).
-    /// `None` if no user has this token; nothing is written then. Otherwise the reply, with the
-    /// caller's user id unless the claim failed before it was known.
-    pub async fn authenticate_and_create_ride(
-        &self,
-        token_digest: &[u8; 32],
+        caller: Caller,
         key: &IdempotencyKey,
         params: RideParams,
         origin_ip: IpAddr,
     ) -> Option<(Option<i64>, CreateRideReply)> {
-        let claimed = idempotency::authenticate_and_claim(
-            &self.pool,
+        let claimed = idempotency::claim(
             &self.claims,
-            self.retry,
-            token_digest,
+            caller,
             key,
             &params.signature(),
             self.idempotency.lock_timeout,
@@ -397,7 +225,7 @@ impl Rides {
                     params,
                     origin_ip,
                 };
-                Some((Some(user_id), self.answer(Ok(claimed), &request).await))
+                Some((Some(user_id), self.answer(claimed, &request).await))
             }
             Err(error) => Some((
                 None,
@@ -411,35 +239,24 @@ impl Rides {
     }
 
     /// Acts on a claim: refuses, replays, or runs the key to a final outcome.
-    async fn answer(
-        &self,
-        claimed: Result<Claimed, StoreError>,
-        request: &RideRequest,
-    ) -> CreateRideReply {
-        let claimed = match claimed {
-            Ok(claimed) => claimed,
-            Err(error) => {
-                return CreateRideReply {
-                    key_expires_at: None,
-                    replayed: false,
-                    result: Err(error.into()),
-                };
-            }
-        };
+    async fn answer(&self, claimed: Claimed, request: &RideRequest) -> CreateRideReply {
         let key_expires_at = claimed
             .key_created_at
-            .checked_add_signed(idempotency::chrono_duration(self.idempotency.key_ttl));
-        let (replayed, result) = match claimed.claim {
-            Claim::Mismatch => (false, Err(CreateRideError::KeyReused)),
-            Claim::InUse => {
+            .checked_add_signed(chrono_duration(self.idempotency.key_ttl));
+        let (replayed, result) = match claimed.decision {
+            Decision::Mismatch => (false, Err(CreateRideError::KeyReused)),
+            Decision::InUse => {
                 metrics().lock_conflicts.add(1, &[attr("kind", "in_use")]);
                 (false, Err(CreateRideError::KeyInUse))
             }
-            Claim::Replay(stored) => {
+            Decision::Replay(stored) => {
                 metrics().replays.add(1, &[]);
-                (true, Outcome::from_stored(stored).map_err(Into::into))
+                (
+                    true,
+                    Outcome::from_stored(stored).map_err(|error| StoreError::from(error).into()),
+                )
             }
-            Claim::Execute(mut lease) => {
+            Decision::Execute(mut lease) => {
                 crate::fault::crash_point("claim.after_commit");
                 (false, self.run(&mut lease, request).await)
             }
@@ -586,223 +403,6 @@ impl Rides {
         }
     }
 
-    /// Phase `started`: the ride and its audit record.
-    async fn create_ride_record(
-        &self,
-        lease: &Lease,
-        request: &RideRequest,
-    ) -> Result<Ride, StoreError> {
-        let params = request.params;
-        let origin_ip = IpNet::from(request.origin_ip);
-        let data = serde_json::to_value(params).unwrap_or_default();
-        let new_ride = || batched::NewRide {
-            key_id: lease.key_id,
-            token: lease.token,
-            user_id: lease.user_id,
-            params,
-            data: data.clone(),
-            origin_ip,
-        };
-        idempotency::batched_phase(&self.new_rides, lease, new_ride, || {
-            self.create_ride_record_alone(lease, params, &data, origin_ip)
-        })
-        .await
-    }
-
-    async fn create_ride_record_alone(
-        &self,
-        lease: &Lease,
-        params: RideParams,
-        data: &serde_json::Value,
-        origin_ip: IpNet,
-    ) -> Result<Ride, StoreError> {
-        let price = &self.price;
-        idempotency::atomic_phase(&self.pool, self.retry, lease, |conn| {
-            prepared::<CreateRideRecord, _>(|q| {
-                q.bind::<BigInt, _>(lease.key_id)
-                    .bind::<sql_types::Uuid, _>(lease.token)
-                    .bind::<Double, _>(params.origin_lat)
-                    .bind::<Double, _>(params.origin_lon)
-                    .bind::<Double, _>(params.target_lat)
-                    .bind::<Double, _>(params.target_lon)
-                    .bind::<BigInt, _>(price.amount)
-                    .bind::<Text, _>(price.currency.as_str())
-                    .bind::<BigInt, _>(lease.user_id)
-                    .bind::<Jsonb, _>(data)
-                    .bind::<Cidr, _>(origin_ip)
-            })
-            .get_result::<Ride>(conn)
-            .map(OptionalExtension::optional)
-            .scope_boxed()
-        })
-        .await
-    }
-
-    /// Phase `ride_created`: the charge, then its result in one atomic phase: the ride with its
-    /// charge recorded, or the final outcome if the card was declined.
-    async fn charge(
-        &self,
-        lease: &Lease,
-        request: &RideRequest,
-        ride: Ride,
-    ) -> Result<Charged, CreateRideError> {
-        let charge = ChargeRequest {
-            amount: ride.amount,
-            currency: ride.currency.clone(),
-            customer: request.user.stripe_customer_id.clone(),
-            payment_method: request.user.stripe_payment_method_id.clone(),
-            description: format!("Rocket Rides ride {}", ride.id),
-            metadata: vec![
-                ("ride_id", ride.id.to_string()),
-                ("user_id", ride.user_id.to_string()),
-                ("idempotency_key_id", lease.key_id.to_string()),
-            ],
-            idempotency_key: crate::payments::provider_idempotency_key(lease.key_id),
-        };
-        // No transaction is open and no connection is held here: the call may take seconds.
-        let started = Instant::now();
-        crate::fault::crash_point("charge.before_call");
-        let charged = if self.beyond_provider_key_window(&ride) {
-            // The provider may have forgotten our idempotency key: an earlier attempt that
-            // charged but was never recorded would be charged again. Look for it first.
-            match self.stripe.find_succeeded_charge(ride.id).await {
-                Ok(Some(intent)) => {
-                    tracing::warn!(
-                        ride_id = ride.id,
-                        "found an unrecorded charge older than the provider's idempotency window"
-                    );
-                    Ok(intent)
-                }
-                Ok(None) => self.stripe.create_payment_intent(&charge).await,
-                Err(error) => Err(error),
-            }
-        } else {
-            self.stripe.create_payment_intent(&charge).await
-        };
-        let outcome = match &charged {
-            Ok(_) => "succeeded",
-            Err(ChargeError::Declined { .. }) => "declined",
-            Err(ChargeError::Unavailable { .. }) => "unavailable",
-            Err(ChargeError::Rejected { .. }) => "rejected",
-        };
-        metrics()
-            .provider_duration
-            .record(started.elapsed().as_secs_f64(), &[attr("outcome", outcome)]);
-        match charged {
-            Ok(intent) => {
-                crate::fault::crash_point("charge.after_success");
-                self.record_charge(lease, ride.id, &intent.id).await?;
-                Ok(Charged::Recorded(Ride {
-                    stripe_charge_id: Some(intent.id),
-                    ..ride
-                }))
-            }
-            Err(ChargeError::Declined {
-                message,
-                decline_code,
-                ..
-            }) => {
-                let outcome = Outcome::CardDeclined {
-                    message,
-                    decline_code,
-                };
-                idempotency::finish(&self.pool, self.retry, lease, &outcome.to_stored()?).await?;
-                Ok(Charged::Declined(outcome))
-            }
-            Err(error @ ChargeError::Unavailable { .. }) => {
-                Err(CreateRideError::ProviderUnavailable(error))
-            }
-            Err(error @ ChargeError::Rejected { .. }) => {
-                Err(CreateRideError::Internal(Box::new(error)))
-            }
-        }
-    }
-
-    /// The charge's atomic phase: the PaymentIntent id on the ride, and `charge_created`.
-    async fn record_charge(
-        &self,
-        lease: &Lease,
-        ride_id: i64,
-        intent_id: &str,
-    ) -> Result<(), StoreError> {
-        let charge_made = || batched::ChargeMade {
-            key_id: lease.key_id,
-            token: lease.token,
-            ride_id,
-            charge_id: intent_id.to_owned(),
-        };
-        idempotency::batched_phase(&self.charges, lease, charge_made, || async {
-            idempotency::atomic_phase(&self.pool, self.retry, lease, |conn| {
-                prepared::<RecordCharge, _>(|q| {
-                    q.bind::<BigInt, _>(lease.key_id)
-                        .bind::<sql_types::Uuid, _>(lease.token)
-                        .bind::<Text, _>(intent_id)
-                        .bind::<BigInt, _>(ride_id)
-                })
-                .get_result::<KeyMoved>(conn)
-                .map(OptionalExtension::optional)
-                .scope_boxed()
-            })
-            .await
-            .map(|_| ())
-        })
-        .await
-    }
-
-    /// Whether an attempt at charging `ride` may be older than the provider's idempotency window.
-    /// Every attempt happened after the ride was created, so a ride younger than the window (less
-    /// a tenth, for clock skew) proves the provider still remembers the key.
-    fn beyond_provider_key_window(&self, ride: &Ride) -> bool {
-        let window = self.stripe.idempotency_window();
-        let safe = window.saturating_sub(window / 10);
-        let age = (chrono::Utc::now() - ride.created_at)
-            .to_std()
-            .unwrap_or(Duration::ZERO);
-        age >= safe
-    }
-
-    /// Phase `charge_created`: the receipt job and the stored response, then finished.
-    async fn stage_receipt(&self, lease: &Lease, ride: Ride) -> Result<Outcome, StoreError> {
-        // The receipt continues this request's trace: the enqueuer and the receipt worker pick
-        // the context up from the job.
-        let trace_context = serde_json::to_value(telemetry::inject_current()).unwrap_or_default();
-        let job_args = receipt_job_args(&ride);
-        let outcome = Outcome::RideCreated {
-            ride: RideView::from(ride),
-            message: PAYMENT_ACCEPTED.to_owned(),
-        };
-        let stored = outcome.to_stored()?;
-        let receipt_due = || batched::ReceiptDue {
-            key_id: lease.key_id,
-            token: lease.token,
-            job_args: job_args.clone(),
-            trace_context: trace_context.clone(),
-            response_code: stored.code,
-            response_body: stored.body.clone(),
-        };
-        let (trace_context, job_args, stored) = (&trace_context, &job_args, &stored);
-        idempotency::batched_phase(&self.receipts, lease, receipt_due, || async {
-            idempotency::atomic_phase(&self.pool, self.retry, lease, |conn| {
-                prepared::<StageReceipt, _>(|q| {
-                    q.bind::<BigInt, _>(lease.key_id)
-                        .bind::<sql_types::Uuid, _>(lease.token)
-                        .bind::<Text, _>(SEND_RIDE_RECEIPT_JOB)
-                        .bind::<Jsonb, _>(job_args)
-                        .bind::<Jsonb, _>(trace_context)
-                        .bind::<Integer, _>(stored.code)
-                        .bind::<Jsonb, _>(&stored.body)
-                })
-                .get_result::<KeyMoved>(conn)
-                .map(OptionalExtension::optional)
-                .scope_boxed()
-            })
-            .await
-            .map(|_| ())
-        })
-        .await?;
-        Ok(outcome)
-    }
-
     async fn ride_for_key(&self, key_id: i64) -> Result<Ride, CreateRideError> {
         let mut conn = self.pool.get().await.map_err(|error| {
             CreateRideError::DatabaseUnavailable(StoreError::Unavailable(error))
@@ -831,99 +431,5 @@ impl Rides {
             .await
             .optional()?;
         Ok(ride.map(RideView::from))
-    }
-}
-
-/// How the charge phase ended.
-enum Charged {
-    /// The charge is recorded on this ride; the key is at `charge_created`.
-    Recorded(Ride),
-    /// The card was declined; the key is finished with this outcome.
-    Declined(Outcome),
-}
-
-/// Phase `started` as one statement: the ride, its audit record and the recovery point
-/// `ride_created`, each step selecting from the one before so that a failed fence writes nothing;
-/// returns the ride.
-struct CreateRideRecord;
-
-impl Statement for CreateRideRecord {
-    const SQL: &'static str = concat!(
-        "WITH ",
-        idempotency::fence!(),
-        ", ride AS (INSERT INTO rides (idempotency_key_id, origin_lat, origin_lon, target_lat, \
-         target_lon, amount, currency, user_id) \
-         SELECT fence.id, $3, $4, $5, $6, $7, $8, $9 FROM fence \
-         RETURNING id, created_at, idempotency_key_id, origin_lat, origin_lon, target_lat, \
-         target_lon, amount, currency, stripe_charge_id, user_id), \
-         audit AS (INSERT INTO audit_records (action, data, origin_ip, resource_id, \
-         resource_type, user_id) \
-         SELECT 'ride.created', $10, $11, ride.id, 'ride', ride.user_id FROM ride) \
-         UPDATE idempotency_keys SET recovery_point = 'ride_created' FROM ride \
-         WHERE idempotency_keys.id = $1 AND idempotency_keys.lock_token = $2 RETURNING ride.*"
-    );
-}
-
-/// The charge's atomic phase as one statement: the PaymentIntent id on the key's ride and the
-/// recovery point `charge_created`.
-struct RecordCharge;
-
-impl Statement for RecordCharge {
-    const SQL: &'static str = concat!(
-        "WITH ",
-        idempotency::fence!(),
-        ", charged AS (UPDATE rides SET stripe_charge_id = $3 FROM fence \
-         WHERE rides.id = $4 AND rides.idempotency_key_id = fence.id RETURNING rides.id) \
-         UPDATE idempotency_keys SET recovery_point = 'charge_created' FROM charged \
-         WHERE idempotency_keys.id = $1 AND idempotency_keys.lock_token = $2 \
-         RETURNING idempotency_keys.id"
-    );
-}
-
-/// Phase `charge_created` as one statement: the receipt job, then the key finished with the
-/// stored response and unlocked.
-struct StageReceipt;
-
-impl Statement for StageReceipt {
-    const SQL: &'static str = concat!(
-        "WITH ",
-        idempotency::fence!(),
-        ", job AS (INSERT INTO staged_jobs (job_name, job_args, trace_context) \
-         SELECT $3, $4, $5 FROM fence RETURNING id) ",
-        idempotency::finish_key!("$6", "$7"),
-        " FROM job WHERE idempotency_keys.id = $1 AND idempotency_keys.lock_token = $2 \
-         RETURNING idempotency_keys.id"
-    );
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn validation_names_every_bad_field() {
-        let violations =
-            RideParams::new(None, Some(f64::NAN), Some(90.5), Some(-180.0)).unwrap_err();
-        let fields: Vec<_> = violations.iter().map(|v| v.field).collect();
-        assert_eq!(fields, ["origin_lat", "origin_lon", "target_lat"]);
-        assert!(RideParams::new(Some(f64::INFINITY), Some(0.0), Some(0.0), Some(0.0)).is_err());
-        assert!(RideParams::new(Some(-90.0), Some(180.0), Some(90.0), Some(-180.0)).is_ok());
-    }
-
-    #[test]
-    fn negative_zero_is_stored_as_zero() {
-        let params = RideParams::new(Some(-0.0), Some(0.0), Some(1.0), Some(1.0)).unwrap();
-        assert!(params.origin_lat.is_sign_positive());
-    }
-
-    #[test]
-    fn outcomes_round_trip_through_storage() {
-        let outcome = Outcome::CardDeclined {
-            message: "Your card was declined.".into(),
-            decline_code: Some("generic_decline".into()),
-        };
-        let stored = outcome.to_stored().unwrap();
-        assert_eq!(stored.code, CODE_FAILED_PRECONDITION);
-        assert_eq!(Outcome::from_stored(stored).unwrap(), outcome);
     }
 }

@@ -26,8 +26,9 @@ use lapin::{
 use serde::Serialize;
 
 use super::{AdminError, Mode, QueueDepth, close_channel, connect_broker, queue_depth};
+use contract::message::ReceiptMessage;
+
 use crate::{
-    message::ReceiptMessage,
     redact,
     topology::{RECEIPT_ROUTING_KEY, Topology},
 };

@@ -8,21 +8,21 @@
 //! token gone and commits nothing (`IDEMPOTENCY_KEY_LOCK_LOST`). What fencing cannot stop is a
 //! provider call the holder has already started, which is why a live lock needs `--force`.
 
-use api_server::{
-    idempotency::{chrono_duration, lock_is_live},
-    payments::provider_idempotency_key,
-    rides::{Outcome, PAYMENT_ACCEPTED, RideView, receipt_job_args},
-};
 use chrono::{DateTime, Utc};
+use contract::{
+    BackgroundJob, Outcome, ReceiptJob, StoredResponse,
+    key::{FinishKey, KeyMoved, chrono_duration, lock_is_live, provider_idempotency_key},
+};
 use diesel::{
     ExpressionMethods, OptionalExtension, QueryDsl, Queryable, QueryableByName, Selectable,
     SelectableHelper,
-    sql_types::{BigInt, Text},
+    sql_types::{self, BigInt, Integer, Jsonb, Text},
 };
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use schema::{
-    Pool, RecoveryPoint, SEND_RIDE_RECEIPT_JOB,
+    Pool, RecoveryPoint,
     models::{KeyNeedingAttention, NewStagedJob, Ride},
+    prepared::prepared,
     schema::{idempotency_keys, keys_needing_attention, rides, sent_receipts, staged_jobs, users},
 };
 use serde::Serialize;
@@ -246,7 +246,7 @@ fn key_details(
             locked_at: key.locked_at,
             live: key
                 .locked_at
-                .is_some_and(|locked_at| lock_is_live(locked_at, now, lock_timeout)),
+                .is_some_and(|locked_at| lock_is_live(locked_at, now, settings.lock_timeout)),
             expires_at: key
                 .locked_at
                 .and_then(|locked_at| locked_at.checked_add_signed(lock_timeout)),
@@ -349,7 +349,7 @@ async fn staged_receipt_jobs(
         "SELECT count(*) AS count FROM staged_jobs \
          WHERE job_name = $1 AND job_args->>'ride_id' = $2",
     )
-    .bind::<Text, _>(SEND_RIDE_RECEIPT_JOB)
+    .bind::<Text, _>(ReceiptJob::JOB_NAME)
     .bind::<Text, _>(ride_id.to_string())
     .get_result(conn)
     .await?;
@@ -395,7 +395,7 @@ fn check_lock(
     let Some(locked_at) = key.locked_at else {
         return Ok(None);
     };
-    if !lock_is_live(locked_at, now, lock_timeout) {
+    if !lock_is_live(locked_at, now, settings.lock_timeout) {
         return Ok(None);
     }
     let age = render::duration(now - locked_at);
@@ -599,9 +599,7 @@ pub async fn finish(
                     plan_succeeded(conn, &key, ride, request, &mut report, mode).await?
                 }
             };
-            let stored = outcome
-                .to_stored()
-                .map_err(|error| AdminError::Internal(error.to_string()))?;
+            let stored = outcome.to_stored();
             report.changes.push(Change::update(
                 "idempotency_keys",
                 key_id,
@@ -645,18 +643,7 @@ pub async fn finish(
                 render::outcome(&outcome)
             ));
             if mode.applies() {
-                let updated = diesel::update(idempotency_keys::table.find(key_id))
-                    .filter(idempotency_keys::recovery_point.ne(RecoveryPoint::Finished))
-                    .set((
-                        idempotency_keys::recovery_point.eq(RecoveryPoint::Finished),
-                        idempotency_keys::response_code.eq(stored.code),
-                        idempotency_keys::response_body.eq(&stored.body),
-                        idempotency_keys::locked_at.eq(None::<DateTime<Utc>>),
-                        idempotency_keys::lock_token.eq(None::<Uuid>),
-                    ))
-                    .execute(conn)
-                    .await?;
-                expect_one(updated, "idempotency_keys", key_id)?;
+                finish_as_the_api_server_does(conn, key_id, &stored).await?;
                 if !open.is_empty() {
                     diesel::update(
                         keys_needing_attention::table
@@ -789,12 +776,12 @@ async fn plan_succeeded(
             }
         ));
     } else {
-        let job_args = receipt_job_args(&ride);
+        let job_args = ReceiptJob::from(&ride).to_args();
         let trace_context = json!({});
         let mut change = Change::insert(
             "staged_jobs",
             json!({
-                "job_name": SEND_RIDE_RECEIPT_JOB,
+                "job_name": ReceiptJob::JOB_NAME,
                 "job_args": job_args,
                 "trace_context": trace_context,
             }),
@@ -802,7 +789,7 @@ async fn plan_succeeded(
         if mode.applies() {
             let id: i64 = diesel::insert_into(staged_jobs::table)
                 .values(NewStagedJob {
-                    job_name: SEND_RIDE_RECEIPT_JOB,
+                    job_name: ReceiptJob::JOB_NAME,
                     job_args: &job_args,
                     trace_context: &trace_context,
                 })
@@ -813,10 +800,38 @@ async fn plan_succeeded(
         }
         report.changes.push(change);
     }
-    Ok(Outcome::RideCreated {
-        ride: RideView::from(ride),
-        message: PAYMENT_ACCEPTED.to_owned(),
+    Ok(Outcome::ride_created(ride))
+}
+
+/// Finishes the key with the api-server's own fenced statement (`contract::key::FinishKey`): this
+/// transaction already holds the row lock, so it takes the key's lock over with a token of its own
+/// (as a claim takes over an expired lock) and then finishes the key as the holder of that token.
+/// The recovery point, the stored outcome and the cleared lock are written by the very statement
+/// a declined charge is finished with.
+async fn finish_as_the_api_server_does(
+    conn: &mut AsyncPgConnection,
+    key_id: i64,
+    stored: &StoredResponse,
+) -> Result<(), AdminError> {
+    let token = Uuid::new_v4();
+    let taken_over = diesel::update(idempotency_keys::table.find(key_id))
+        .filter(idempotency_keys::recovery_point.ne(RecoveryPoint::Finished))
+        .set((
+            idempotency_keys::locked_at.eq(diesel::dsl::now),
+            idempotency_keys::lock_token.eq(token),
+        ))
+        .execute(conn)
+        .await?;
+    expect_one(taken_over, "idempotency_keys", key_id)?;
+    let finished = prepared::<FinishKey, _>(|q| {
+        q.bind::<BigInt, _>(key_id)
+            .bind::<sql_types::Uuid, _>(token)
+            .bind::<Integer, _>(stored.code)
+            .bind::<Jsonb, _>(&stored.body)
     })
+    .get_results::<KeyMoved>(conn)
+    .await?;
+    expect_one(finished.len(), "idempotency_keys", key_id)
 }
 
 /// Every applying UPDATE re-states its precondition in its WHERE clause; with the row locked it

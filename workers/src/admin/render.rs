@@ -2,8 +2,8 @@
 
 use std::fmt::Write as _;
 
-use api_server::rides::Outcome;
 use chrono::{DateTime, SecondsFormat, Utc};
+use contract::Outcome;
 
 use super::{
     ChangeReport, Mode,

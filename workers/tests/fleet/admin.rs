@@ -7,16 +7,17 @@ use std::{process::Output, time::Duration};
 use api_server::{
     grpc::REPLAYED_HEADER,
     idempotency::Lease,
-    rides::{CreateRideError, Outcome, PAYMENT_ACCEPTED, RideParams, RideView},
+    rides::{CreateRideError, RideParams},
     testing::{
         DECLINED_CARD, GOOD_CARD, TestApp, TestUser, assert_status, header, new_key, replayed,
         ride_request,
     },
 };
+use contract::{BackgroundJob, Outcome, PAYMENT_ACCEPTED, ReceiptJob, RideView};
 use diesel::{QueryDsl, SelectableHelper};
 use diesel_async::RunQueryDsl;
 use schema::{
-    RecoveryPoint, SEND_RIDE_RECEIPT_JOB,
+    RecoveryPoint,
     models::{KeyNeedingAttention, NewKeyNeedingAttention, NewStagedJob},
     schema::{keys_needing_attention, staged_jobs},
 };
@@ -399,8 +400,7 @@ async fn finish_declined_is_replayed_as_card_declined() {
         message: "Your card was declined.".into(),
         decline_code: None,
     }
-    .to_stored()
-    .unwrap();
+    .to_stored();
     assert_eq!(row.response_code, Some(expected.code));
     assert_eq!(row.response_body, Some(expected.body));
     assert!(attention_rows(&app).await[0].resolved_at.is_some());
@@ -458,7 +458,7 @@ async fn finish_succeeded_with_a_found_charge_replays_ok_and_stages_one_receipt(
     assert_eq!(ride.stripe_charge_id.as_deref(), Some(charge_id));
     let jobs = app.staged_jobs().await;
     assert_eq!(jobs.len(), 1, "exactly one receipt job");
-    assert_eq!(jobs[0].job_name, SEND_RIDE_RECEIPT_JOB);
+    assert_eq!(jobs[0].job_name, ReceiptJob::JOB_NAME);
     assert_eq!(
         jobs[0].job_args,
         serde_json::json!({
@@ -472,8 +472,7 @@ async fn finish_succeeded_with_a_found_charge_replays_ok_and_stages_one_receipt(
         ride: RideView::from(ride.clone()),
         message: PAYMENT_ACCEPTED.to_owned(),
     }
-    .to_stored()
-    .unwrap();
+    .to_stored();
     assert_eq!(row.recovery_point, RecoveryPoint::Finished);
     assert_eq!(row.response_code, Some(expected.code));
     assert_eq!(row.response_body, Some(expected.body));
@@ -688,7 +687,7 @@ async fn dead_letters_list_leaves_them_in_place() {
             death.queue.as_deref(),
             Some(broker.topology.receipts_queue.as_str())
         );
-        assert_eq!(message.job_name.as_deref(), Some(SEND_RIDE_RECEIPT_JOB));
+        assert_eq!(message.job_name.as_deref(), Some(ReceiptJob::JOB_NAME));
         assert!(
             message.summary.starts_with("receipt v1: ride "),
             "{}",
@@ -777,7 +776,7 @@ async fn dead_letters_requeue_moves_them_back_to_the_receipts_queue() {
             message.properties.content_type().as_ref().unwrap().as_str(),
             "application/json"
         );
-        let receipt = workers::message::ReceiptMessage::decode(&message.body).unwrap();
+        let receipt = contract::message::ReceiptMessage::decode(&message.body).unwrap();
         assert!((1..=3).contains(&receipt.ride_id));
     }
     broker.cleanup().await;
@@ -821,7 +820,7 @@ async fn backlog_counts_staged_jobs_queues_and_open_attention() {
         .iter()
         .map(|s| (s.job_name.as_str(), s.count))
         .collect();
-    assert_eq!(staged, [("audit_export", 1), (SEND_RIDE_RECEIPT_JOB, 3)]);
+    assert_eq!(staged, [("audit_export", 1), (ReceiptJob::JOB_NAME, 3)]);
     let age = report.now - report.staged_jobs[0].oldest_created_at;
     assert!(age >= chrono::Duration::minutes(59), "{age:?}");
     assert_eq!(report.keys_needing_attention, 1);

@@ -10,13 +10,14 @@ use std::{
     time::Duration,
 };
 
+use contract::{BackgroundJob, ReceiptJob};
 use diesel_async::RunQueryDsl;
 use lapin::{
     BasicProperties,
     options::{BasicAckOptions, BasicGetOptions, BasicPublishOptions, QueueDeclareOptions},
     types::FieldTable,
 };
-use schema::{Pool, SEND_RIDE_RECEIPT_JOB, models::NewStagedJob, schema::staged_jobs};
+use schema::{Pool, models::NewStagedJob, schema::staged_jobs};
 use tokio::{
     io::{AsyncReadExt, AsyncWriteExt},
     net::{TcpListener, TcpStream},
@@ -191,7 +192,7 @@ pub async fn stage_jobs(pool: &Pool, count: usize) -> Vec<i64> {
     let rows: Vec<NewStagedJob<'_>> = args
         .iter()
         .map(|job_args| NewStagedJob {
-            job_name: SEND_RIDE_RECEIPT_JOB,
+            job_name: ReceiptJob::JOB_NAME,
             job_args,
             trace_context: &empty,
         })

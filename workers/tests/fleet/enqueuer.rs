@@ -2,12 +2,11 @@
 
 use std::collections::BTreeSet;
 
+use contract::{BackgroundJob, ReceiptJob, message::ReceiptMessage};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use lapin::types::AMQPValue;
-use schema::{
-    SEND_RIDE_RECEIPT_JOB, models::NewStagedJob, schema::staged_jobs, testing::TestDatabase,
-};
-use workers::{enqueuer::Enqueuer, message::ReceiptMessage};
+use schema::{models::NewStagedJob, schema::staged_jobs, testing::TestDatabase};
+use workers::enqueuer::Enqueuer;
 
 use crate::common::{self, TestBroker};
 
@@ -31,7 +30,7 @@ async fn publishes_a_job_with_the_message_contract_and_deletes_it() {
     });
     let id: i64 = diesel::insert_into(staged_jobs::table)
         .values(NewStagedJob {
-            job_name: SEND_RIDE_RECEIPT_JOB,
+            job_name: ReceiptJob::JOB_NAME,
             job_args: &args,
             trace_context: &trace,
         })
@@ -299,7 +298,7 @@ async fn insert_job(conn: &mut AsyncPgConnection) -> Result<i64, diesel::result:
     let empty = serde_json::json!({});
     diesel::insert_into(staged_jobs::table)
         .values(NewStagedJob {
-            job_name: SEND_RIDE_RECEIPT_JOB,
+            job_name: ReceiptJob::JOB_NAME,
             job_args: &args,
             trace_context: &empty,
         })
@@ -337,7 +336,7 @@ async fn stage_layout(pool: &schema::Pool, layout: &str) -> (Vec<i64>, Vec<i64>)
             'R' => receipts.push(
                 insert_named(
                     pool,
-                    SEND_RIDE_RECEIPT_JOB,
+                    ReceiptJob::JOB_NAME,
                     common::receipt_args(i as i64 + 1),
                 )
                 .await,
@@ -568,7 +567,7 @@ async fn a_malformed_receipt_behind_unroutable_jobs_still_reaches_the_dead_lette
     stage_layout(&pool, "UUU").await;
     let malformed = insert_named(
         &pool,
-        SEND_RIDE_RECEIPT_JOB,
+        ReceiptJob::JOB_NAME,
         serde_json::json!({"ride_id": "not a number"}),
     )
     .await;

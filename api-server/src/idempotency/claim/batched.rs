@@ -1,4 +1,4 @@
-//! Claims by API token, several per statement ([`super::batch`]).
+//! Claims by API token, several per statement ([`crate::idempotency::Batcher`]).
 //!
 //! A user's claim is one statement, and for a replay that statement is nearly all the work the
 //! database does for the request, so it is the first statement worth batching. A batch of new
@@ -23,22 +23,22 @@ use schema::{
     Pool,
     models::User,
     prepared::{Statement, prepared},
+    store::{RetryPolicy, StoreError},
 };
 use uuid::Uuid;
 
-use super::{
-    BatchStatement, Batcher, Batching, Caller, ClaimRow, Found, IdempotencyKey, RequestSignature,
-    RetryPolicy, StoreError, claim_alone,
+use super::{CallerAndKey, KeyFound, claim_alone, key_columns};
+use crate::{
+    auth::Caller,
+    idempotency::{BatchStatement, Batcher, Batching, IdempotencyKey, RequestSignature},
 };
 
-/// Sends concurrent claims by token to PostgreSQL together. One per process.
-pub type ClaimBatcher = Batcher<ClaimBatch>;
-
-/// The claim by token, batched: see the module documentation.
-pub struct ClaimBatch;
+/// The claim by token, batched: see the module documentation. Its [`Batcher`] is one per
+/// process.
+pub struct Claims;
 
 /// One claim waiting for its batch.
-pub struct PendingClaim {
+pub struct ClaimRequest {
     token_digest: [u8; 32],
     key: String,
     /// The lock token the key gets if this claim inserts it; also how the claim finds its row.
@@ -46,22 +46,22 @@ pub struct PendingClaim {
     request: RequestSignature,
 }
 
-impl Batcher<ClaimBatch> {
-    pub fn for_claims(pool: Pool, policy: RetryPolicy, batching: Batching) -> Arc<ClaimBatcher> {
-        Batcher::new(ClaimBatch, pool, policy, batching)
+impl Batcher<Claims> {
+    pub fn for_claims(pool: Pool, policy: RetryPolicy, batching: Batching) -> Arc<Batcher<Claims>> {
+        Batcher::new(Claims, pool, policy, batching)
     }
 
     /// The claim statement's result for the owner of `token_digest`: the user and what was
-    /// found, or `None` as [`super::insert_or_read`] returns it.
+    /// found, or `None` as the one-claim statement returns it.
     pub(super) async fn claim(
         self: &Arc<Self>,
         token_digest: &[u8; 32],
         key: &IdempotencyKey,
         request: &RequestSignature,
-    ) -> Result<Option<(User, Found)>, StoreError> {
+    ) -> Result<Option<(User, KeyFound)>, StoreError> {
         if self.enabled() {
             let lock_token = Uuid::new_v4();
-            let claim = PendingClaim {
+            let claim = ClaimRequest {
                 token_digest: *token_digest,
                 key: key.as_str().to_owned(),
                 lock_token,
@@ -74,7 +74,7 @@ impl Batcher<ClaimBatch> {
         claim_alone(
             self.pool(),
             self.policy(),
-            Caller::Token(token_digest),
+            Caller::Token(*token_digest),
             key,
             request,
         )
@@ -82,11 +82,11 @@ impl Batcher<ClaimBatch> {
     }
 }
 
-impl BatchStatement for ClaimBatch {
-    type Item = PendingClaim;
+impl BatchStatement for Claims {
+    type Item = ClaimRequest;
     /// The claim's row, or `None` for an unknown token or a key that a concurrent claim inserted
     /// first.
-    type Output = Option<Box<ClaimRow>>;
+    type Output = Option<Box<CallerAndKey>>;
     const NAME: &'static str = "claim";
     /// A claim run again after a batch that did commit finds its key, locked by the lock token
     /// the batch gave it: the same answer as two concurrent claims of one key, never a second key.
@@ -95,7 +95,7 @@ impl BatchStatement for ClaimBatch {
     async fn run(
         &self,
         conn: &mut AsyncPgConnection,
-        batch: &[PendingClaim],
+        batch: &[ClaimRequest],
     ) -> Result<Vec<Self::Output>, DieselError> {
         let digests: Vec<&[u8]> = batch.iter().map(|c| c.token_digest.as_slice()).collect();
         let keys: Vec<&str> = batch.iter().map(|c| c.key.as_str()).collect();
@@ -113,7 +113,7 @@ impl BatchStatement for ClaimBatch {
         })
         .load::<BatchRow>(conn)
         .await?;
-        let mut rows: HashMap<Uuid, Box<ClaimRow>> = rows
+        let mut rows: HashMap<Uuid, Box<CallerAndKey>> = rows
             .into_iter()
             .map(|row| (row.req, Box::new(row.claim)))
             .collect();
@@ -130,10 +130,10 @@ struct BatchRow {
     #[diesel(sql_type = diesel::sql_types::Uuid)]
     req: Uuid,
     #[diesel(embed)]
-    claim: ClaimRow,
+    claim: CallerAndKey,
 }
 
-/// The claim statement ([`super::ClaimByToken`]) for arrays of claims, one element each: token
+/// The claim statement (`ClaimByToken`) for arrays of claims, one element each: token
 /// digest, key, lock token, method, path, parameters. A claim is identified by its lock token
 /// (`req`), which is fresh per claim. Rows come back only for claims whose token matched a user,
 /// and for a new key only to the claim whose lock token the inserted row carries. The lookups

@@ -2,8 +2,9 @@
 //! shape only changes additively within a version; anything else is a new `version`.
 
 use chrono::{DateTime, Utc};
-use schema::jobs::ReceiptJobArgs;
 use serde::{Deserialize, Serialize};
+
+use crate::jobs::ReceiptJob;
 
 pub const RECEIPT_MESSAGE_TYPE: &str = "ride.receipt";
 pub const RECEIPT_MESSAGE_VERSION: u32 = 1;
@@ -42,7 +43,7 @@ pub enum DecodeError {
 
 impl ReceiptMessage {
     /// The message for a staged receipt job; `None` for args without a charge.
-    pub fn from_job_args(args: ReceiptJobArgs) -> Option<ReceiptMessage> {
+    pub fn from_job(args: ReceiptJob) -> Option<ReceiptMessage> {
         Some(ReceiptMessage {
             version: RECEIPT_MESSAGE_VERSION,
             kind: RECEIPT_MESSAGE_TYPE.to_owned(),

@@ -1,0 +1,487 @@
+//! Claiming a key: the first step of every request. A claim inserts the key, or decides a
+//! replay or a mismatch from the row that is already there, or locks and inspects that row. Every
+//! decision is arbitrated by PostgreSQL: the unique index for a new key, the row lock for one that
+//! may need work. The claim authenticates its caller in the same statement (the `users` row by
+//! token digest or by id), so a new key, a replay or a mismatch costs one round trip; claims by
+//! token are sent together with other callers' claims ([`batched`]).
+
+mod batched;
+
+use std::{sync::Arc, time::Duration};
+
+use chrono::{DateTime, Utc};
+use contract::{StoredResponse, key::lock_is_live};
+use diesel::{
+    ExpressionMethods, OptionalExtension, QueryDsl, QueryableByName, SelectableHelper,
+    sql_types::{self, BigInt, Bool, Bytea, Jsonb, Text, Timestamptz},
+};
+use diesel_async::{AsyncPgConnection, RunQueryDsl};
+use schema::{
+    Pool, RecoveryPoint,
+    models::{IdempotencyKey as KeyRow, User},
+    prepared::{Statement, prepared},
+    schema::idempotency_keys,
+    store::{RetryPolicy, StoreError, retry_transient},
+};
+use uuid::Uuid;
+
+pub use batched::Claims;
+
+use super::{Batcher, IdempotencyKey, Lease, RequestSignature};
+use crate::auth::Caller;
+
+/// What a claim decided, in the order of precedence the design requires.
+#[derive(Debug)]
+pub enum Decision {
+    /// The key was reused with different parameters.
+    Mismatch,
+    /// The key is finished: replay its stored outcome.
+    Replay(StoredResponse),
+    /// Another attempt holds a live lock on the key.
+    InUse,
+    /// This attempt owns the key (new, unlocked, or taken over from an expired lock) and resumes
+    /// at `lease.recovery_point`.
+    Execute(Lease),
+}
+
+/// A claim's decision, and when the key was first created (it expires a fixed time after that).
+#[derive(Debug)]
+pub struct Claimed {
+    pub decision: Decision,
+    pub key_created_at: DateTime<Utc>,
+}
+
+/// Claims `key` for `caller`: authenticates the caller and decides the key in the claim's
+/// statement, sent with other callers' claims through `claims` (for a token; a claim on a user's
+/// behalf goes alone). `None` if the caller is no user (nothing is written then).
+#[tracing::instrument(
+    name = "claim",
+    skip_all,
+    fields(otel.name = "claim idempotency key", db.system.name = "postgresql", rides.claim = tracing::field::Empty)
+)]
+pub async fn claim(
+    claims: &Arc<Batcher<Claims>>,
+    caller: Caller,
+    key: &IdempotencyKey,
+    request: &RequestSignature,
+    lock_timeout: Duration,
+) -> Result<Option<(User, Claimed)>, StoreError> {
+    let (pool, policy) = (claims.pool(), claims.policy());
+    let found = match caller {
+        Caller::Token(digest) => claims.claim(&digest, key, request).await?,
+        Caller::OnBehalfOf(_) => claim_alone(pool, policy, caller, key, request).await?,
+    };
+    let attempt = Attempt {
+        pool,
+        policy,
+        key,
+        request,
+        lock_timeout,
+    };
+    let (user, decided) = match found {
+        Some((user, found)) => {
+            let decided = attempt.decide(user.id, found).await?;
+            (user, decided)
+        }
+        // No such user, or a claim of this key that committed after the statement's snapshot
+        // (rare): tell them apart with a plain read.
+        None => {
+            let user = match caller {
+                Caller::OnBehalfOf(user_id) => crate::auth::user_by_id(pool, user_id).await?,
+                Caller::Token(digest) => crate::auth::user_by_token_digest(pool, &digest).await?,
+            };
+            let Some(user) = user else { return Ok(None) };
+            (user, None)
+        }
+    };
+    let claimed = match decided {
+        Some(claimed) => claimed,
+        None => attempt.rounds(user.id).await?,
+    };
+    tracing::Span::current().record("rides.claim", claimed.decision.name());
+    Ok(Some((user, claimed)))
+}
+
+/// Whether `key` exists for the caller. A read only, through the `(user_id, idempotency_key)`
+/// unique index: for refusing a card tester's new keys without writing anything
+/// (`crate::limits`).
+pub async fn key_exists(
+    pool: &Pool,
+    caller: Caller,
+    key: &IdempotencyKey,
+) -> Result<bool, StoreError> {
+    #[derive(QueryableByName)]
+    struct Exists {
+        #[diesel(sql_type = Bool)]
+        exists: bool,
+    }
+    let mut conn = pool.get().await.map_err(StoreError::Unavailable)?;
+    let query = match caller {
+        Caller::OnBehalfOf(user_id) => diesel::sql_query(
+            "SELECT EXISTS (SELECT 1 FROM idempotency_keys \
+             WHERE user_id = $1 AND idempotency_key = $2) AS exists",
+        )
+        .into_boxed()
+        .bind::<BigInt, _>(user_id)
+        .bind::<Text, _>(key.as_str()),
+        Caller::Token(digest) => diesel::sql_query(
+            "SELECT EXISTS (SELECT 1 FROM idempotency_keys k JOIN users u ON u.id = k.user_id \
+             WHERE u.api_token_digest = $1 AND k.idempotency_key = $2) AS exists",
+        )
+        .into_boxed()
+        .bind::<Bytea, _>(digest.to_vec())
+        .bind::<Text, _>(key.as_str()),
+    };
+    let row: Exists = query.get_result(&mut conn).await?;
+    Ok(row.exists)
+}
+
+/// One claim's key and request, for the steps after its first statement.
+struct Attempt<'a> {
+    pool: &'a Pool,
+    policy: RetryPolicy,
+    key: &'a IdempotencyKey,
+    request: &'a RequestSignature,
+    lock_timeout: Duration,
+}
+
+impl Attempt<'_> {
+    /// Claims the key again, alone, until a round decides it.
+    async fn rounds(&self, user_id: i64) -> Result<Claimed, StoreError> {
+        // Each round pays only for what the key needs: a new key, a replay and a mismatch are one
+        // statement (`insert_or_read`); only a key that may need work takes the row lock. A round
+        // ends without a decision only if another claim inserted the key after this one's
+        // snapshot, or the key was reaped between two steps, so a few rounds suffice.
+        let caller = Caller::OnBehalfOf(user_id);
+        for _ in 0..CLAIM_ROUNDS {
+            let found = claim_alone(self.pool, self.policy, caller, self.key, self.request).await?;
+            let Some((_, found)) = found else { continue };
+            if let Some(claimed) = self.decide(user_id, found).await? {
+                return Ok(claimed);
+            }
+        }
+        Err(StoreError::KeyVanished)
+    }
+
+    /// What a claim's statement found, decided: at once for a new key, a replay or a mismatch,
+    /// under the row lock otherwise. `None` if the key was reaped meanwhile.
+    async fn decide(&self, user_id: i64, found: KeyFound) -> Result<Option<Claimed>, StoreError> {
+        let row = match found {
+            KeyFound::Inserted(claimed) => return Ok(Some(claimed)),
+            KeyFound::Existing(row) => row,
+        };
+        if let Some(claimed) = decide_without_lock(*row, self.request)? {
+            return Ok(Some(claimed));
+        }
+        retry_transient(self.policy, || async {
+            let mut conn = self.pool.get().await.map_err(StoreError::Unavailable)?;
+            conn.build_transaction()
+                .read_committed()
+                .run(async |conn| {
+                    lock_existing(conn, user_id, self.key, self.request, self.lock_timeout).await
+                })
+                .await
+        })
+        .await
+    }
+}
+
+/// How many insert/inspect rounds a claim makes before giving up on a key that keeps vanishing.
+const CLAIM_ROUNDS: usize = 5;
+
+/// Every column of `idempotency_keys` that [`KeyRow`] reads, by name, each with the same prefix
+/// (a table alias and its dot) if one is given.
+macro_rules! key_columns {
+    () => {
+        key_columns!("")
+    };
+    ($p:literal) => {
+        concat!(
+            $p,
+            "id, ",
+            $p,
+            "created_at, ",
+            $p,
+            "idempotency_key, ",
+            $p,
+            "last_run_at, ",
+            $p,
+            "locked_at, ",
+            $p,
+            "lock_token, ",
+            $p,
+            "request_method, ",
+            $p,
+            "request_path, ",
+            $p,
+            "request_params, ",
+            $p,
+            "response_code, ",
+            $p,
+            "response_body, ",
+            $p,
+            "recovery_point, ",
+            $p,
+            "user_id"
+        )
+    };
+}
+pub(super) use key_columns;
+
+/// The claim's one statement, for the user `caller` selects (`$1`). The key row if it exists (a
+/// replay, a mismatch or a resumption is decided from it without a lock); otherwise the key
+/// inserted, locked by a fresh token. `ON CONFLICT DO NOTHING` waits for a concurrent inserter of
+/// the same key and then yields to it; that key is newer than this statement's snapshot, so no
+/// row comes back and the claim looks again. A key that exists inserts nothing, so a replay
+/// writes nothing and burns no sequence value; no user, no row and nothing written.
+macro_rules! claim_sql {
+    ($caller:literal) => {
+        concat!(
+            "WITH caller AS (SELECT id, created_at, email, stripe_customer_id, \
+             stripe_payment_method_id, api_token_digest FROM users WHERE ",
+            $caller,
+            "), existing AS (SELECT ",
+            key_columns!(),
+            " FROM idempotency_keys WHERE user_id = (SELECT id FROM caller) \
+             AND idempotency_key = $2), \
+             inserted AS (INSERT INTO idempotency_keys (user_id, idempotency_key, lock_token, \
+             request_method, request_path, request_params, recovery_point, locked_at) \
+             SELECT caller.id, $2, $3, $4, $5, $6, 'started', now() FROM caller \
+             WHERE NOT EXISTS (SELECT FROM existing) \
+             ON CONFLICT (user_id, idempotency_key) DO NOTHING RETURNING ",
+            key_columns!(),
+            "), found AS (SELECT ",
+            key_columns!(),
+            ", true AS inserted FROM inserted UNION ALL SELECT ",
+            key_columns!(),
+            ", false FROM existing) \
+             SELECT caller.id AS caller_id, caller.created_at AS caller_created_at, caller.email, \
+             caller.stripe_customer_id, caller.stripe_payment_method_id, caller.api_token_digest, \
+             found.* FROM caller, found"
+        )
+    };
+}
+
+/// The claim of a user known by id.
+struct ClaimById;
+
+impl Statement for ClaimById {
+    const SQL: &'static str = claim_sql!("id = $1");
+}
+
+/// The claim of the owner of an API token, by its digest: authentication in the same round trip.
+struct ClaimByToken;
+
+impl Statement for ClaimByToken {
+    const SQL: &'static str = claim_sql!("api_token_digest = $1");
+}
+
+/// What a claim statement returns: the caller and the key row. Public only as the output of
+/// [`Claims`]; its fields stay private.
+#[derive(QueryableByName)]
+pub struct CallerAndKey {
+    #[diesel(sql_type = BigInt)]
+    caller_id: i64,
+    #[diesel(sql_type = Timestamptz)]
+    caller_created_at: DateTime<Utc>,
+    #[diesel(sql_type = Text)]
+    email: String,
+    #[diesel(sql_type = Text)]
+    stripe_customer_id: String,
+    #[diesel(sql_type = Text)]
+    stripe_payment_method_id: String,
+    #[diesel(sql_type = Bytea)]
+    api_token_digest: Vec<u8>,
+    #[diesel(embed)]
+    key: KeyRow,
+    #[diesel(sql_type = Bool)]
+    inserted: bool,
+}
+
+/// What a claim's statement found: the key it inserted (so this attempt owns it), or the key
+/// that was already there, to be decided.
+enum KeyFound {
+    Inserted(Claimed),
+    Existing(Box<KeyRow>),
+}
+
+/// The claim's statement for one claim, on a pooled connection, retried on transient conflicts.
+async fn claim_alone(
+    pool: &Pool,
+    policy: RetryPolicy,
+    caller: Caller,
+    key: &IdempotencyKey,
+    request: &RequestSignature,
+) -> Result<Option<(User, KeyFound)>, StoreError> {
+    retry_transient(policy, || async {
+        let mut conn = pool.get().await.map_err(StoreError::Unavailable)?;
+        insert_or_read(&mut conn, caller, key, request).await
+    })
+    .await
+}
+
+/// Runs the claim's statement; `None` if there is no such user, or if a concurrent claim inserted
+/// the key meanwhile.
+async fn insert_or_read(
+    conn: &mut AsyncPgConnection,
+    caller: Caller,
+    key: &IdempotencyKey,
+    request: &RequestSignature,
+) -> Result<Option<(User, KeyFound)>, StoreError> {
+    let token = Uuid::new_v4();
+    macro_rules! run {
+        ($statement:ty, $caller_type:ty, $caller:expr) => {
+            prepared::<$statement, _>(|q| {
+                q.bind::<$caller_type, _>($caller)
+                    .bind::<Text, _>(key.as_str())
+                    .bind::<sql_types::Uuid, _>(token)
+                    .bind::<Text, _>(request.method)
+                    .bind::<Text, _>(request.path)
+                    .bind::<Jsonb, _>(&request.params)
+            })
+            .get_result::<CallerAndKey>(conn)
+            .await
+            .optional()?
+        };
+    }
+    let row = match caller {
+        Caller::OnBehalfOf(user_id) => run!(ClaimById, BigInt, user_id),
+        Caller::Token(digest) => run!(ClaimByToken, Bytea, digest.as_slice()),
+    };
+    Ok(row.map(|row| row.into_found(token)))
+}
+
+impl CallerAndKey {
+    /// The caller and what the claim found; `token` is the lock token the statement was given,
+    /// which an inserted key now carries.
+    fn into_found(self, token: Uuid) -> (User, KeyFound) {
+        let user = User {
+            id: self.caller_id,
+            created_at: self.caller_created_at,
+            email: self.email,
+            stripe_customer_id: self.stripe_customer_id,
+            stripe_payment_method_id: self.stripe_payment_method_id,
+            api_token_digest: self.api_token_digest,
+        };
+        let found = if self.inserted {
+            KeyFound::Inserted(Claimed {
+                decision: Decision::Execute(Lease {
+                    key_id: self.key.id,
+                    user_id: user.id,
+                    token,
+                    recovery_point: RecoveryPoint::Started,
+                }),
+                key_created_at: self.key.created_at,
+            })
+        } else {
+            KeyFound::Existing(Box::new(self.key))
+        };
+        (user, found)
+    }
+}
+
+/// The read-only decisions of a claim. A finished key never changes again, and neither do the
+/// parameters a key is bound to, so a replay or a mismatch can be decided from a plain read: no
+/// row lock, no transaction id, no WAL flush. `None` for a key that may need work, which goes
+/// through the locking claim.
+fn decide_without_lock(
+    row: KeyRow,
+    request: &RequestSignature,
+) -> Result<Option<Claimed>, StoreError> {
+    let decision = if !binds(&row, request) {
+        Decision::Mismatch
+    } else if row.recovery_point == RecoveryPoint::Finished {
+        Decision::Replay(stored_response(row.response_code, row.response_body)?)
+    } else {
+        return Ok(None);
+    };
+    Ok(Some(Claimed {
+        decision,
+        key_created_at: row.created_at,
+    }))
+}
+
+/// The outcome stored on a finished key (the schema guarantees both parts are present).
+fn stored_response(
+    code: Option<i32>,
+    body: Option<serde_json::Value>,
+) -> Result<StoredResponse, StoreError> {
+    match (code, body) {
+        (Some(code), Some(body)) => Ok(StoredResponse { code, body }),
+        _ => Err(StoreError::CorruptStoredResponse),
+    }
+}
+
+/// Whether `row` was created for exactly this request.
+fn binds(row: &KeyRow, request: &RequestSignature) -> bool {
+    row.request_method == request.method
+        && row.request_path == request.path
+        && row.request_params == request.params
+}
+
+impl Decision {
+    fn name(&self) -> &'static str {
+        match self {
+            Decision::Mismatch => "mismatch",
+            Decision::Replay(_) => "replay",
+            Decision::InUse => "in_use",
+            Decision::Execute(_) => "execute",
+        }
+    }
+}
+
+/// The locking inspection of an existing key, in one READ COMMITTED transaction: the
+/// `SELECT … FOR UPDATE` serialises it with every other attempt on the key. `None` if the key was
+/// deleted (reaped) since it was seen.
+async fn lock_existing(
+    conn: &mut AsyncPgConnection,
+    user_id: i64,
+    key: &IdempotencyKey,
+    request: &RequestSignature,
+    lock_timeout: Duration,
+) -> Result<Option<Claimed>, StoreError> {
+    let token = Uuid::new_v4();
+    let existing = idempotency_keys::table
+        .filter(idempotency_keys::user_id.eq(user_id))
+        .filter(idempotency_keys::idempotency_key.eq(key.as_str()))
+        .for_update()
+        .select((
+            KeyRow::as_select(),
+            diesel::dsl::sql::<diesel::sql_types::Timestamptz>("now()"),
+        ))
+        .first::<(KeyRow, DateTime<Utc>)>(conn)
+        .await
+        .optional()?;
+    let Some((row, now)) = existing else {
+        return Ok(None);
+    };
+    let decision = if !binds(&row, request) {
+        Decision::Mismatch
+    } else if row.recovery_point == RecoveryPoint::Finished {
+        Decision::Replay(stored_response(row.response_code, row.response_body)?)
+    } else if row
+        .locked_at
+        .is_some_and(|locked_at| lock_is_live(locked_at, now, lock_timeout))
+    {
+        Decision::InUse
+    } else {
+        diesel::update(idempotency_keys::table.find(row.id))
+            .set((
+                idempotency_keys::locked_at.eq(diesel::dsl::now),
+                idempotency_keys::lock_token.eq(token),
+                idempotency_keys::last_run_at.eq(diesel::dsl::now),
+            ))
+            .execute(conn)
+            .await?;
+        Decision::Execute(Lease {
+            key_id: row.id,
+            user_id,
+            token,
+            recovery_point: row.recovery_point,
+        })
+    };
+    Ok(Some(Claimed {
+        decision,
+        key_created_at: row.created_at,
+    }))
+}

@@ -1,0 +1,152 @@
+//! Phase `charge_created`: the receipt job staged in `staged_jobs` and the key finished with the
+//! stored outcome and unlocked, in one fenced statement ([`StageReceipt`], or
+//! [`StageReceiptBatch`] for several requests): the receipt is committed with the ride's outcome
+//! or not at all, and the enqueuer publishes it after the commit.
+
+use contract::{BackgroundJob, Outcome, ReceiptJob, key::KeyMoved};
+use diesel::{
+    OptionalExtension,
+    result::Error as DieselError,
+    sql_types::{self, Array, BigInt, Integer, Jsonb, Text},
+};
+use diesel_async::{AsyncPgConnection, RunQueryDsl};
+use futures_util::FutureExt;
+use schema::{
+    models::Ride,
+    prepared::{Statement, prepared},
+    store::StoreError,
+};
+use scoped_futures::ScopedFutureExt;
+use uuid::Uuid;
+
+use super::Rides;
+use crate::idempotency::{self, BatchStatement, Lease};
+
+impl Rides {
+    /// Phase `charge_created`: the receipt job and the stored response, then finished.
+    pub(super) async fn stage_receipt(
+        &self,
+        lease: &Lease,
+        ride: Ride,
+    ) -> Result<Outcome, StoreError> {
+        // The receipt continues this request's trace: the enqueuer and the receipt worker pick
+        // the context up from the job.
+        let trace_context = serde_json::to_value(telemetry::inject_current()).unwrap_or_default();
+        let job_args = ReceiptJob::from(&ride).to_args();
+        let outcome = Outcome::ride_created(ride);
+        let stored = outcome.to_stored();
+        let receipt_due = || ReceiptDue {
+            key_id: lease.key_id,
+            token: lease.token,
+            job_args: job_args.clone(),
+            trace_context: trace_context.clone(),
+            response_code: stored.code,
+            response_body: stored.body.clone(),
+        };
+        let (trace_context, job_args, stored) = (&trace_context, &job_args, &stored);
+        idempotency::batched_phase(&self.receipts, lease, receipt_due, || async {
+            idempotency::atomic_phase(&self.pool, self.retry, lease, |conn| {
+                prepared::<StageReceipt, _>(|q| {
+                    q.bind::<BigInt, _>(lease.key_id)
+                        .bind::<sql_types::Uuid, _>(lease.token)
+                        .bind::<Text, _>(ReceiptJob::JOB_NAME)
+                        .bind::<Jsonb, _>(job_args)
+                        .bind::<Jsonb, _>(trace_context)
+                        .bind::<Integer, _>(stored.code)
+                        .bind::<Jsonb, _>(&stored.body)
+                })
+                .get_result::<KeyMoved>(conn)
+                .map(OptionalExtension::optional)
+                .scope_boxed()
+            })
+            .await
+            .map(|_| ())
+        })
+        .await?;
+        Ok(outcome)
+    }
+}
+
+/// Phase `charge_created` as one statement: the receipt job, then the key finished with the
+/// stored response and unlocked.
+struct StageReceipt;
+
+impl Statement for StageReceipt {
+    const SQL: &'static str = concat!(
+        "WITH ",
+        contract::fence!(),
+        ", job AS (INSERT INTO staged_jobs (job_name, job_args, trace_context) \
+         SELECT $3, $4, $5 FROM fence RETURNING id) ",
+        contract::finish_key!("$6", "$7"),
+        " FROM job WHERE idempotency_keys.id = $1 AND idempotency_keys.lock_token = $2 \
+         RETURNING idempotency_keys.id"
+    );
+}
+
+/// Phase `charge_created` for several keys: see [`StageReceipt`].
+pub struct StageReceipts;
+
+/// One request's part of [`StageReceipts`].
+pub struct ReceiptDue {
+    pub key_id: i64,
+    pub token: Uuid,
+    pub job_args: serde_json::Value,
+    pub trace_context: serde_json::Value,
+    pub response_code: i32,
+    pub response_body: serde_json::Value,
+}
+
+impl BatchStatement for StageReceipts {
+    type Item = ReceiptDue;
+    /// `Some` if the key was finished; `None` if its fence failed.
+    type Output = Option<()>;
+    const NAME: &'static str = "stage_receipt";
+    /// A batch that committed finished and unlocked its keys, so a redo fails every fence and
+    /// stages nothing twice.
+    const REDO_AFTER_CONNECTION_LOSS: bool = true;
+
+    async fn run(
+        &self,
+        conn: &mut AsyncPgConnection,
+        items: &[ReceiptDue],
+    ) -> Result<Vec<Option<()>>, DieselError> {
+        let key_ids: Vec<i64> = items.iter().map(|item| item.key_id).collect();
+        let tokens: Vec<Uuid> = items.iter().map(|item| item.token).collect();
+        let job_args: Vec<&serde_json::Value> = items.iter().map(|item| &item.job_args).collect();
+        let trace_contexts: Vec<&serde_json::Value> =
+            items.iter().map(|item| &item.trace_context).collect();
+        let codes: Vec<i32> = items.iter().map(|item| item.response_code).collect();
+        let bodies: Vec<&serde_json::Value> =
+            items.iter().map(|item| &item.response_body).collect();
+        let moved = prepared::<StageReceiptBatch, _>(|q| {
+            q.bind::<Array<BigInt>, _>(&key_ids)
+                .bind::<Array<sql_types::Uuid>, _>(&tokens)
+                .bind::<Array<Jsonb>, _>(&job_args)
+                .bind::<Array<Jsonb>, _>(&trace_contexts)
+                .bind::<Array<Integer>, _>(&codes)
+                .bind::<Array<Jsonb>, _>(&bodies)
+                .bind::<Text, _>(ReceiptJob::JOB_NAME)
+        })
+        .load::<KeyMoved>(conn)
+        .await?;
+        Ok(KeyMoved::per_item(items, |item| item.key_id, moved))
+    }
+}
+
+struct StageReceiptBatch;
+
+impl Statement for StageReceiptBatch {
+    const SQL: &'static str = concat!(
+        contract::batch_fence!(
+            "$3::jsonb[], $4::jsonb[], $5::int4[], $6::jsonb[]",
+            "job_args, trace_context, response_code, response_body"
+        ),
+        // A data-modifying CTE runs to completion whether or not anything reads it, and the
+        // statement commits both writes or neither.
+        ", job AS (INSERT INTO staged_jobs (job_name, job_args, trace_context) \
+         SELECT $7, job_args, trace_context FROM fence ORDER BY key_id) ",
+        contract::finish_key!("fence.response_code", "fence.response_body"),
+        " FROM fence WHERE idempotency_keys.id = ANY(ARRAY(SELECT key_id FROM fence)) \
+         AND idempotency_keys.id = fence.key_id RETURNING idempotency_keys.id"
+    );
+}

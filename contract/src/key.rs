@@ -1,0 +1,148 @@
+//! The rules of an idempotency key that more than one process applies: the api-server's phases
+//! and the completer act on keys, and `workers admin` inspects and finishes them by hand, so each
+//! rule is stated here once.
+
+use std::{collections::HashSet, time::Duration};
+
+use chrono::{DateTime, Utc};
+use diesel::{QueryableByName, sql_types::BigInt};
+use schema::prepared::Statement;
+
+/// The idempotency key presented to the provider for the charge of idempotency key row
+/// `key_id`. Derived from the row, so every attempt at that ride, by any api-server or the
+/// completer, presents the same key, and an operator can find the charge (`workers admin`).
+pub fn provider_idempotency_key(key_id: i64) -> String {
+    format!("rocket-rides-{key_id}")
+}
+
+/// Whether a key locked at `locked_at` is still held at `now`: a lock older than the lock timeout
+/// may be taken over (its holder is presumed dead). The api-server's claim and `workers admin`
+/// both decide by it.
+pub fn lock_is_live(locked_at: DateTime<Utc>, now: DateTime<Utc>, lock_timeout: Duration) -> bool {
+    // A timeout beyond chrono's range puts the cut-off before all time: every lock is live.
+    now.checked_sub_signed(chrono_duration(lock_timeout))
+        .is_none_or(|cutoff| locked_at > cutoff)
+}
+
+/// A configured duration (the lock timeout, the key TTL) as timestamp arithmetic wants it; one
+/// too long for chrono saturates rather than fails.
+pub fn chrono_duration(duration: Duration) -> chrono::Duration {
+    chrono::Duration::from_std(duration).unwrap_or(chrono::Duration::MAX)
+}
+
+/// The fence every statement that moves a key on starts with, as a CTE named `fence` (binds: `$1`
+/// the key id, `$2` the holder's lock token). It locks the key row and yields it only while the
+/// token is the holder's; each of the statement's writes selects from it (directly or through a
+/// write that does), so a holder whose lock was taken over writes nothing and its statement
+/// returns no row. The row lock is taken before any write and held until the statement commits,
+/// so two attempts on one key still move it one after the other. A concurrent takeover makes the
+/// lock wait for it and then re-check the token on the newest row version (READ COMMITTED's
+/// re-check of locked rows), so it is never missed.
+#[macro_export]
+macro_rules! fence {
+    () => {
+        "fence AS (SELECT id FROM idempotency_keys WHERE id = $1 AND lock_token = $2 \
+         FOR NO KEY UPDATE)"
+    };
+}
+
+/// [`fence!`] for a batch of requests: the CTEs every batched phase starts with, `input` (the
+/// arrays `$1` key ids and `$2` lock tokens, then `$unnest`, one row per request, with the column
+/// names `$columns` gives after `key_id, token`) and `fence`, which locks each request's key row
+/// in key id order (so two batches never wait for each other in a cycle) and yields the request
+/// only while the key still carries its token, re-checked on the newest row version as the
+/// one-request fence is.
+#[macro_export]
+macro_rules! batch_fence {
+    ($unnest:literal, $columns:literal) => {
+        concat!(
+            "WITH input AS (SELECT * FROM unnest($1::int8[], $2::uuid[], ",
+            $unnest,
+            ") AS i(key_id, token, ",
+            $columns,
+            ")), fence AS (SELECT input.* FROM (SELECT * FROM input ORDER BY key_id) input \
+             CROSS JOIN LATERAL (SELECT FROM idempotency_keys \
+             WHERE idempotency_keys.id = input.key_id \
+             AND idempotency_keys.lock_token = input.token FOR NO KEY UPDATE) locked)"
+        )
+    };
+}
+
+/// The `UPDATE … SET` that finishes a key: the outcome (`$code`, `$body`: binds or columns), the
+/// final recovery point, and the lock cleared. Every way a key is finished (a declined card, the
+/// receipt phase alone or batched, an operator) is this text followed by its own `FROM`/`WHERE`.
+#[macro_export]
+macro_rules! finish_key {
+    ($code:literal, $body:literal) => {
+        concat!(
+            "UPDATE idempotency_keys SET recovery_point = 'finished', response_code = ",
+            $code,
+            ", response_body = ",
+            $body,
+            ", locked_at = NULL, lock_token = NULL"
+        )
+    };
+}
+
+/// What a statement that moves a key on returns when it committed: the key it moved.
+#[derive(QueryableByName)]
+pub struct KeyMoved {
+    #[diesel(sql_type = BigInt)]
+    pub id: i64,
+}
+
+impl KeyMoved {
+    /// For each of a batch's `items`, in order, `Some` if its key is among those the statement
+    /// moved on, `None` if its fence failed.
+    pub fn per_item<T>(
+        items: &[T],
+        key_id: fn(&T) -> i64,
+        moved: Vec<KeyMoved>,
+    ) -> Vec<Option<()>> {
+        let moved: HashSet<i64> = moved.into_iter().map(|key| key.id).collect();
+        items
+            .iter()
+            .map(|item| moved.contains(&key_id(item)).then_some(()))
+            .collect()
+    }
+}
+
+/// Finishes a key (`$1`) with a stored outcome (`$3` code, `$4` body) and nothing else, fenced
+/// by its holder's lock token (`$2`): the api-server's phase that reaches a final outcome without
+/// other writes (a declined card), and `workers admin key finish` after it has taken the lock
+/// over. Returns [`KeyMoved`], or no row if the token is no longer the key's.
+pub struct FinishKey;
+
+impl Statement for FinishKey {
+    const SQL: &'static str = concat!(
+        "WITH ",
+        fence!(),
+        " ",
+        finish_key!("$3", "$4"),
+        " FROM fence WHERE idempotency_keys.id = fence.id AND idempotency_keys.lock_token = $2 \
+         RETURNING idempotency_keys.id"
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_lock_is_live_until_the_timeout_has_passed() {
+        let locked_at = DateTime::from_timestamp(1_800_000_000, 0).unwrap();
+        let timeout = Duration::from_secs(90);
+        assert!(lock_is_live(locked_at, locked_at, timeout));
+        assert!(lock_is_live(
+            locked_at,
+            locked_at + chrono::Duration::seconds(89),
+            timeout
+        ));
+        assert!(!lock_is_live(
+            locked_at,
+            locked_at + chrono::Duration::seconds(90),
+            timeout
+        ));
+        assert!(lock_is_live(locked_at, locked_at, Duration::MAX));
+    }
+}

@@ -1,0 +1,24 @@
+//! The contract between the api-server and the worker fleet: everything both sides write or read
+//! and must therefore agree on by construction, not by two copies kept in step.
+//!
+//! - [`outcome`]: the final outcome stored on a finished key ([`Outcome`], its stored form
+//!   [`StoredResponse`] and the ride as the API shows it, [`RideView`]). The api-server's last
+//!   phase stores it and every replay rebuilds the answer from it; `workers admin key finish`
+//!   stores exactly the same when an operator finishes a stuck key.
+//! - [`jobs`]: the jobs staged in `staged_jobs` inside the business transaction and drained by the
+//!   enqueuer, each a typed struct that builds and parses its own `job_args` ([`BackgroundJob`]).
+//! - [`message`]: the versioned messages on the `rides` exchange, which other teams consume.
+//! - [`key`]: the rules of an idempotency key that more than one process applies: the key the
+//!   provider sees for its charge, when a lock is live, and the statement text that finishes a
+//!   key.
+//!
+//! It sits above `schema` (the database crate, whose `Ride` the views are built from) and below
+//! both services, which is why neither service depends on the other.
+
+pub mod jobs;
+pub mod key;
+pub mod message;
+pub mod outcome;
+
+pub use jobs::{BackgroundJob, ReceiptJob};
+pub use outcome::{CorruptStoredResponse, Outcome, PAYMENT_ACCEPTED, RideView, StoredResponse};

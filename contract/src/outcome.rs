@@ -1,0 +1,123 @@
+//! The final outcome of a CreateRide, stored on its finished key and replayed from there. Fresh
+//! answers are built from the same stored value, so a replay is identical to the original.
+
+use chrono::{DateTime, Utc};
+use schema::models::Ride;
+use serde::{Deserialize, Serialize};
+
+/// The message of every successful CreateRide (and of its replays).
+pub const PAYMENT_ACCEPTED: &str = "Payment accepted. Your pilot is on their way!";
+
+/// Stored response codes are gRPC status codes, because the stored outcome is replayed as the
+/// same gRPC answer.
+pub const CODE_OK: i32 = 0;
+pub const CODE_FAILED_PRECONDITION: i32 = 9;
+
+/// A final outcome as `idempotency_keys` stores it (`response_code`, `response_body`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct StoredResponse {
+    pub code: i32,
+    pub body: serde_json::Value,
+}
+
+/// The stored outcome of a finished key does not decode: a replay cannot be answered.
+#[derive(Debug, thiserror::Error)]
+#[error("the stored outcome of a finished key is unreadable")]
+pub struct CorruptStoredResponse;
+
+impl From<CorruptStoredResponse> for schema::store::StoreError {
+    fn from(_: CorruptStoredResponse) -> schema::store::StoreError {
+        schema::store::StoreError::CorruptStoredResponse
+    }
+}
+
+/// A ride as the API shows it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RideView {
+    pub id: i64,
+    pub origin_lat: f64,
+    pub origin_lon: f64,
+    pub target_lat: f64,
+    pub target_lon: f64,
+    pub charge_id: Option<String>,
+    pub amount: i64,
+    pub currency: String,
+    pub created_at: DateTime<Utc>,
+}
+
+impl From<Ride> for RideView {
+    fn from(ride: Ride) -> RideView {
+        RideView {
+            id: ride.id,
+            origin_lat: ride.origin_lat,
+            origin_lon: ride.origin_lon,
+            target_lat: ride.target_lat,
+            target_lon: ride.target_lon,
+            charge_id: ride.stripe_charge_id,
+            amount: ride.amount,
+            currency: ride.currency,
+            created_at: ride.created_at,
+        }
+    }
+}
+
+/// A final outcome: stored on the key by the phase that reaches it (or by an operator), and
+/// replayed from there.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "outcome", rename_all = "snake_case")]
+pub enum Outcome {
+    RideCreated {
+        ride: RideView,
+        message: String,
+    },
+    CardDeclined {
+        message: String,
+        decline_code: Option<String>,
+    },
+}
+
+impl Outcome {
+    /// A paid ride, with the message every success answers.
+    pub fn ride_created(ride: Ride) -> Outcome {
+        Outcome::RideCreated {
+            ride: RideView::from(ride),
+            message: PAYMENT_ACCEPTED.to_owned(),
+        }
+    }
+
+    /// The stored form (response code and body) that a replay is rebuilt from.
+    pub fn to_stored(&self) -> StoredResponse {
+        let code = match self {
+            Outcome::RideCreated { .. } => CODE_OK,
+            Outcome::CardDeclined { .. } => CODE_FAILED_PRECONDITION,
+        };
+        // Plain fields only: serialising cannot fail.
+        let body = serde_json::to_value(self).unwrap_or_default();
+        StoredResponse { code, body }
+    }
+
+    pub fn from_stored(stored: StoredResponse) -> Result<Outcome, CorruptStoredResponse> {
+        serde_json::from_value(stored.body).map_err(|_| CorruptStoredResponse)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn outcomes_round_trip_through_storage() {
+        let outcome = Outcome::CardDeclined {
+            message: "Your card was declined.".into(),
+            decline_code: Some("generic_decline".into()),
+        };
+        let stored = outcome.to_stored();
+        assert_eq!(stored.code, CODE_FAILED_PRECONDITION);
+        assert_eq!(Outcome::from_stored(stored).unwrap(), outcome);
+        let garbage = StoredResponse {
+            code: CODE_OK,
+            body: serde_json::json!({"outcome": "teleported"}),
+        };
+        assert!(Outcome::from_stored(garbage).is_err());
+    }
+}
