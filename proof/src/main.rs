@@ -11,14 +11,22 @@
 //! sink's directory. Any violation is printed with the offending key and makes the process exit
 //! non-zero. See docs/reliability.md.
 
+mod args;
+mod counters;
+mod processes;
 mod services;
+mod setup;
 
+use args::Args;
+use counters::Counters;
+use processes::{Children, Supervisor, kill_and_restart, signal};
 use services::{ServerKind, Services};
+use setup::{DbGuard, LOCK_TIMEOUT_SECS, Plan, STRIPE_KEY, Wiring};
 
 use std::{
     collections::{BTreeMap, HashMap, HashSet},
     fs::OpenOptions,
-    path::{Path, PathBuf},
+    path::Path,
     process::Stdio,
     sync::{
         Arc,
@@ -38,299 +46,9 @@ use prost::Message;
 use proto::v1::{CreateRideRequest, CreateRideResponse, ride_service_client::RideServiceClient};
 use rand::{Rng, SeedableRng, rngs::StdRng};
 use serde_json::{Value, json};
-use tokio::{
-    process::{Child, Command},
-    sync::Mutex,
-    task::JoinHandle,
-};
+use tokio::{process::Command, task::JoinHandle};
 use tonic::{Code, Status, metadata::MetadataValue, transport::Channel};
 use tonic_types::StatusExt;
-
-#[derive(Parser, Debug, Clone)]
-#[command(
-    name = "proof",
-    about = "Crash-and-fault campaign proving exactly-once charging and receipting"
-)]
-struct Args {
-    /// Short campaign (default): 60 s of traffic and faults, the whole run under 3 minutes.
-    #[arg(long, conflicts_with = "long")]
-    short: bool,
-    /// Long campaign: 600 s of traffic and faults (override with --duration-secs).
-    #[arg(long)]
-    long: bool,
-    /// Seconds of traffic and faults (overrides the --short/--long default).
-    #[arg(long)]
-    duration_secs: Option<u64>,
-    /// Concurrent clients, one user each.
-    #[arg(long, default_value_t = 16)]
-    clients: u32,
-    /// Every gRPC hop over mutual TLS, with the certificates in this directory (`ca.pem`,
-    /// `server.pem`/`.key` for the api-servers, `client.pem`/`.key` for the campaign's clients
-    /// and the completer), as `deploy/local/lib.sh`'s `make_tls_certificates` writes them.
-    #[arg(long)]
-    tls_dir: Option<PathBuf>,
-    /// How many of the clients' users have the declining card `pm_card_chargeDeclined`.
-    #[arg(long, default_value_t = 2)]
-    declined_clients: u32,
-    /// Fraction of keys whose client drops the call mid-request and never comes back.
-    #[arg(long, default_value_t = 0.06)]
-    drop_ratio: f64,
-    /// Fraction of keys whose client makes one attempt and never retries a non-final answer.
-    #[arg(long, default_value_t = 0.06)]
-    no_retry_ratio: f64,
-    /// Attempts per key for retrying clients.
-    #[arg(long, default_value_t = 40)]
-    max_tries: u32,
-    /// Seed of every random choice (clients and fault schedule); random when unset.
-    #[arg(long)]
-    seed: Option<u64>,
-    /// Mean seconds between api-server SIGKILLs.
-    #[arg(long, default_value_t = 4.0)]
-    api_kill_every_secs: f64,
-    /// Mean seconds between worker (enqueuer / receipts) SIGKILLs.
-    #[arg(long, default_value_t = 7.0)]
-    worker_kill_every_secs: f64,
-    /// Mean seconds between provider fault injections.
-    #[arg(long, default_value_t = 2.0)]
-    stripe_fault_every_secs: f64,
-    /// Directory of the api-server, workers and fake-stripe binaries (default: next to proof).
-    #[arg(long)]
-    bin_dir: Option<PathBuf>,
-    /// Where logs, mail and the report go (default: target/proof/<run id>).
-    #[arg(long)]
-    out_dir: Option<PathBuf>,
-    /// PostgreSQL server and maintenance database; the run's database is created next to it.
-    #[arg(
-        long,
-        env = "TEST_DATABASE_URL",
-        default_value = "postgres://postgres@127.0.0.1:5432/postgres"
-    )]
-    admin_url: String,
-    #[arg(long, default_value = "amqp://guest:guest@127.0.0.1:5672/%2f")]
-    amqp_url: String,
-    /// Every fixed port is below Linux's ephemeral range (32768–60999): processes restarted
-    /// during the run must find their port free, and any outgoing connection may hold a port in
-    /// that range (the second api-server once failed to bind 50252 so).
-    #[arg(long, default_value_t = 25251)]
-    grpc_port: u16,
-    #[arg(long, default_value_t = 12311)]
-    stripe_port: u16,
-    #[arg(long, default_value_t = 2625)]
-    smtp_port: u16,
-    /// The mail sink's message search (MAIL_SEARCH_URL for the receipt worker).
-    #[arg(long, default_value_t = 8626)]
-    mail_search_port: u16,
-    /// The second api-server (pool of 1 connection, 100 ms pool timeout).
-    #[arg(long, default_value_t = 25252)]
-    grpc_port_b: u16,
-    /// Run against the shared PostgreSQL and RabbitMQ (--admin-url, --amqp-url) instead of
-    /// private ones; their restarts are then skipped.
-    #[arg(long)]
-    shared_services: bool,
-    /// Port of the private PostgreSQL cluster.
-    #[arg(long, default_value_t = 25433)]
-    pg_port: u16,
-    /// Port of the private RabbitMQ node (its distribution port is this + 20000).
-    #[arg(long, default_value_t = 5683)]
-    amqp_port: u16,
-    /// Mean seconds between PostgreSQL fast-shutdown restarts.
-    #[arg(long, default_value_t = 20.0)]
-    pg_restart_every_secs: f64,
-    /// Mean seconds between RabbitMQ restarts.
-    #[arg(long, default_value_t = 25.0)]
-    rabbit_restart_every_secs: f64,
-    /// Mean seconds between stalls of an api-server (SIGSTOP for longer than the lock timeout,
-    /// then SIGCONT): the other api-server takes the stalled attempts' keys over.
-    #[arg(long, default_value_t = 15.0)]
-    stall_every_secs: f64,
-    /// Do not arm the api-server's crash points (needed when its binary lacks the
-    /// `fault-injection` feature; proof/run.sh builds it with the feature).
-    #[arg(long)]
-    no_crash_points: bool,
-    /// Keep the database (and the RabbitMQ queues) after the run.
-    #[arg(long)]
-    keep: bool,
-}
-
-const STRIPE_KEY: &str = "sk_test_proof_campaign";
-const LOCK_TIMEOUT_SECS: &str = "6";
-
-// ---------------------------------------------------------------------------------------------
-// Child processes
-// ---------------------------------------------------------------------------------------------
-
-struct Proc {
-    name: &'static str,
-    bin: PathBuf,
-    args: Vec<String>,
-    env: Vec<(String, String)>,
-    log: PathBuf,
-    port: Option<u16>,
-    child: Option<Child>,
-    starts: u64,
-    /// Arms one crash point per start (api-servers only).
-    arming: Option<Arc<Arming>>,
-}
-
-/// Hands each api-server start the next crash point, round-robin, to fire on a random hit, so
-/// that every point is crashed on purpose in every run. Disarmed for the final drain.
-struct Arming {
-    next: AtomicU64,
-    armed: AtomicBool,
-    rng: std::sync::Mutex<StdRng>,
-    log: PathBuf,
-    /// The armed point fires on a pass drawn from this range: late enough that a server spends
-    /// most of its life serving, early enough that every point fires in the run (several times
-    /// in a short one, dozens in a long one).
-    after: (u64, u64),
-}
-
-impl Arming {
-    fn env(&self) -> Vec<(String, String)> {
-        if !AtomicBool::load(&self.armed, Ordering::SeqCst) {
-            return Vec::new();
-        }
-        let points = api_server::fault::CRASH_POINTS;
-        let n = self.next.fetch_add(1, Ordering::SeqCst) as usize;
-        let (low, high) = self.after;
-        let after: u64 = self
-            .rng
-            .lock()
-            .map_or(1, |mut r| r.random_range(low..=high));
-        vec![
-            (
-                "FAULT_CRASH_POINT".to_owned(),
-                points[n % points.len()].to_owned(),
-            ),
-            ("FAULT_CRASH_AFTER".to_owned(), after.to_string()),
-            ("FAULT_CRASH_LOG".to_owned(), self.log.display().to_string()),
-        ]
-    }
-
-    /// How often each point fired, from the log the api-servers append to as they crash.
-    fn fired(&self) -> BTreeMap<String, u64> {
-        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
-        text.lines()
-            .filter(|l| !l.is_empty())
-            .fold(BTreeMap::new(), |mut m, l| {
-                *m.entry(l.to_owned()).or_default() += 1;
-                m
-            })
-    }
-}
-
-impl Proc {
-    fn pid(&self) -> Option<u32> {
-        self.child.as_ref().and_then(Child::id)
-    }
-
-    async fn start(&mut self) -> anyhow::Result<()> {
-        let out = OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&self.log)
-            .with_context(|| format!("opening {}", self.log.display()))?;
-        let err = out.try_clone()?;
-        let armed = self.arming.as_ref().map(|a| a.env()).unwrap_or_default();
-        let child = Command::new(&self.bin)
-            .args(&self.args)
-            .envs(self.env.iter().cloned())
-            .envs(armed)
-            .stdin(Stdio::null())
-            .stdout(Stdio::from(out))
-            .stderr(Stdio::from(err))
-            .kill_on_drop(true)
-            .spawn()
-            .with_context(|| format!("starting {} ({})", self.name, self.bin.display()))?;
-        self.child = Some(child);
-        self.starts += 1;
-        if let Some(port) = self.port
-            && let Err(error) = wait_for_port(port, Duration::from_secs(30)).await
-        {
-            // What the child was doing: a start that never listens has been seen a few times
-            // in long campaigns, and its log was empty.
-            let state = match self.exited() {
-                Some(status) => format!("exited: {status}"),
-                None => self
-                    .pid()
-                    .map_or_else(|| "no pid".to_owned(), process_state),
-            };
-            return Err(error.context(format!("{} did not listen on {port} ({state})", self.name)));
-        }
-        Ok(())
-    }
-
-    /// SIGKILL (tokio's `start_kill` sends SIGKILL on Unix) and reap.
-    async fn kill(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.start_kill();
-            let _ = child.wait().await;
-        }
-    }
-
-    /// Whether the child died on its own (not by our kill).
-    fn exited(&mut self) -> Option<String> {
-        match self.child.as_mut().map(Child::try_wait) {
-            Some(Ok(Some(status))) => Some(status.to_string()),
-            _ => None,
-        }
-    }
-}
-
-/// A running process's scheduler state and kernel wait channel, from `/proc`.
-fn process_state(pid: u32) -> String {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    // The state follows the command name, which is in parentheses and may contain spaces.
-    let state = stat
-        .rsplit_once(')')
-        .and_then(|(_, rest)| rest.split_whitespace().next())
-        .unwrap_or("?")
-        .to_owned();
-    let wchan = std::fs::read_to_string(format!("/proc/{pid}/wchan")).unwrap_or_default();
-    format!("pid {pid}, state {state}, wchan {wchan}")
-}
-
-async fn wait_for_port(port: u16, timeout: Duration) -> anyhow::Result<()> {
-    let deadline = Instant::now() + timeout;
-    loop {
-        if tokio::net::TcpStream::connect(("127.0.0.1", port))
-            .await
-            .is_ok()
-        {
-            return Ok(());
-        }
-        if Instant::now() > deadline {
-            bail!("port {port} not open after {timeout:?}");
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
-async fn port_in_use(port: u16) -> bool {
-    tokio::net::TcpStream::connect(("127.0.0.1", port))
-        .await
-        .is_ok()
-}
-
-// ---------------------------------------------------------------------------------------------
-// Counters
-// ---------------------------------------------------------------------------------------------
-
-#[derive(Default)]
-struct Counters {
-    map: std::sync::Mutex<BTreeMap<String, u64>>,
-}
-
-impl Counters {
-    fn add(&self, label: impl Into<String>, n: u64) {
-        if let Ok(mut map) = self.map.lock() {
-            *map.entry(label.into()).or_default() += n;
-        }
-    }
-    fn snapshot(&self) -> BTreeMap<String, u64> {
-        self.map.lock().map(|m| m.clone()).unwrap_or_default()
-    }
-}
 
 // ---------------------------------------------------------------------------------------------
 // Clients
@@ -621,60 +339,6 @@ async fn sleep_unless_stopped(stop: &AtomicBool, d: Duration) -> bool {
     !stop.load(Ordering::Relaxed)
 }
 
-async fn kill_and_restart(
-    proc: &Mutex<Proc>,
-    pause: Duration,
-    faults: &Counters,
-    label: &str,
-) -> anyhow::Result<()> {
-    let mut p = proc.lock().await;
-    if let Some(status) = p.exited() {
-        faults.add(format!("self_exit/{}", p.name), 1);
-        eprintln!("proof: {} had exited on its own ({status})", p.name);
-    }
-    p.kill().await;
-    faults.add(label, 1);
-    tokio::time::sleep(pause).await;
-    start_or_count(&mut p, faults).await;
-    Ok(())
-}
-
-/// Starts `p`; a failure (say, while PostgreSQL is down) is counted and left to the supervisor,
-/// which tries again.
-async fn start_or_count(p: &mut Proc, faults: &Counters) {
-    if let Err(error) = p.start().await {
-        faults.add(format!("restart_failed/{}", p.name), 1);
-        eprintln!("proof: cannot start {}: {error:#}", p.name);
-        p.kill().await;
-    }
-}
-
-/// Restarts any child that died by itself (a crash point, or a bug) or failed to start.
-async fn supervise(procs: &[Arc<Mutex<Proc>>], faults: &Counters) {
-    for proc in procs {
-        let mut p = proc.lock().await;
-        if let Some(status) = p.exited() {
-            faults.add(format!("self_exit/{}", p.name), 1);
-            if p.arming.is_none() {
-                eprintln!("proof: {} exited on its own ({status})", p.name);
-            }
-            p.kill().await;
-        }
-        if p.child.is_none() {
-            start_or_count(&mut p, faults).await;
-        }
-    }
-}
-
-/// SIGSTOP / SIGCONT by pid.
-async fn signal(pid: u32, sig: &str) -> bool {
-    Command::new("kill")
-        .args([sig, &pid.to_string()])
-        .status()
-        .await
-        .is_ok_and(|s| s.success())
-}
-
 // ---------------------------------------------------------------------------------------------
 // Database rows
 // ---------------------------------------------------------------------------------------------
@@ -752,24 +416,6 @@ fn grpc_endpoint(args: &Args, addr: &str) -> anyhow::Result<tonic::transport::En
         ),
     };
     Ok(proto::client::endpoint(&url, &tls)?)
-}
-
-/// The environment that puts every gRPC hop over mutual TLS (`--tls-dir`): the api-servers'
-/// certificates and client CA, and the completer's URL, CA and client certificate.
-fn tls_env(args: &Args, grpc_addr: &str) -> Vec<(String, String)> {
-    let Some(dir) = &args.tls_dir else {
-        return vec![("API_SERVER_URL".into(), format!("http://{grpc_addr}"))];
-    };
-    let file = |name: &str| dir.join(name).display().to_string();
-    vec![
-        ("API_SERVER_URL".into(), format!("https://{grpc_addr}")),
-        ("GRPC_TLS_CERT".into(), file("server.pem")),
-        ("GRPC_TLS_KEY".into(), file("server.key")),
-        ("GRPC_TLS_CLIENT_CA".into(), file("ca.pem")),
-        ("API_SERVER_CA".into(), file("ca.pem")),
-        ("API_SERVER_CLIENT_CERT".into(), file("client.pem")),
-        ("API_SERVER_CLIENT_KEY".into(), file("client.key")),
-    ]
 }
 
 async fn count(conn: &mut AsyncPgConnection, sql: &str) -> anyhow::Result<i64> {
@@ -900,195 +546,34 @@ impl Violations {
     }
 }
 
-#[allow(clippy::too_many_lines)]
 async fn campaign(args: Args) -> anyhow::Result<bool> {
-    let started = Instant::now();
-    let long = args.long;
-    let duration = Duration::from_secs(args.duration_secs.unwrap_or(if long { 600 } else { 60 }));
-    let seed = args.seed.unwrap_or_else(|| rand::rng().random());
-    let run_id = format!("{:08x}", rand::rng().random::<u32>());
-    let bin_dir = match &args.bin_dir {
-        Some(dir) => dir.clone(),
-        None => std::env::current_exe()?
-            .parent()
-            .context("no directory of the proof binary")?
-            .to_path_buf(),
-    };
-    let out_dir = args
-        .out_dir
-        .clone()
-        .unwrap_or_else(|| PathBuf::from("target/proof").join(&run_id));
-    let mail_dir = out_dir.join("mail");
-    let log_dir = out_dir.join("logs");
-    std::fs::create_dir_all(&mail_dir)?;
-    std::fs::create_dir_all(&log_dir)?;
-    for port in [
-        args.grpc_port,
-        args.grpc_port_b,
-        args.stripe_port,
-        args.smtp_port,
-        args.mail_search_port,
-        args.pg_port,
-        args.amqp_port,
-    ] {
-        if port_in_use(port).await {
-            bail!("127.0.0.1:{port} is already in use (another proof run?)");
-        }
-    }
-    // Private servers, so that restarting them disturbs nobody; the shared ones otherwise.
-    let services_dir = std::env::temp_dir().join(format!("rides-proof-{run_id}"));
-    let pg = match (args.shared_services, services::Postgres::find_binaries()) {
-        (false, Some(bin)) => Some(
-            services::Postgres::init_and_start(bin, &services_dir.join("pg"), args.pg_port).await?,
-        ),
-        (false, None) => {
-            println!("proof: no PostgreSQL server binaries: using --admin-url, restarts skipped");
-            None
-        }
-        (true, _) => None,
-    };
-    let rabbit = if !args.shared_services && services::Rabbit::available() {
-        match services::Rabbit::start_new(&services_dir.join("rabbitmq"), args.amqp_port, &run_id)
-            .await
-        {
-            Ok(rabbit) => Some(rabbit),
-            Err(error) => {
-                if let Some(pg) = &pg {
-                    let _ = pg.stop_fast().await;
-                }
-                return Err(error);
-            }
-        }
-    } else {
-        if !args.shared_services {
-            println!("proof: no RabbitMQ server binaries: using --amqp-url, restarts skipped");
-        }
-        None
-    };
-    let admin_url = pg
-        .as_ref()
-        .map_or_else(|| args.admin_url.clone(), services::Postgres::admin_url);
-    let amqp_url = rabbit
-        .as_ref()
-        .map_or_else(|| args.amqp_url.clone(), services::Rabbit::url);
-    let db_name = format!("proof_{run_id}");
-    let admin_base = admin_url
-        .rsplit_once('/')
-        .map(|(base, _)| base.to_owned())
-        .context("admin url has no database part")?;
-    let database_url = format!("{admin_base}/{db_name}");
-    let prefix = format!("proof-{run_id}");
-    let internal_token = format!("proof-internal-{}", uuid::Uuid::new_v4().simple());
-    let grpc_addr = format!("127.0.0.1:{}", args.grpc_port);
-    let stripe_base = format!("http://127.0.0.1:{}", args.stripe_port);
-    let smtp_addr = format!("127.0.0.1:{}", args.smtp_port);
-    let mail_search_url = format!("http://127.0.0.1:{}", args.mail_search_port);
+    let plan = Plan::new(&args)?;
+    setup::check_ports_free(&args).await?;
+    let services = setup::start_services(&args, &plan).await?;
+    let wiring = Wiring::new(&args, &plan, &services)?;
     println!(
-        "proof: run {run_id}, seed {seed}, {}s of traffic, {} clients, database {db_name}, out {}",
-        duration.as_secs(),
+        "proof: run {}, seed {}, {}s of traffic, {} clients, database {}, out {}",
+        plan.run_id,
+        plan.seed,
+        plan.duration.as_secs(),
         args.clients,
-        out_dir.display()
+        wiring.db_name,
+        plan.out_dir.display()
     );
-
-    let mut env: Vec<(String, String)> = [
-        ("DATABASE_URL", database_url.as_str()),
-        ("DATABASE_POOL_SIZE", "8"),
-        ("DATABASE_POOL_TIMEOUT_MS", "2000"),
-        ("GRPC_LISTEN_ADDR", grpc_addr.as_str()),
-        ("STRIPE_API_BASE", stripe_base.as_str()),
-        ("STRIPE_SECRET_KEY", STRIPE_KEY),
-        ("STRIPE_TIMEOUT_MS", "2000"),
-        ("IDEMPOTENCY_LOCK_TIMEOUT_SECS", LOCK_TIMEOUT_SECS),
-        ("INTERNAL_API_TOKEN", internal_token.as_str()),
-        ("METRICS_LISTEN_ADDR", "off"),
-        ("RUST_LOG", "info"),
-        ("AMQP_URL", amqp_url.as_str()),
-        ("AMQP_TOPOLOGY_PREFIX", prefix.as_str()),
-        ("SMTP_URL", &format!("smtp://{smtp_addr}")),
-        ("SMTP_TIMEOUT_SECS", "2"),
-        ("RECEIPTS_CLAIM_LEASE_SECS", "5"),
-        ("MAIL_SEARCH_URL", mail_search_url.as_str()),
-        ("RECEIPTS_RETRY_BASE_MS", "200"),
-        ("RECEIPTS_RETRY_MAX_MS", "2000"),
-        ("ENQUEUER_IDLE_MAX_MS", "500"),
-        ("ENQUEUER_CONFIRM_TIMEOUT_MS", "5000"),
-        ("COMPLETER_MIN_AGE_SECS", "3"),
-        ("COMPLETER_IDLE_SECS", "2"),
-        ("COMPLETER_BACKOFF_BASE_SECS", "1"),
-        ("COMPLETER_BACKOFF_MAX_SECS", "4"),
-        ("COMPLETER_MAX_ATTEMPTS", "20"),
-        ("COMPLETER_LEASE_SECS", "30"),
-        ("COMPLETER_RPC_TIMEOUT_SECS", "15"),
-        ("COMPLETER_BATCH_SIZE", "200"),
-    ]
-    .iter()
-    // The campaign's clients run closed loops to prove exactly-once under crashes, not the
-    // per-user limits: lifted.
-    .chain(api_server::limits::LIFTED)
-    .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
-    .collect();
-    env.extend(tls_env(&args, &grpc_addr));
-
-    let services = Arc::new(Services {
-        pg,
-        rabbit,
-        dir: services_dir,
-    });
+    let services = Arc::new(services);
     let _ = RUNNING_SERVICES.set(Arc::clone(&services));
-    // Fresh database: `api-server migrate` creates it.
-    let migrated = migrate(&bin_dir, &env).await;
+    let migrated = setup::migrate(&plan.bin_dir, &wiring.env).await;
     if migrated.is_err() {
         services.stop(args.keep).await;
     }
     migrated?;
-    let guard = DbGuard {
-        admin_url: admin_url.clone(),
-        name: db_name.clone(),
-        keep: args.keep,
-        prefix: prefix.clone(),
-    };
-    let result = run(
-        &args,
-        RunSetup {
-            run_id: run_id.clone(),
-            seed,
-            duration,
-            bin_dir,
-            out_dir: out_dir.clone(),
-            mail_dir,
-            log_dir,
-            database_url,
-            env,
-            stripe_base,
-            grpc_addr,
-            started,
-            db_name: db_name.clone(),
-            services: Arc::clone(&services),
-        },
-    )
-    .await;
+    let guard = DbGuard::new(&wiring, args.keep);
+    let result = run(&args, &plan, &wiring, Arc::clone(&services)).await;
     if services.pg.is_none() {
         guard.cleanup().await;
     }
     services.stop(args.keep).await;
     result
-}
-
-async fn migrate(bin_dir: &Path, env: &[(String, String)]) -> anyhow::Result<()> {
-    let migrate = Command::new(bin_dir.join("api-server"))
-        .arg("migrate")
-        .envs(env.iter().cloned())
-        .kill_on_drop(true)
-        .output()
-        .await
-        .context("running api-server migrate")?;
-    if !migrate.status.success() {
-        bail!(
-            "api-server migrate failed: {}",
-            String::from_utf8_lossy(&migrate.stderr)
-        );
-    }
-    Ok(())
 }
 
 /// Stops and starts `kind` at random moments until traffic stops; counts it as skipped when the
@@ -1135,63 +620,6 @@ async fn interrupted() {
 /// The private servers of this run, for the interrupt path.
 static RUNNING_SERVICES: std::sync::OnceLock<Arc<Services>> = std::sync::OnceLock::new();
 
-struct DbGuard {
-    admin_url: String,
-    name: String,
-    keep: bool,
-    prefix: String,
-}
-
-impl DbGuard {
-    async fn cleanup(&self) {
-        if self.keep {
-            println!("proof: kept database {} (--keep)", self.name);
-            return;
-        }
-        match schema::connect(&self.admin_url).await {
-            Ok(mut admin) => {
-                if let Err(e) = diesel::sql_query(format!(
-                    "DROP DATABASE IF EXISTS \"{}\" WITH (FORCE)",
-                    self.name
-                ))
-                .execute(&mut admin)
-                .await
-                {
-                    eprintln!("proof: cannot drop database {}: {e}", self.name);
-                }
-            }
-            Err(e) => eprintln!("proof: cannot connect to drop {}: {e}", self.name),
-        }
-        // Best effort: the run's quorum queues (exchanges are left; they hold nothing).
-        for queue in ["receipts", "dead-letter"] {
-            let _ = Command::new("rabbitmqctl")
-                .args(["delete_queue", &format!("{}.{queue}", self.prefix)])
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .kill_on_drop(true)
-                .status()
-                .await;
-        }
-    }
-}
-
-struct RunSetup {
-    run_id: String,
-    seed: u64,
-    duration: Duration,
-    bin_dir: PathBuf,
-    out_dir: PathBuf,
-    mail_dir: PathBuf,
-    log_dir: PathBuf,
-    database_url: String,
-    env: Vec<(String, String)>,
-    stripe_base: String,
-    grpc_addr: String,
-    started: Instant,
-    db_name: String,
-    services: Arc<Services>,
-}
-
 async fn run_once(
     bin: &Path,
     what: &str,
@@ -1231,98 +659,20 @@ fn accumulate(totals: &Counters, prefix: &str, summary: &Value) {
 }
 
 #[allow(clippy::too_many_lines)]
-async fn run(args: &Args, s: RunSetup) -> anyhow::Result<bool> {
-    let workers_bin = s.bin_dir.join("workers");
-    let make = |name: &'static str, bin: PathBuf, a: Vec<String>, port: Option<u16>| Proc {
-        name,
-        bin,
-        args: a,
-        env: s.env.clone(),
-        log: s.log_dir.join(format!("{name}.log")),
-        port,
-        child: None,
-        starts: 0,
-        arming: None,
-    };
-    let arming = Arc::new(Arming {
-        next: AtomicU64::new(0),
-        armed: AtomicBool::new(!args.no_crash_points),
-        rng: std::sync::Mutex::new(StdRng::seed_from_u64(s.seed.wrapping_add(4))),
-        log: s.out_dir.join("crash-points.log"),
-        after: if args.long { (10, 80) } else { (3, 25) },
-    });
-    let mut stripe = make(
-        "fake-stripe",
-        s.bin_dir.join("fake-stripe"),
-        vec!["--listen".into(), format!("127.0.0.1:{}", args.stripe_port)],
-        Some(args.stripe_port),
-    );
-    stripe.start().await?;
-    let mut sink = make(
-        "mail-sink",
-        workers_bin.clone(),
-        vec![
-            "mail-sink".into(),
-            "--listen".into(),
-            format!("127.0.0.1:{}", args.smtp_port),
-            "--dir".into(),
-            s.mail_dir.display().to_string(),
-            "--http-listen".into(),
-            format!("127.0.0.1:{}", args.mail_search_port),
-        ],
-        Some(args.smtp_port),
-    );
-    sink.start().await?;
-    let mut api_a = make(
-        "api-server",
-        s.bin_dir.join("api-server"),
-        vec!["serve".into()],
-        Some(args.grpc_port),
-    );
-    api_a.arming = Some(Arc::clone(&arming));
-    // The second api-server has a pool of one connection for everything its share of the
-    // clients sends: pool exhaustion, answered with UNAVAILABLE and retried.
-    let mut api_b = make(
-        "api-server-b",
-        s.bin_dir.join("api-server"),
-        vec!["serve".into()],
-        Some(args.grpc_port_b),
-    );
-    api_b.arming = Some(Arc::clone(&arming));
-    api_b.env.extend(
-        [
-            (
-                "GRPC_LISTEN_ADDR",
-                format!("127.0.0.1:{}", args.grpc_port_b),
-            ),
-            ("DATABASE_POOL_SIZE", "1".to_owned()),
-            ("DATABASE_POOL_TIMEOUT_MS", "100".to_owned()),
-        ]
-        .map(|(k, v)| (k.to_owned(), v)),
-    );
-    let api = Arc::new(Mutex::new(api_a));
-    let api_b = Arc::new(Mutex::new(api_b));
-    api.lock().await.start().await?;
-    api_b.lock().await.start().await?;
-    let apis = [Arc::clone(&api), Arc::clone(&api_b)];
-    let enqueuer = Arc::new(Mutex::new(make(
-        "enqueuer",
-        workers_bin.clone(),
-        vec!["enqueuer".into()],
-        None,
-    )));
-    enqueuer.lock().await.start().await?;
-    let receipts = Arc::new(Mutex::new(make(
-        "receipts",
-        workers_bin.clone(),
-        vec!["receipts".into()],
-        None,
-    )));
-    receipts.lock().await.start().await?;
+async fn run(
+    args: &Args,
+    plan: &Plan,
+    wiring: &Wiring,
+    services: Arc<Services>,
+) -> anyhow::Result<bool> {
+    let mut children = Children::start(args, plan, wiring).await?;
+    let workers_bin = plan.bin_dir.join("workers");
+    let apis = children.apis();
+    let arming = Arc::clone(&children.arming);
 
     // Users: the first `declined_clients` clients decline.
     let pool = schema::build_pool(
-        &s.database_url,
+        &wiring.database_url,
         4,
         Duration::from_secs(30),
         schema::PlanCache::Auto,
@@ -1337,8 +687,8 @@ async fn run(args: &Args, s: RunSetup) -> anyhow::Result<bool> {
         };
         let (user, token) = api_server::auth::create_user(
             &pool,
-            &format!("proof-{}-{i}@proof.rocketrides.test", s.run_id),
-            &format!("cus_proof_{}_{i}", s.run_id),
+            &format!("proof-{}-{i}@proof.rocketrides.test", plan.run_id),
+            &format!("cus_proof_{}_{i}", plan.run_id),
             card,
         )
         .await
@@ -1363,7 +713,7 @@ async fn run(args: &Args, s: RunSetup) -> anyhow::Result<bool> {
         .build()?;
 
     let traffic_start = Instant::now();
-    let traffic_end = traffic_start + s.duration;
+    let traffic_end = traffic_start + plan.duration;
     let hard_end = traffic_end + Duration::from_secs(60);
 
     // Clients.
@@ -1381,7 +731,7 @@ async fn run(args: &Args, s: RunSetup) -> anyhow::Result<bool> {
             user: user.clone(),
             rpcs,
             faults: Arc::clone(&faults),
-            run_id: s.run_id.clone(),
+            run_id: plan.run_id.clone(),
             traffic_end,
             hard_end,
             args: args.clone(),
@@ -1391,32 +741,16 @@ async fn run(args: &Args, s: RunSetup) -> anyhow::Result<bool> {
         };
         clients.push(tokio::spawn(run_client(
             ctx,
-            s.seed.wrapping_add(1000 + i as u64),
+            plan.seed.wrapping_add(1000 + i as u64),
         )));
     }
 
-    // Supervisor: restarts whatever died by itself (crash points) until the very end.
-    let stop_supervisor = Arc::new(AtomicBool::new(false));
-    let supervisor = {
-        let procs = vec![
-            Arc::clone(&api),
-            Arc::clone(&api_b),
-            Arc::clone(&enqueuer),
-            Arc::clone(&receipts),
-        ];
-        let (faults, stop) = (Arc::clone(&faults), Arc::clone(&stop_supervisor));
-        tokio::spawn(async move {
-            while !AtomicBool::load(&stop, Ordering::Relaxed) {
-                supervise(&procs, &faults).await;
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-        })
-    };
+    let supervisor = Supervisor::start(&children, &faults);
     // Fault: api-server SIGKILL + restart, at random moments.
     let api_killer = {
         let (apis, faults, stop) = (apis.clone(), Arc::clone(&faults), Arc::clone(&stop_faults));
         let mean = args.api_kill_every_secs;
-        let mut rng = StdRng::seed_from_u64(s.seed.wrapping_add(1));
+        let mut rng = StdRng::seed_from_u64(plan.seed.wrapping_add(1));
         tokio::spawn(async move {
             while sleep_unless_stopped(&stop, exp_delay(&mut rng, mean)).await {
                 let pause = Duration::from_millis(rng.random_range(0..800));
@@ -1432,9 +766,9 @@ async fn run(args: &Args, s: RunSetup) -> anyhow::Result<bool> {
     // when it resumes, their fencing tokens are gone.
     let staller = {
         let (apis, faults, stop) = (apis.clone(), Arc::clone(&faults), Arc::clone(&stop_faults));
-        let (mean, traffic, mut first) = (args.stall_every_secs, s.duration, true);
+        let (mean, traffic, mut first) = (args.stall_every_secs, plan.duration, true);
         let lock_timeout: f64 = LOCK_TIMEOUT_SECS.parse().unwrap_or(6.0);
-        let mut rng = StdRng::seed_from_u64(s.seed.wrapping_add(5));
+        let mut rng = StdRng::seed_from_u64(plan.seed.wrapping_add(5));
         tokio::spawn(async move {
             while sleep_unless_stopped(&stop, rare_fault_delay(&mut rng, &mut first, traffic, mean))
                 .await
@@ -1457,13 +791,19 @@ async fn run(args: &Args, s: RunSetup) -> anyhow::Result<bool> {
     // drains and consumption.
     let restarter = |kind: ServerKind, mean: f64, salt: u64| {
         let (services, faults, stop) = (
-            Arc::clone(&s.services),
+            Arc::clone(&services),
             Arc::clone(&faults),
             Arc::clone(&stop_faults),
         );
-        let rng = StdRng::seed_from_u64(s.seed.wrapping_add(salt));
+        let rng = StdRng::seed_from_u64(plan.seed.wrapping_add(salt));
         tokio::spawn(restart_at_random(
-            services, kind, faults, stop, rng, s.duration, mean,
+            services,
+            kind,
+            faults,
+            stop,
+            rng,
+            plan.duration,
+            mean,
         ))
     };
     let pg_restarter = restarter(ServerKind::Postgres, args.pg_restart_every_secs, 6);
@@ -1471,13 +811,13 @@ async fn run(args: &Args, s: RunSetup) -> anyhow::Result<bool> {
     // Fault: enqueuer / receipt worker SIGKILL + restart.
     let worker_killer = {
         let (enq, rec, faults, stop) = (
-            Arc::clone(&enqueuer),
-            Arc::clone(&receipts),
+            Arc::clone(&children.enqueuer),
+            Arc::clone(&children.receipts),
             Arc::clone(&faults),
             Arc::clone(&stop_faults),
         );
         let mean = args.worker_kill_every_secs;
-        let mut rng = StdRng::seed_from_u64(s.seed.wrapping_add(2));
+        let mut rng = StdRng::seed_from_u64(plan.seed.wrapping_add(2));
         tokio::spawn(async move {
             while sleep_unless_stopped(&stop, exp_delay(&mut rng, mean)).await {
                 let pause = Duration::from_millis(rng.random_range(0..1000));
@@ -1493,9 +833,9 @@ async fn run(args: &Args, s: RunSetup) -> anyhow::Result<bool> {
     // Fault: provider faults through fake-stripe's HTTP API.
     let stripe_faulter = {
         let (faults, stop, http) = (Arc::clone(&faults), Arc::clone(&stop_faults), http.clone());
-        let base = s.stripe_base.clone();
+        let base = wiring.stripe_base.clone();
         let mean = args.stripe_fault_every_secs;
-        let mut rng = StdRng::seed_from_u64(s.seed.wrapping_add(3));
+        let mut rng = StdRng::seed_from_u64(plan.seed.wrapping_add(3));
         tokio::spawn(async move {
             while sleep_unless_stopped(&stop, exp_delay(&mut rng, mean)).await {
                 // `slow`: the charge completes 8 s later, past the api-server's Stripe timeout and its
@@ -1524,10 +864,10 @@ async fn run(args: &Args, s: RunSetup) -> anyhow::Result<bool> {
         let (maint, stop, env) = (
             Arc::clone(&maintenance),
             Arc::clone(&stop_maintenance),
-            s.env.clone(),
+            wiring.env.clone(),
         );
-        let (bin, log) = (workers_bin.clone(), s.log_dir.join("completer.log"));
-        let rlog = s.log_dir.join("reaper.log");
+        let (bin, log) = (workers_bin.clone(), plan.log_dir.join("completer.log"));
+        let rlog = plan.log_dir.join("reaper.log");
         tokio::spawn(async move {
             while sleep_unless_stopped(&stop, Duration::from_secs(2)).await {
                 match run_once(&bin, "completer", &env, &log).await {
@@ -1578,27 +918,14 @@ async fn run(args: &Args, s: RunSetup) -> anyhow::Result<bool> {
     }
     let _ = progress.await;
     let _ = http
-        .delete(format!("{}/_faults", s.stripe_base))
+        .delete(format!("{}/_faults", wiring.stripe_base))
         .send()
         .await;
     println!(
         "proof: traffic stopped after {}s; faults off; waiting for clients",
         traffic_start.elapsed().as_secs()
     );
-    // Disarm: restart both api-servers without crash points for the drain and the replays.
-    arming.armed.store(false, Ordering::SeqCst);
-    for proc in &apis {
-        let mut p = proc.lock().await;
-        if let Some(pid) = p.pid() {
-            // A stalled server must not stay stopped (SIGCONT is harmless otherwise).
-            signal(pid, "-CONT").await;
-        }
-        if p.exited().is_some() {
-            faults.add(format!("self_exit/{}", p.name), 1);
-        }
-        p.kill().await;
-        p.start().await?;
-    }
+    children.disarm(&faults).await?;
     let mut records: Vec<KeyRecord> = Vec::new();
     for client in clients {
         records.extend(client.await?);
@@ -1608,7 +935,7 @@ async fn run(args: &Args, s: RunSetup) -> anyhow::Result<bool> {
     let clients_done = Instant::now();
 
     // Drain 1: the completer until no key is unfinished (bounded).
-    let mut conn = schema::connect(&s.database_url).await?;
+    let mut conn = schema::connect(&wiring.database_url).await?;
     let completer_deadline = Instant::now() + Duration::from_secs(if args.long { 120 } else { 45 });
     let mut unfinished = -1;
     while Instant::now() < completer_deadline {
@@ -1624,8 +951,8 @@ async fn run(args: &Args, s: RunSetup) -> anyhow::Result<bool> {
         match run_once(
             &workers_bin,
             "completer",
-            &s.env,
-            &s.log_dir.join("completer.log"),
+            &wiring.env,
+            &plan.log_dir.join("completer.log"),
         )
         .await
         {
@@ -1655,7 +982,7 @@ async fn run(args: &Args, s: RunSetup) -> anyhow::Result<bool> {
         )
         .await?;
         sent = count(&mut conn, "SELECT count(*) AS n FROM sent_receipts").await?;
-        let mails: usize = read_mail(&s.mail_dir)?.0.values().map(Vec::len).sum();
+        let mails: usize = read_mail(&plan.mail_dir)?.0.values().map(Vec::len).sum();
         if staged == 0 && sent >= charged && mails as i64 >= sent {
             break;
         }
@@ -1685,7 +1012,7 @@ async fn run(args: &Args, s: RunSetup) -> anyhow::Result<bool> {
         .map(|k| ((k.user_id, k.idempotency_key.clone()), k))
         .collect();
     let token_of: HashMap<i64, &User> = users.iter().map(|u| (u.id, u)).collect();
-    let replay_channel = grpc_endpoint(args, &s.grpc_addr)?.connect().await?;
+    let replay_channel = grpc_endpoint(args, &wiring.grpc_addr)?.connect().await?;
     let rpc = RideServiceClient::new(replay_channel);
     let mut replay_stats: BTreeMap<&'static str, u64> = BTreeMap::new();
     let mut replay_seen: HashMap<String, Seen> = HashMap::new();
@@ -1830,19 +1157,13 @@ async fn run(args: &Args, s: RunSetup) -> anyhow::Result<bool> {
         .iter()
         .map(|a| (a.user_id, a.idempotency_key.clone()))
         .collect();
-    let ledger = fetch_ledger(&http, &s.stripe_base).await?;
-    let (mail, unparsed_mail) = read_mail(&s.mail_dir)?;
+    let ledger = fetch_ledger(&http, &wiring.stripe_base).await?;
+    let (mail, unparsed_mail) = read_mail(&plan.mail_dir)?;
     drop(conn);
 
     // Stop every child before judging (the database and ledger are read).
-    stop_supervisor.store(true, Ordering::Relaxed);
-    let _ = supervisor.await;
-    api.lock().await.kill().await;
-    api_b.lock().await.kill().await;
-    enqueuer.lock().await.kill().await;
-    receipts.lock().await.kill().await;
-    sink.kill().await;
-    stripe.kill().await;
+    supervisor.stop().await;
+    children.kill_all().await;
 
     // Indexes.
     let rides_by_key: HashMap<i64, Vec<&RideRow>> =
@@ -2172,10 +1493,10 @@ async fn run(args: &Args, s: RunSetup) -> anyhow::Result<bool> {
                 + "\n"
         })
         .collect();
-    std::fs::write(s.out_dir.join("keys.jsonl"), keys_jsonl)?;
+    std::fs::write(plan.out_dir.join("keys.jsonl"), keys_jsonl)?;
 
     // Report.
-    let total = s.started.elapsed();
+    let total = plan.started.elapsed();
     let invariants = [
         (
             "ok_key_finished",
@@ -2260,11 +1581,11 @@ async fn run(args: &Args, s: RunSetup) -> anyhow::Result<bool> {
             m
         });
     let report = json!({
-        "run_id": s.run_id,
-        "seed": s.seed,
+        "run_id": plan.run_id,
+        "seed": plan.seed,
         "mode": if args.long { "long" } else { "short" },
-        "database": s.db_name,
-        "traffic_secs": s.duration.as_secs(),
+        "database": wiring.db_name,
+        "traffic_secs": plan.duration.as_secs(),
         "total_secs": (total.as_secs_f64() * 10.0).round() / 10.0,
         "clients": args.clients,
         "declining_clients": args.declined_clients,
@@ -2305,14 +1626,14 @@ async fn run(args: &Args, s: RunSetup) -> anyhow::Result<bool> {
     };
     text.push_str(&format!(
         "Rocket Rides proof campaign {} (seed {}, {} mode)\n",
-        s.run_id,
-        s.seed,
+        plan.run_id,
+        plan.seed,
         if args.long { "long" } else { "short" }
     ));
     line(
         &mut text,
         "traffic / total duration",
-        format!("{}s / {:.1}s", s.duration.as_secs(), total.as_secs_f64()),
+        format!("{}s / {:.1}s", plan.duration.as_secs(), total.as_secs_f64()),
     );
     line(
         &mut text,
@@ -2379,13 +1700,13 @@ async fn run(args: &Args, s: RunSetup) -> anyhow::Result<bool> {
     ));
     println!("\n{text}");
     std::fs::write(
-        s.out_dir.join("report.json"),
+        plan.out_dir.join("report.json"),
         serde_json::to_string_pretty(&report)?,
     )?;
-    std::fs::write(s.out_dir.join("report.txt"), &text)?;
+    std::fs::write(plan.out_dir.join("report.txt"), &text)?;
     if !v.list.is_empty() {
-        std::fs::write(s.out_dir.join("violations.txt"), v.list.join("\n"))?;
+        std::fs::write(plan.out_dir.join("violations.txt"), v.list.join("\n"))?;
     }
-    println!("proof: report in {}", s.out_dir.display());
+    println!("proof: report in {}", plan.out_dir.display());
     Ok(passed)
 }

@@ -229,7 +229,7 @@ impl Rabbit {
             .stderr(Stdio::from(log))
             .spawn()
             .context("starting rabbitmq-server")?;
-        crate::wait_for_port(self.port, Duration::from_secs(90)).await
+        crate::processes::wait_for_port(self.port, Duration::from_secs(90)).await
     }
 
     /// A clean stop of the whole node (`rabbitmqctl stop`): every connection is closed.

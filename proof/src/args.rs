@@ -1,0 +1,112 @@
+//! The campaign's command line. Every fault rate, port and size is a flag so that a failing run
+//! can be repeated exactly (`--seed`) or bent towards the fault that broke it.
+
+use std::path::PathBuf;
+
+use clap::Parser;
+
+#[derive(Parser, Debug, Clone)]
+#[command(
+    name = "proof",
+    about = "Crash-and-fault campaign proving exactly-once charging and receipting"
+)]
+pub(crate) struct Args {
+    /// Short campaign (default): 60 s of traffic and faults, the whole run under 3 minutes.
+    #[arg(long, conflicts_with = "long")]
+    pub(crate) short: bool,
+    /// Long campaign: 600 s of traffic and faults (override with --duration-secs).
+    #[arg(long)]
+    pub(crate) long: bool,
+    /// Seconds of traffic and faults (overrides the --short/--long default).
+    #[arg(long)]
+    pub(crate) duration_secs: Option<u64>,
+    /// Concurrent clients, one user each.
+    #[arg(long, default_value_t = 16)]
+    pub(crate) clients: u32,
+    /// Every gRPC hop over mutual TLS, with the certificates in this directory (`ca.pem`,
+    /// `server.pem`/`.key` for the api-servers, `client.pem`/`.key` for the campaign's clients
+    /// and the completer), as `deploy/local/lib.sh`'s `make_tls_certificates` writes them.
+    #[arg(long)]
+    pub(crate) tls_dir: Option<PathBuf>,
+    /// How many of the clients' users have the declining card `pm_card_chargeDeclined`.
+    #[arg(long, default_value_t = 2)]
+    pub(crate) declined_clients: u32,
+    /// Fraction of keys whose client drops the call mid-request and never comes back.
+    #[arg(long, default_value_t = 0.06)]
+    pub(crate) drop_ratio: f64,
+    /// Fraction of keys whose client makes one attempt and never retries a non-final answer.
+    #[arg(long, default_value_t = 0.06)]
+    pub(crate) no_retry_ratio: f64,
+    /// Attempts per key for retrying clients.
+    #[arg(long, default_value_t = 40)]
+    pub(crate) max_tries: u32,
+    /// Seed of every random choice (clients and fault schedule); random when unset.
+    #[arg(long)]
+    pub(crate) seed: Option<u64>,
+    /// Mean seconds between api-server SIGKILLs.
+    #[arg(long, default_value_t = 4.0)]
+    pub(crate) api_kill_every_secs: f64,
+    /// Mean seconds between worker (enqueuer / receipts) SIGKILLs.
+    #[arg(long, default_value_t = 7.0)]
+    pub(crate) worker_kill_every_secs: f64,
+    /// Mean seconds between provider fault injections.
+    #[arg(long, default_value_t = 2.0)]
+    pub(crate) stripe_fault_every_secs: f64,
+    /// Directory of the api-server, workers and fake-stripe binaries (default: next to proof).
+    #[arg(long)]
+    pub(crate) bin_dir: Option<PathBuf>,
+    /// Where logs, mail and the report go (default: target/proof/<run id>).
+    #[arg(long)]
+    pub(crate) out_dir: Option<PathBuf>,
+    /// PostgreSQL server and maintenance database; the run's database is created next to it.
+    #[arg(
+        long,
+        env = "TEST_DATABASE_URL",
+        default_value = "postgres://postgres@127.0.0.1:5432/postgres"
+    )]
+    pub(crate) admin_url: String,
+    #[arg(long, default_value = "amqp://guest:guest@127.0.0.1:5672/%2f")]
+    pub(crate) amqp_url: String,
+    /// Every fixed port is below Linux's ephemeral range (32768–60999): processes restarted
+    /// during the run must find their port free, and any outgoing connection may hold a port in
+    /// that range (the second api-server once failed to bind 50252 so).
+    #[arg(long, default_value_t = 25251)]
+    pub(crate) grpc_port: u16,
+    #[arg(long, default_value_t = 12311)]
+    pub(crate) stripe_port: u16,
+    #[arg(long, default_value_t = 2625)]
+    pub(crate) smtp_port: u16,
+    /// The mail sink's message search (MAIL_SEARCH_URL for the receipt worker).
+    #[arg(long, default_value_t = 8626)]
+    pub(crate) mail_search_port: u16,
+    /// The second api-server (pool of 1 connection, 100 ms pool timeout).
+    #[arg(long, default_value_t = 25252)]
+    pub(crate) grpc_port_b: u16,
+    /// Run against the shared PostgreSQL and RabbitMQ (--admin-url, --amqp-url) instead of
+    /// private ones; their restarts are then skipped.
+    #[arg(long)]
+    pub(crate) shared_services: bool,
+    /// Port of the private PostgreSQL cluster.
+    #[arg(long, default_value_t = 25433)]
+    pub(crate) pg_port: u16,
+    /// Port of the private RabbitMQ node (its distribution port is this + 20000).
+    #[arg(long, default_value_t = 5683)]
+    pub(crate) amqp_port: u16,
+    /// Mean seconds between PostgreSQL fast-shutdown restarts.
+    #[arg(long, default_value_t = 20.0)]
+    pub(crate) pg_restart_every_secs: f64,
+    /// Mean seconds between RabbitMQ restarts.
+    #[arg(long, default_value_t = 25.0)]
+    pub(crate) rabbit_restart_every_secs: f64,
+    /// Mean seconds between stalls of an api-server (SIGSTOP for longer than the lock timeout,
+    /// then SIGCONT): the other api-server takes the stalled attempts' keys over.
+    #[arg(long, default_value_t = 15.0)]
+    pub(crate) stall_every_secs: f64,
+    /// Do not arm the api-server's crash points (needed when its binary lacks the
+    /// `fault-injection` feature; proof/run.sh builds it with the feature).
+    #[arg(long)]
+    pub(crate) no_crash_points: bool,
+    /// Keep the database (and the RabbitMQ queues) after the run.
+    #[arg(long)]
+    pub(crate) keep: bool,
+}

@@ -1,0 +1,21 @@
+//! The tallies the campaign keeps while it runs, shared by the clients, the fault tasks and the
+//! maintenance passes, and read once at the end by the report. A tally is a count by label, so
+//! that a new kind of fault or answer needs no new field.
+
+use std::collections::BTreeMap;
+
+#[derive(Default)]
+pub(crate) struct Counters {
+    map: std::sync::Mutex<BTreeMap<String, u64>>,
+}
+
+impl Counters {
+    pub(crate) fn add(&self, label: impl Into<String>, n: u64) {
+        if let Ok(mut map) = self.map.lock() {
+            *map.entry(label.into()).or_default() += n;
+        }
+    }
+    pub(crate) fn snapshot(&self) -> BTreeMap<String, u64> {
+        self.map.lock().map(|m| m.clone()).unwrap_or_default()
+    }
+}
