@@ -12,497 +12,40 @@
 //! non-zero. See docs/reliability.md.
 
 mod args;
+mod clients;
 mod counters;
+mod evidence;
+mod faults;
+mod invariants;
+mod maintenance;
 mod processes;
+mod replays;
 mod services;
 mod setup;
 
-use args::Args;
-use counters::Counters;
-use processes::{Children, Supervisor, kill_and_restart, signal};
-use services::{ServerKind, Services};
-use setup::{DbGuard, LOCK_TIMEOUT_SECS, Plan, STRIPE_KEY, Wiring};
-
 use std::{
-    collections::{BTreeMap, HashMap, HashSet},
-    fs::OpenOptions,
-    path::Path,
-    process::Stdio,
+    collections::{BTreeMap, HashMap},
     sync::{
         Arc,
-        atomic::{AtomicBool, AtomicU64, Ordering},
+        atomic::{AtomicU64, Ordering},
     },
     time::{Duration, Instant},
 };
 
-use anyhow::{Context, bail};
 use clap::Parser;
-use diesel::{
-    QueryableByName,
-    sql_types::{BigInt, Bool, Nullable, Text},
-};
-use diesel_async::{AsyncPgConnection, RunQueryDsl};
-use prost::Message;
-use proto::v1::{CreateRideRequest, CreateRideResponse, ride_service_client::RideServiceClient};
-use rand::{Rng, SeedableRng, rngs::StdRng};
-use serde_json::{Value, json};
-use tokio::{process::Command, task::JoinHandle};
-use tonic::{Code, Status, metadata::MetadataValue, transport::Channel};
-use tonic_types::StatusExt;
+use serde_json::json;
 
-// ---------------------------------------------------------------------------------------------
-// Clients
-// ---------------------------------------------------------------------------------------------
-
-#[derive(Clone)]
-struct User {
-    id: i64,
-    token: String,
-    declining: bool,
-}
-
-#[derive(Clone, Debug)]
-enum Seen {
-    /// OK: the ride id, charge id, the encoded response and the expires-at header.
-    Ok {
-        ride_id: i64,
-        charge_id: String,
-        bytes: Vec<u8>,
-        expires_at: Option<String>,
-    },
-    /// FAILED_PRECONDITION / CARD_DECLINED: code, message and encoded details.
-    Declined { message: String, details: Vec<u8> },
-    /// The client dropped the call mid-request, or stopped after a non-final answer.
-    Abandoned(String),
-    /// The client ran out of tries (or hit its deadline) without a final answer.
-    GaveUp(String),
-    /// An answer that must never happen (e.g. IDEMPOTENCY_KEY_REUSED for the same parameters).
-    Unexpected(String),
-}
-
-impl Seen {
-    fn detail(&self) -> String {
-        match self {
-            Seen::Ok {
-                ride_id, charge_id, ..
-            } => format!("ride {ride_id} {charge_id}"),
-            Seen::Declined { message, .. } => message.clone(),
-            Seen::Abandoned(s) | Seen::GaveUp(s) | Seen::Unexpected(s) => s.clone(),
-        }
-    }
-
-    fn kind(&self) -> &'static str {
-        match self {
-            Seen::Ok { .. } => "ok",
-            Seen::Declined { .. } => "declined",
-            Seen::Abandoned(_) => "abandoned",
-            Seen::GaveUp(_) => "gave_up",
-            Seen::Unexpected(_) => "unexpected",
-        }
-    }
-}
-
-#[derive(Clone, Debug)]
-struct KeyRecord {
-    key: String,
-    user_id: i64,
-    client: u32,
-    params: CreateRideRequest,
-    attempts: u32,
-    seen: Seen,
-}
-
-fn reason_of(status: &Status) -> String {
-    status
-        .get_error_details()
-        .error_info()
-        .map_or_else(|| "-".to_owned(), |info| info.reason.clone())
-}
-
-fn label_of(status: &Status) -> String {
-    format!("{:?}/{}", status.code(), reason_of(status))
-}
-
-fn retryable(code: Code) -> bool {
-    matches!(
-        code,
-        Code::Aborted
-            | Code::Unavailable
-            | Code::Internal
-            | Code::Unknown
-            | Code::Cancelled
-            | Code::DeadlineExceeded
-    )
-}
-
-enum Answer {
-    Final(Seen),
-    Retry(String),
-}
-
-fn classify(result: Result<tonic::Response<CreateRideResponse>, Status>) -> Answer {
-    match result {
-        Ok(response) => {
-            let expires_at = response
-                .metadata()
-                .get("idempotency-key-expires-at")
-                .and_then(|v| v.to_str().ok())
-                .map(str::to_owned);
-            let body = response.into_inner();
-            let (ride_id, charge_id) = body
-                .ride
-                .as_ref()
-                .map(|r| (r.id, r.charge_id.clone()))
-                .unwrap_or_default();
-            Answer::Final(Seen::Ok {
-                ride_id,
-                charge_id,
-                bytes: body.encode_to_vec(),
-                expires_at,
-            })
-        }
-        Err(status) => {
-            let reason = reason_of(&status);
-            if status.code() == Code::FailedPrecondition && reason == "CARD_DECLINED" {
-                Answer::Final(Seen::Declined {
-                    message: status.message().to_owned(),
-                    details: status.details().to_vec(),
-                })
-            } else if retryable(status.code()) {
-                Answer::Retry(label_of(&status))
-            } else {
-                Answer::Final(Seen::Unexpected(label_of(&status)))
-            }
-        }
-    }
-}
-
-async fn call(
-    rpc: &RideServiceClient<Channel>,
-    user: &User,
-    key: &str,
-    params: CreateRideRequest,
-    client_timeout: Duration,
-) -> Result<Result<tonic::Response<CreateRideResponse>, Status>, ()> {
-    let mut request = tonic::Request::new(params);
-    let (Ok(auth), Ok(key_value)) = (
-        MetadataValue::try_from(format!("Bearer {}", user.token)),
-        MetadataValue::try_from(key),
-    ) else {
-        return Ok(Err(Status::invalid_argument("client: bad metadata")));
-    };
-    request.metadata_mut().insert("authorization", auth);
-    request.metadata_mut().insert("idempotency-key", key_value);
-    let mut rpc = rpc.clone();
-    // A client-side timeout drops the call (RST_STREAM): the server's attempt runs on detached.
-    tokio::time::timeout(client_timeout, rpc.create_ride(request))
-        .await
-        .map_err(|_| ())
-}
-
-struct ClientCtx {
-    id: u32,
-    user: User,
-    /// One per api-server; each attempt picks one at random, as a load balancer would.
-    rpcs: Vec<RideServiceClient<Channel>>,
-    faults: Arc<Counters>,
-    run_id: String,
-    traffic_end: Instant,
-    hard_end: Instant,
-    args: Args,
-    attempts: Arc<Counters>,
-    requests: Arc<AtomicU64>,
-    retries: Arc<AtomicU64>,
-}
-
-async fn run_client(ctx: ClientCtx, seed: u64) -> Vec<KeyRecord> {
-    let mut rng = StdRng::seed_from_u64(seed);
-    let mut records = Vec::new();
-    let mut n = 0_u32;
-    while Instant::now() < ctx.traffic_end {
-        n += 1;
-        let key = format!("proof-{}-c{:02}-{n:07}", ctx.run_id, ctx.id);
-        let params = CreateRideRequest {
-            origin_lat: Some(rng.random_range(-80.0..80.0)),
-            origin_lon: Some(rng.random_range(-170.0..170.0)),
-            target_lat: Some(rng.random_range(-80.0..80.0)),
-            target_lon: Some(rng.random_range(-170.0..170.0)),
-        };
-        let mode: f64 = rng.random();
-        let drop_mid = mode < ctx.args.drop_ratio;
-        let no_retry = !drop_mid && mode < ctx.args.drop_ratio + ctx.args.no_retry_ratio;
-        let mut attempts = 0;
-        let seen = loop {
-            attempts += 1;
-            ctx.requests.fetch_add(1, Ordering::Relaxed);
-            if attempts > 1 {
-                ctx.retries.fetch_add(1, Ordering::Relaxed);
-            }
-            let timeout = if drop_mid {
-                Duration::from_millis(rng.random_range(2..300))
-            } else {
-                Duration::from_secs(20)
-            };
-            let server = rng.random_range(0..ctx.rpcs.len());
-            let answer = match call(&ctx.rpcs[server], &ctx.user, &key, params, timeout).await {
-                Ok(Err(status)) if server == 1 && reason_of(&status) == "DATABASE_UNAVAILABLE" => {
-                    ctx.faults
-                        .add("pool_exhaustion/api-b answered DATABASE_UNAVAILABLE", 1);
-                    classify(Err(status))
-                }
-                Ok(result) => classify(result),
-                Err(()) if drop_mid => {
-                    ctx.attempts.add("CLIENT/DROPPED_MID_REQUEST", 1);
-                    break Seen::Abandoned(format!("dropped after {}ms", timeout.as_millis()));
-                }
-                Err(()) => Answer::Retry("CLIENT/TIMEOUT".to_owned()),
-            };
-            match answer {
-                Answer::Final(seen) => {
-                    ctx.attempts.add(
-                        match &seen {
-                            Seen::Ok { .. } => "OK".to_owned(),
-                            Seen::Declined { .. } => "FailedPrecondition/CARD_DECLINED".to_owned(),
-                            Seen::Unexpected(label) => label.clone(),
-                            _ => "?".to_owned(),
-                        },
-                        1,
-                    );
-                    break seen;
-                }
-                Answer::Retry(label) => {
-                    ctx.attempts.add(label.clone(), 1);
-                    if drop_mid || no_retry {
-                        break Seen::Abandoned(format!("no retry after {label}"));
-                    }
-                    if attempts >= ctx.args.max_tries || Instant::now() > ctx.hard_end {
-                        break Seen::GaveUp(format!("{attempts} tries, last {label}"));
-                    }
-                    let ceiling = Duration::from_millis(50)
-                        .saturating_mul(1 << attempts.min(6))
-                        .min(Duration::from_secs(2));
-                    let delay = Duration::from_millis(
-                        rng.random_range(0..=ceiling.as_millis() as u64).max(20),
-                    );
-                    tokio::time::sleep(delay).await;
-                }
-            }
-        };
-        records.push(KeyRecord {
-            key,
-            user_id: ctx.user.id,
-            client: ctx.id,
-            params,
-            attempts,
-            seen,
-        });
-        if ctx.user.declining {
-            // Declines are instant; keep the mix dominated by charges.
-            tokio::time::sleep(Duration::from_millis(rng.random_range(50..250))).await;
-        }
-    }
-    records
-}
-
-// ---------------------------------------------------------------------------------------------
-// Faults
-// ---------------------------------------------------------------------------------------------
-
-fn exp_delay(rng: &mut StdRng, mean_secs: f64) -> Duration {
-    let u: f64 = rng.random_range(0.0001..1.0);
-    Duration::from_secs_f64((-u.ln() * mean_secs).clamp(0.3, mean_secs * 4.0))
-}
-
-/// Rare faults (restarts, stalls) come first at a random point of the traffic window's middle,
-/// so even a short run has each at least once; then every `mean_secs` on average.
-fn rare_fault_delay(
-    rng: &mut StdRng,
-    first: &mut bool,
-    traffic: Duration,
-    mean_secs: f64,
-) -> Duration {
-    if std::mem::take(first) {
-        traffic.mul_f64(rng.random_range(0.15..0.5))
-    } else {
-        exp_delay(rng, mean_secs)
-    }
-}
-
-async fn sleep_unless_stopped(stop: &AtomicBool, d: Duration) -> bool {
-    let end = Instant::now() + d;
-    while Instant::now() < end {
-        if stop.load(Ordering::Relaxed) {
-            return false;
-        }
-        tokio::time::sleep(Duration::from_millis(50).min(end - Instant::now())).await;
-    }
-    !stop.load(Ordering::Relaxed)
-}
-
-// ---------------------------------------------------------------------------------------------
-// Database rows
-// ---------------------------------------------------------------------------------------------
-
-#[derive(QueryableByName, Debug)]
-struct KeyRow {
-    #[diesel(sql_type = BigInt)]
-    id: i64,
-    #[diesel(sql_type = Text)]
-    idempotency_key: String,
-    #[diesel(sql_type = BigInt)]
-    user_id: i64,
-    #[diesel(sql_type = Text)]
-    recovery_point: String,
-    #[diesel(sql_type = Bool)]
-    gave_up: bool,
-}
-
-#[derive(QueryableByName, Debug)]
-struct RideRow {
-    #[diesel(sql_type = BigInt)]
-    id: i64,
-    #[diesel(sql_type = Nullable<BigInt>)]
-    idempotency_key_id: Option<i64>,
-    #[diesel(sql_type = BigInt)]
-    user_id: i64,
-    #[diesel(sql_type = Nullable<Text>)]
-    stripe_charge_id: Option<String>,
-}
-
-#[derive(QueryableByName, Debug)]
-struct IdRow {
-    #[diesel(sql_type = BigInt)]
-    id: i64,
-}
-
-#[derive(QueryableByName, Debug)]
-struct TextRow {
-    #[diesel(sql_type = Text)]
-    t: String,
-}
-
-#[derive(QueryableByName, Debug)]
-struct AttentionRow {
-    #[diesel(sql_type = Text)]
-    idempotency_key: String,
-    #[diesel(sql_type = BigInt)]
-    user_id: i64,
-    #[diesel(sql_type = Text)]
-    reason: String,
-}
-
-#[derive(QueryableByName, Debug)]
-struct CountRow {
-    #[diesel(sql_type = BigInt)]
-    n: i64,
-}
-
-/// The proof drives api-servers it starts itself on loopback, in plaintext; the endpoint is still
-/// built where every client builds one.
-/// The endpoint of the api-server at `addr`: plaintext, or mutual TLS with `--tls-dir`.
-fn grpc_endpoint(args: &Args, addr: &str) -> anyhow::Result<tonic::transport::Endpoint> {
-    let (url, tls) = match &args.tls_dir {
-        None => (
-            format!("http://{addr}"),
-            proto::client::ClientTls::default(),
-        ),
-        Some(dir) => (
-            format!("https://{addr}"),
-            proto::client::ClientTls {
-                ca: Some(dir.join("ca.pem")),
-                cert: Some(dir.join("client.pem")),
-                key: Some(dir.join("client.key")),
-            },
-        ),
-    };
-    Ok(proto::client::endpoint(&url, &tls)?)
-}
-
-async fn count(conn: &mut AsyncPgConnection, sql: &str) -> anyhow::Result<i64> {
-    Ok(diesel::sql_query(sql)
-        .get_result::<CountRow>(conn)
-        .await
-        .with_context(|| sql.to_owned())?
-        .n)
-}
-
-// ---------------------------------------------------------------------------------------------
-// Ledger and mail
-// ---------------------------------------------------------------------------------------------
-
-struct Intent {
-    id: String,
-    status: String,
-    ride_id: Option<i64>,
-}
-
-async fn fetch_ledger(http: &reqwest::Client, base: &str) -> anyhow::Result<Vec<Intent>> {
-    let mut out = Vec::new();
-    let mut after: Option<String> = None;
-    for _page in 0..100_000 {
-        let mut url = format!("{base}/v1/payment_intents?limit=100");
-        if let Some(a) = &after {
-            url.push_str(&format!("&starting_after={a}"));
-        }
-        let body: Value = http
-            .get(&url)
-            .bearer_auth(STRIPE_KEY)
-            .send()
-            .await?
-            .error_for_status()?
-            .json()
-            .await?;
-        let data = body["data"].as_array().cloned().unwrap_or_default();
-        for pi in &data {
-            out.push(Intent {
-                id: pi["id"].as_str().unwrap_or_default().to_owned(),
-                status: pi["status"].as_str().unwrap_or_default().to_owned(),
-                ride_id: pi["metadata"]["ride_id"]
-                    .as_str()
-                    .and_then(|s| s.parse().ok()),
-            });
-        }
-        after = out.last().map(|pi| pi.id.clone());
-        if !body["has_more"].as_bool().unwrap_or(false) || data.is_empty() {
-            return Ok(out);
-        }
-    }
-    bail!("ledger pagination did not end")
-}
-
-/// ride id → the nanosecond stamps of the .eml files carrying `<ride-N.receipt@…>`.
-fn read_mail(dir: &Path) -> anyhow::Result<(BTreeMap<i64, Vec<i128>>, u64)> {
-    let mut by_ride: BTreeMap<i64, Vec<i128>> = BTreeMap::new();
-    let mut unparsed = 0;
-    for entry in std::fs::read_dir(dir)? {
-        let path = entry?.path();
-        if path.extension().and_then(|e| e.to_str()) != Some("eml") {
-            continue;
-        }
-        let stamp: i128 = path
-            .file_name()
-            .and_then(|n| n.to_str())
-            .and_then(|n| n.split('-').next())
-            .and_then(|s| s.parse().ok())
-            .unwrap_or_default();
-        let text = std::fs::read_to_string(&path).unwrap_or_default();
-        let ride = text
-            .lines()
-            .find(|l| l.to_ascii_lowercase().starts_with("message-id:"))
-            .and_then(|l| l.split("<ride-").nth(1))
-            .and_then(|rest| rest.split(".receipt@").next())
-            .and_then(|n| n.parse::<i64>().ok());
-        match ride {
-            Some(ride) => by_ride.entry(ride).or_default().push(stamp),
-            None => unparsed += 1,
-        }
-    }
-    Ok((by_ride, unparsed))
-}
-
-// ---------------------------------------------------------------------------------------------
-// Main
-// ---------------------------------------------------------------------------------------------
+use args::Args;
+use clients::{Seen, Traffic, User, Window};
+use counters::Tallies;
+use evidence::{Evidence, Intent, RideRow};
+use faults::{Faults, sleep_unless_stopped};
+use invariants::Violations;
+use maintenance::{Drain, Maintainer};
+use processes::{Children, Supervisor};
+use replays::Replays;
+use services::Services;
+use setup::{DbGuard, Plan, Wiring};
 
 #[tokio::main]
 async fn main() {
@@ -531,20 +74,23 @@ async fn main() {
     std::process::exit(code);
 }
 
-struct Violations {
-    list: Vec<String>,
-    by_invariant: BTreeMap<&'static str, u64>,
-}
-
-impl Violations {
-    fn add(&mut self, invariant: &'static str, what: String) {
-        *self.by_invariant.entry(invariant).or_default() += 1;
-        if self.list.len() < 500 {
-            eprintln!("VIOLATION [{invariant}] {what}");
+/// Ctrl-C or SIGTERM.
+async fn interrupted() {
+    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+        Ok(term) => term,
+        Err(_) => {
+            let _ = tokio::signal::ctrl_c().await;
+            return;
         }
-        self.list.push(format!("[{invariant}] {what}"));
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
     }
 }
+
+/// The private servers of this run, for the interrupt path.
+static RUNNING_SERVICES: std::sync::OnceLock<Arc<Services>> = std::sync::OnceLock::new();
 
 async fn campaign(args: Args) -> anyhow::Result<bool> {
     let plan = Plan::new(&args)?;
@@ -576,88 +122,6 @@ async fn campaign(args: Args) -> anyhow::Result<bool> {
     result
 }
 
-/// Stops and starts `kind` at random moments until traffic stops; counts it as skipped when the
-/// campaign runs on the shared server.
-async fn restart_at_random(
-    services: Arc<Services>,
-    kind: ServerKind,
-    faults: Arc<Counters>,
-    stop: Arc<AtomicBool>,
-    mut rng: StdRng,
-    traffic: Duration,
-    mean: f64,
-) -> anyhow::Result<()> {
-    if !services.runs(kind) {
-        let name = kind.label().split(' ').next().unwrap_or_default();
-        faults.add(format!("{name} SKIPPED (shared server)"), 1);
-        return Ok(());
-    }
-    let mut first = true;
-    while sleep_unless_stopped(&stop, rare_fault_delay(&mut rng, &mut first, traffic, mean)).await {
-        services.stop_server(kind).await?;
-        faults.add(kind.label(), 1);
-        tokio::time::sleep(Duration::from_millis(rng.random_range(kind.downtime_ms()))).await;
-        services.start_server(kind).await?;
-    }
-    Ok(())
-}
-
-/// Ctrl-C or SIGTERM.
-async fn interrupted() {
-    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-        Ok(term) => term,
-        Err(_) => {
-            let _ = tokio::signal::ctrl_c().await;
-            return;
-        }
-    };
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = term.recv() => {}
-    }
-}
-
-/// The private servers of this run, for the interrupt path.
-static RUNNING_SERVICES: std::sync::OnceLock<Arc<Services>> = std::sync::OnceLock::new();
-
-async fn run_once(
-    bin: &Path,
-    what: &str,
-    env: &[(String, String)],
-    log: &Path,
-) -> anyhow::Result<Value> {
-    let err = OpenOptions::new().create(true).append(true).open(log)?;
-    let child = Command::new(bin)
-        .args([what, "--once"])
-        .envs(env.iter().cloned())
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::from(err))
-        .kill_on_drop(true)
-        .spawn()?;
-    let output = tokio::time::timeout(Duration::from_secs(90), child.wait_with_output())
-        .await
-        .context("--once pass timed out")??;
-    if !output.status.success() {
-        bail!("workers {what} --once: {}", output.status);
-    }
-    let text = String::from_utf8_lossy(&output.stdout);
-    let line = text.lines().rev().find(|l| l.trim_start().starts_with('{'));
-    Ok(line
-        .and_then(|l| serde_json::from_str(l).ok())
-        .unwrap_or(Value::Null))
-}
-
-fn accumulate(totals: &Counters, prefix: &str, summary: &Value) {
-    if let Some(map) = summary.as_object() {
-        for (k, v) in map {
-            if let Some(n) = v.as_u64() {
-                totals.add(format!("{prefix}.{k}"), n);
-            }
-        }
-    }
-}
-
 #[allow(clippy::too_many_lines)]
 async fn run(
     args: &Args,
@@ -666,232 +130,32 @@ async fn run(
     services: Arc<Services>,
 ) -> anyhow::Result<bool> {
     let mut children = Children::start(args, plan, wiring).await?;
-    let workers_bin = plan.bin_dir.join("workers");
-    let apis = children.apis();
-    let arming = Arc::clone(&children.arming);
-
-    // Users: the first `declined_clients` clients decline.
-    let pool = schema::build_pool(
-        &wiring.database_url,
-        4,
-        Duration::from_secs(30),
-        schema::PlanCache::Auto,
-    );
-    let mut users = Vec::new();
-    for i in 0..args.clients {
-        let declining = i < args.declined_clients;
-        let card = if declining {
-            "pm_card_chargeDeclined"
-        } else {
-            "pm_card_visa"
-        };
-        let (user, token) = api_server::auth::create_user(
-            &pool,
-            &format!("proof-{}-{i}@proof.rocketrides.test", plan.run_id),
-            &format!("cus_proof_{}_{i}", plan.run_id),
-            card,
-        )
-        .await
-        .with_context(|| format!("creating user {i}"))?;
-        users.push(User {
-            id: user.id,
-            token,
-            declining,
-        });
-    }
-
-    let faults = Arc::new(Counters::default());
-    let attempts = Arc::new(Counters::default());
-    let maintenance = Arc::new(Counters::default());
-    let requests = Arc::new(AtomicU64::new(0));
-    let retries = Arc::new(AtomicU64::new(0));
-    let stop_faults = Arc::new(AtomicBool::new(false));
-    let stop_maintenance = Arc::new(AtomicBool::new(false));
+    let users = clients::create_users(args, plan, wiring).await?;
+    let tallies = Tallies::default();
     let http = reqwest::Client::builder()
         .timeout(Duration::from_secs(10))
         .no_proxy()
         .build()?;
 
-    let traffic_start = Instant::now();
-    let traffic_end = traffic_start + plan.duration;
-    let hard_end = traffic_end + Duration::from_secs(60);
-
-    // Clients.
-    let mut clients: Vec<JoinHandle<Vec<KeyRecord>>> = Vec::new();
-    for (i, user) in users.iter().enumerate() {
-        let mut rpcs = Vec::new();
-        for port in [args.grpc_port, args.grpc_port_b] {
-            let channel = grpc_endpoint(args, &format!("127.0.0.1:{port}"))?
-                .connect_timeout(Duration::from_secs(1))
-                .connect_lazy();
-            rpcs.push(RideServiceClient::new(channel));
-        }
-        let ctx = ClientCtx {
-            id: i as u32,
-            user: user.clone(),
-            rpcs,
-            faults: Arc::clone(&faults),
-            run_id: plan.run_id.clone(),
-            traffic_end,
-            hard_end,
-            args: args.clone(),
-            attempts: Arc::clone(&attempts),
-            requests: Arc::clone(&requests),
-            retries: Arc::clone(&retries),
-        };
-        clients.push(tokio::spawn(run_client(
-            ctx,
-            plan.seed.wrapping_add(1000 + i as u64),
-        )));
-    }
-
-    let supervisor = Supervisor::start(&children, &faults);
-    // Fault: api-server SIGKILL + restart, at random moments.
-    let api_killer = {
-        let (apis, faults, stop) = (apis.clone(), Arc::clone(&faults), Arc::clone(&stop_faults));
-        let mean = args.api_kill_every_secs;
-        let mut rng = StdRng::seed_from_u64(plan.seed.wrapping_add(1));
-        tokio::spawn(async move {
-            while sleep_unless_stopped(&stop, exp_delay(&mut rng, mean)).await {
-                let pause = Duration::from_millis(rng.random_range(0..800));
-                let which = &apis[rng.random_range(0..apis.len())];
-                kill_and_restart(which, pause, &faults, "sigkill/api-server (random moment)")
-                    .await?;
-            }
-            anyhow::Ok(())
-        })
-    };
-    // Fault: an api-server stalls (SIGSTOP) for longer than the lock timeout, then resumes. Its
-    // in-flight attempts' keys are taken over by retries on the other api-server meanwhile;
-    // when it resumes, their fencing tokens are gone.
-    let staller = {
-        let (apis, faults, stop) = (apis.clone(), Arc::clone(&faults), Arc::clone(&stop_faults));
-        let (mean, traffic, mut first) = (args.stall_every_secs, plan.duration, true);
-        let lock_timeout: f64 = LOCK_TIMEOUT_SECS.parse().unwrap_or(6.0);
-        let mut rng = StdRng::seed_from_u64(plan.seed.wrapping_add(5));
-        tokio::spawn(async move {
-            while sleep_unless_stopped(&stop, rare_fault_delay(&mut rng, &mut first, traffic, mean))
-                .await
-            {
-                let which = &apis[rng.random_range(0..apis.len())];
-                let Some(pid) = which.lock().await.pid() else {
-                    continue;
-                };
-                if signal(pid, "-STOP").await {
-                    faults.add("stall/api-server SIGSTOP past the lock timeout", 1);
-                    let stall = lock_timeout + rng.random_range(0.5..2.5);
-                    tokio::time::sleep(Duration::from_secs_f64(stall)).await;
-                    signal(pid, "-CONT").await;
-                }
-            }
-            anyhow::Ok(())
-        })
-    };
-    // Fault: PostgreSQL fast shutdown and restart under load; RabbitMQ stop and start during
-    // drains and consumption.
-    let restarter = |kind: ServerKind, mean: f64, salt: u64| {
-        let (services, faults, stop) = (
-            Arc::clone(&services),
-            Arc::clone(&faults),
-            Arc::clone(&stop_faults),
-        );
-        let rng = StdRng::seed_from_u64(plan.seed.wrapping_add(salt));
-        tokio::spawn(restart_at_random(
-            services,
-            kind,
-            faults,
-            stop,
-            rng,
-            plan.duration,
-            mean,
-        ))
-    };
-    let pg_restarter = restarter(ServerKind::Postgres, args.pg_restart_every_secs, 6);
-    let rabbit_restarter = restarter(ServerKind::Rabbit, args.rabbit_restart_every_secs, 7);
-    // Fault: enqueuer / receipt worker SIGKILL + restart.
-    let worker_killer = {
-        let (enq, rec, faults, stop) = (
-            Arc::clone(&children.enqueuer),
-            Arc::clone(&children.receipts),
-            Arc::clone(&faults),
-            Arc::clone(&stop_faults),
-        );
-        let mean = args.worker_kill_every_secs;
-        let mut rng = StdRng::seed_from_u64(plan.seed.wrapping_add(2));
-        tokio::spawn(async move {
-            while sleep_unless_stopped(&stop, exp_delay(&mut rng, mean)).await {
-                let pause = Duration::from_millis(rng.random_range(0..1000));
-                if rng.random_bool(0.5) {
-                    kill_and_restart(&enq, pause, &faults, "sigkill/enqueuer").await?;
-                } else {
-                    kill_and_restart(&rec, pause, &faults, "sigkill/receipts").await?;
-                }
-            }
-            anyhow::Ok(())
-        })
-    };
-    // Fault: provider faults through fake-stripe's HTTP API.
-    let stripe_faulter = {
-        let (faults, stop, http) = (Arc::clone(&faults), Arc::clone(&stop_faults), http.clone());
-        let base = wiring.stripe_base.clone();
-        let mean = args.stripe_fault_every_secs;
-        let mut rng = StdRng::seed_from_u64(plan.seed.wrapping_add(3));
-        tokio::spawn(async move {
-            while sleep_unless_stopped(&stop, exp_delay(&mut rng, mean)).await {
-                // `slow`: the charge completes 8 s later, past the api-server's Stripe timeout and its
-                // key lock, so retries take the key over while the first charge is still running.
-                let mode =
-                    ["error_500", "timeout", "charge_then_drop", "slow"][rng.random_range(0..4)];
-                let n: u64 = rng.random_range(1..=3);
-                let ok = http
-                    .post(format!("{base}/_faults"))
-                    .json(&json!({"mode": mode, "count": n}))
-                    .send()
-                    .await
-                    .is_ok_and(|r| r.status().is_success());
-                if ok {
-                    faults.add(format!("stripe/{mode} (injections)"), 1);
-                    faults.add(format!("stripe/{mode} (calls faulted, requested)"), n);
-                } else {
-                    faults.add("stripe/injection_failed", 1);
-                }
-            }
-            anyhow::Ok(())
-        })
-    };
-    // Periodic completer / reaper passes (they also run during faults).
-    let maintainer = {
-        let (maint, stop, env) = (
-            Arc::clone(&maintenance),
-            Arc::clone(&stop_maintenance),
-            wiring.env.clone(),
-        );
-        let (bin, log) = (workers_bin.clone(), plan.log_dir.join("completer.log"));
-        let rlog = plan.log_dir.join("reaper.log");
-        tokio::spawn(async move {
-            while sleep_unless_stopped(&stop, Duration::from_secs(2)).await {
-                match run_once(&bin, "completer", &env, &log).await {
-                    Ok(v) => {
-                        maint.add("completer.passes", 1);
-                        accumulate(&maint, "completer", &v);
-                    }
-                    Err(_) => maint.add("completer.failed_passes", 1),
-                }
-                match run_once(&bin, "reaper", &env, &rlog).await {
-                    Ok(v) => {
-                        maint.add("reaper.passes", 1);
-                        accumulate(&maint, "reaper", &v);
-                    }
-                    Err(_) => maint.add("reaper.failed_passes", 1),
-                }
-            }
-        })
-    };
-
+    // Traffic and faults.
+    let window = Window::from_now(plan.duration);
+    let traffic = Traffic::start(args, plan, &users, &tallies, window)?;
+    let supervisor = Supervisor::start(&children, &tallies.faults);
+    let faults = Faults::start(
+        args,
+        plan,
+        wiring,
+        &children,
+        &services,
+        &tallies.faults,
+        &http,
+    );
+    let maintainer = Maintainer::start(plan, wiring, &tallies.maintenance);
     // Progress.
     let progress = {
-        let (requests, stop) = (Arc::clone(&requests), Arc::clone(&stop_faults));
-        let faults = Arc::clone(&faults);
+        let (requests, stop) = (Arc::clone(&tallies.requests), faults.stopped());
+        let faults = Arc::clone(&tallies.faults);
+        let traffic_start = window.start;
         tokio::spawn(async move {
             while sleep_unless_stopped(&stop, Duration::from_secs(10)).await {
                 let f: u64 = faults.snapshot().values().sum();
@@ -903,267 +167,81 @@ async fn run(
             }
         })
     };
-
-    tokio::time::sleep_until(traffic_end.into()).await;
-    stop_faults.store(true, Ordering::Relaxed);
-    for task in [
-        api_killer,
-        worker_killer,
-        stripe_faulter,
-        staller,
-        pg_restarter,
-        rabbit_restarter,
-    ] {
-        task.await??;
-    }
+    tokio::time::sleep_until(window.end.into()).await;
+    faults.stop().await?;
     let _ = progress.await;
-    let _ = http
-        .delete(format!("{}/_faults", wiring.stripe_base))
-        .send()
-        .await;
+    faults::clear_provider_faults(&http, &wiring.stripe_base).await;
     println!(
         "proof: traffic stopped after {}s; faults off; waiting for clients",
-        traffic_start.elapsed().as_secs()
+        window.start.elapsed().as_secs()
     );
-    children.disarm(&faults).await?;
-    let mut records: Vec<KeyRecord> = Vec::new();
-    for client in clients {
-        records.extend(client.await?);
-    }
-    stop_maintenance.store(true, Ordering::Relaxed);
-    let _ = maintainer.await;
+    children.disarm(&tallies.faults).await?;
+    let records = traffic.finish().await?;
+    maintainer.stop().await;
     let clients_done = Instant::now();
 
-    // Drain 1: the completer until no key is unfinished (bounded).
+    // Drains, replays and the evidence, while the children still run.
     let mut conn = schema::connect(&wiring.database_url).await?;
-    let completer_deadline = Instant::now() + Duration::from_secs(if args.long { 120 } else { 45 });
-    let mut unfinished = -1;
-    while Instant::now() < completer_deadline {
-        unfinished = count(
-            &mut conn,
-            "SELECT count(*) AS n FROM idempotency_keys WHERE recovery_point <> 'finished' \
-             AND completer_gave_up_at IS NULL",
-        )
-        .await?;
-        if unfinished == 0 {
-            break;
-        }
-        match run_once(
-            &workers_bin,
-            "completer",
-            &wiring.env,
-            &plan.log_dir.join("completer.log"),
-        )
-        .await
-        {
-            Ok(v) => {
-                maintenance.add("completer.passes", 1);
-                accumulate(&maintenance, "completer", &v);
-            }
-            Err(_) => maintenance.add("completer.failed_passes", 1),
-        }
-        tokio::time::sleep(Duration::from_millis(700)).await;
-    }
-    let completer_drain = clients_done.elapsed();
-    println!(
-        "proof: completer drain {:.1}s, unfinished keys left {unfinished}",
-        completer_drain.as_secs_f64()
-    );
-
-    // Drain 2: enqueuer and receipts (bounded).
-    let receipts_deadline = Instant::now() + Duration::from_secs(if args.long { 120 } else { 40 });
-    let (mut staged, mut charged, mut sent) = (0, 0, 0);
-    while Instant::now() < receipts_deadline {
-        staged = count(&mut conn, "SELECT count(*) AS n FROM staged_jobs").await?;
-        charged = count(
-            &mut conn,
-            "SELECT count(*) AS n FROM rides r JOIN idempotency_keys k ON k.id = r.idempotency_key_id \
-             WHERE r.stripe_charge_id IS NOT NULL AND k.recovery_point = 'finished'",
-        )
-        .await?;
-        sent = count(&mut conn, "SELECT count(*) AS n FROM sent_receipts").await?;
-        let mails: usize = read_mail(&plan.mail_dir)?.0.values().map(Vec::len).sum();
-        if staged == 0 && sent >= charged && mails as i64 >= sent {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
-    // Let a straggling duplicate (if any) land before counting.
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    let receipts_drain = clients_done.elapsed() - completer_drain;
-    println!(
-        "proof: receipts drain {:.1}s (staged {staged}, finished charged rides {charged}, sent {sent})",
-        receipts_drain.as_secs_f64()
-    );
-
-    // Replays, while the api-server still runs: every key the DB holds as finished.
-    let mut v = Violations {
-        list: Vec::new(),
-        by_invariant: BTreeMap::new(),
-    };
-    let keys: Vec<KeyRow> = diesel::sql_query(
-        "SELECT id, idempotency_key, user_id, recovery_point, \
-         completer_gave_up_at IS NOT NULL AS gave_up FROM idempotency_keys",
-    )
-    .load(&mut conn)
-    .await?;
-    let key_by_name: HashMap<(i64, String), &KeyRow> = keys
-        .iter()
-        .map(|k| ((k.user_id, k.idempotency_key.clone()), k))
-        .collect();
-    let token_of: HashMap<i64, &User> = users.iter().map(|u| (u.id, u)).collect();
-    let replay_channel = grpc_endpoint(args, &wiring.grpc_addr)?.connect().await?;
-    let rpc = RideServiceClient::new(replay_channel);
-    let mut replay_stats: BTreeMap<&'static str, u64> = BTreeMap::new();
-    let mut replay_seen: HashMap<String, Seen> = HashMap::new();
-    {
-        let mut set = tokio::task::JoinSet::new();
-        let mut queue: Vec<KeyRecord> = records
-            .iter()
-            .filter(|r| {
-                key_by_name
-                    .get(&(r.user_id, r.key.clone()))
-                    .is_some_and(|k| k.recovery_point == "finished")
-            })
-            .cloned()
-            .collect();
-        while !queue.is_empty() || !set.is_empty() {
-            while set.len() < 16 {
-                let Some(record) = queue.pop() else { break };
-                let Some(user) = token_of.get(&record.user_id).map(|u| (*u).clone()) else {
-                    continue;
-                };
-                let rpc = rpc.clone();
-                set.spawn(async move {
-                    let result = call(
-                        &rpc,
-                        &user,
-                        &record.key,
-                        record.params,
-                        Duration::from_secs(20),
-                    )
-                    .await;
-                    let replayed = match &result {
-                        Ok(Ok(r)) => r
-                            .metadata()
-                            .get("idempotent-replayed")
-                            .is_some_and(|v| v.as_bytes() == b"true"),
-                        _ => true,
-                    };
-                    let seen = match result {
-                        Ok(r) => match classify(r) {
-                            Answer::Final(seen) => seen,
-                            Answer::Retry(label) => Seen::Unexpected(label),
-                        },
-                        Err(()) => Seen::Unexpected("CLIENT/TIMEOUT".to_owned()),
-                    };
-                    (record, seen, replayed)
-                });
-            }
-            let Some(joined) = set.join_next().await else {
-                break;
-            };
-            let (record, seen, replayed) = joined?;
-            *replay_stats.entry("replayed").or_default() += 1;
-            if !replayed {
-                v.add(
-                    "replay_marked",
-                    format!(
-                        "key {} replay not marked idempotent-replayed: true",
-                        record.key
-                    ),
-                );
-            }
-            let same = match (&record.seen, &seen) {
-                (
-                    Seen::Ok {
-                        bytes: a,
-                        expires_at: ea,
-                        ..
-                    },
-                    Seen::Ok {
-                        bytes: b,
-                        expires_at: eb,
-                        ..
-                    },
-                ) => Some(a == b && (ea.is_none() || ea == eb)),
-                (
-                    Seen::Declined {
-                        message: ma,
-                        details: da,
-                    },
-                    Seen::Declined {
-                        message: mb,
-                        details: db,
-                    },
-                ) => Some(ma == mb && da == db),
-                (Seen::Ok { .. } | Seen::Declined { .. }, _) => Some(false),
-                _ => None, // abandoned by its client: nothing to compare with; checked below
-            };
-            match same {
-                Some(true) => *replay_stats.entry("byte_identical").or_default() += 1,
-                Some(false) => v.add(
-                    "replay_identical",
-                    format!(
-                        "key {} (user {}): first answer {:?} vs replay {:?}",
-                        record.key,
-                        record.user_id,
-                        record.seen.kind(),
-                        seen.kind()
-                    ),
-                ),
-                None => *replay_stats.entry("of_client_abandoned_keys").or_default() += 1,
-            }
-            if matches!(seen, Seen::Unexpected(_)) {
-                v.add(
-                    "replay_final",
-                    format!("key {}: finished key replayed as {seen:?}", record.key),
-                );
-            }
-            replay_seen.insert(record.key.clone(), seen);
-        }
-    }
-
-    // Collect the evidence.
-    let rides: Vec<RideRow> =
-        diesel::sql_query("SELECT id, idempotency_key_id, user_id, stripe_charge_id FROM rides")
-            .load(&mut conn)
-            .await?;
-    let sent_receipts: HashSet<i64> = diesel::sql_query("SELECT ride_id AS id FROM sent_receipts")
-        .load::<IdRow>(&mut conn)
-        .await?
-        .into_iter()
-        .map(|r| r.id)
-        .collect();
-    // Receipts whose sending attempt died after the relay took the mail: the crash window, closed.
-    let recovered_at_relay = count(
+    let drain = maintenance::drain(
+        args,
+        plan,
+        wiring,
         &mut conn,
-        "SELECT count(*) AS n FROM sent_receipts WHERE recorded_via = 'relay_search'",
+        &tallies.maintenance,
+        clients_done,
     )
     .await?;
-    let claims_left = count(&mut conn, "SELECT count(*) AS n FROM receipt_claims").await?;
-    let staged_rides: Vec<i64> = diesel::sql_query("SELECT job_args::text AS t FROM staged_jobs")
-        .load::<TextRow>(&mut conn)
-        .await?
-        .into_iter()
-        .filter_map(|r| serde_json::from_str::<Value>(&r.t).ok())
-        .filter_map(|v| v["ride_id"].as_i64())
-        .collect();
-    let attention: Vec<AttentionRow> =
-        diesel::sql_query("SELECT idempotency_key, user_id, reason FROM keys_needing_attention")
-            .load(&mut conn)
-            .await?;
-    let attention_keys: HashSet<(i64, String)> = attention
-        .iter()
-        .map(|a| (a.user_id, a.idempotency_key.clone()))
-        .collect();
-    let ledger = fetch_ledger(&http, &wiring.stripe_base).await?;
-    let (mail, unparsed_mail) = read_mail(&plan.mail_dir)?;
+    let keys = evidence::load_keys(&mut conn).await?;
+    let mut violations = Violations::default();
+    let replays = replays::replay(
+        args,
+        &wiring.grpc_addr,
+        &records,
+        &keys,
+        &users,
+        &mut violations,
+    )
+    .await?;
+    let evidence = evidence::collect(&mut conn, keys, &http, plan, wiring).await?;
     drop(conn);
 
     // Stop every child before judging (the database and ledger are read).
     supervisor.stop().await;
     children.kill_all().await;
+    let Evidence {
+        keys,
+        rides,
+        sent_receipts,
+        recovered_at_relay,
+        claims_left,
+        staged_rides,
+        attention,
+        attention_keys,
+        ledger,
+        mail,
+        unparsed_mail,
+    } = evidence;
+    let Replays {
+        stats: replay_stats,
+        seen: replay_seen,
+    } = replays;
+    let Drain {
+        completer: completer_drain,
+        receipts: receipts_drain,
+        unfinished,
+        staged,
+    } = drain;
+    let Tallies {
+        faults,
+        attempts,
+        maintenance,
+        requests,
+        retries,
+    } = &tallies;
+    let key_by_name = evidence::by_name(&keys);
+    let token_of: HashMap<i64, &User> = users.iter().map(|u| (u.id, u)).collect();
+    let arming = &children.arming;
+    let mut v = violations;
 
     // Indexes.
     let rides_by_key: HashMap<i64, Vec<&RideRow>> =
@@ -1590,8 +668,8 @@ async fn run(
         "clients": args.clients,
         "declining_clients": args.declined_clients,
         "keys": records.len(),
-        "requests": AtomicU64::load(&requests, Ordering::Relaxed),
-        "retries": AtomicU64::load(&retries, Ordering::Relaxed),
+        "requests": AtomicU64::load(requests, Ordering::Relaxed),
+        "retries": AtomicU64::load(retries, Ordering::Relaxed),
         "outcomes_seen_by_clients": outcomes,
         "attempt_answers": attempts.snapshot(),
         "abandoned_keys": abandoned_resolution,
@@ -1644,12 +722,12 @@ async fn run(
     line(
         &mut text,
         "requests (attempts)",
-        AtomicU64::load(&requests, Ordering::Relaxed).to_string(),
+        AtomicU64::load(requests, Ordering::Relaxed).to_string(),
     );
     line(
         &mut text,
         "retries",
-        AtomicU64::load(&retries, Ordering::Relaxed).to_string(),
+        AtomicU64::load(retries, Ordering::Relaxed).to_string(),
     );
     text.push_str("-- outcomes seen by clients\n");
     for (k, n) in &outcomes {
