@@ -1,0 +1,244 @@
+//! What the campaign tells: a progress line every 10 s while traffic runs, and at the end the
+//! report, as text on stdout and in `report.txt`, as JSON in `report.json` (for scripts and
+//! comparisons between runs), with every violation in `violations.txt` and every key's final
+//! answer in `keys.jsonl`, all in the run's out directory.
+
+use std::{
+    collections::BTreeMap,
+    path::Path,
+    sync::{
+        Arc,
+        atomic::{AtomicBool, AtomicU64, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use serde_json::{Value, json};
+use tokio::task::JoinHandle;
+
+use crate::{
+    args::Args,
+    clients::KeyRecord,
+    counters::{Counters, Tallies},
+    faults::sleep_unless_stopped,
+    invariants::{Facts, INVARIANTS, Verdict},
+    maintenance::Drain,
+    setup::{Plan, Wiring},
+};
+
+/// Progress: requests and fault events so far, every 10 s until `stop`.
+pub(crate) fn progress(
+    stop: Arc<AtomicBool>,
+    requests: Arc<AtomicU64>,
+    faults: Arc<Counters>,
+    traffic_start: Instant,
+) -> JoinHandle<()> {
+    tokio::spawn(async move {
+        while sleep_unless_stopped(&stop, Duration::from_secs(10)).await {
+            let f: u64 = faults.snapshot().values().sum();
+            println!(
+                "proof: t+{:>4}s requests {:>6}, fault events {f}",
+                traffic_start.elapsed().as_secs(),
+                AtomicU64::load(&requests, Ordering::Relaxed)
+            );
+        }
+    })
+}
+
+/// Every key, one JSON line each.
+pub(crate) fn write_keys(out_dir: &Path, records: &[KeyRecord]) -> anyhow::Result<()> {
+    let keys_jsonl: String = records
+        .iter()
+        .map(|r| {
+            json!({"key": r.key, "user_id": r.user_id, "client": r.client, "attempts": r.attempts,
+                   "seen": r.seen.kind(), "detail": r.seen.detail()})
+            .to_string()
+                + "\n"
+        })
+        .collect();
+    std::fs::write(out_dir.join("keys.jsonl"), keys_jsonl)?;
+    Ok(())
+}
+
+/// Everything the report tells, from the steps before it.
+pub(crate) struct Report<'a> {
+    pub(crate) args: &'a Args,
+    pub(crate) plan: &'a Plan,
+    pub(crate) wiring: &'a Wiring,
+    pub(crate) tallies: &'a Tallies,
+    pub(crate) drain: &'a Drain,
+    pub(crate) facts: &'a Facts<'a>,
+    pub(crate) verdict: &'a Verdict,
+}
+
+impl Report<'_> {
+    /// Prints and writes the report; whether every invariant held.
+    pub(crate) fn write(&self) -> anyhow::Result<bool> {
+        let total = self.plan.started.elapsed();
+        let v = &self.verdict.violations;
+        let passed = v.list.is_empty();
+        let report = self.json(total, passed);
+        let text = self.text(&report, total, passed);
+        println!("\n{text}");
+        let out_dir = &self.plan.out_dir;
+        std::fs::write(
+            out_dir.join("report.json"),
+            serde_json::to_string_pretty(&report)?,
+        )?;
+        std::fs::write(out_dir.join("report.txt"), &text)?;
+        if !v.list.is_empty() {
+            std::fs::write(out_dir.join("violations.txt"), v.list.join("\n"))?;
+        }
+        println!("proof: report in {}", out_dir.display());
+        Ok(passed)
+    }
+
+    fn json(&self, total: Duration, passed: bool) -> Value {
+        let (args, plan, tallies, drain) = (self.args, self.plan, self.tallies, self.drain);
+        let (ev, verdict) = (self.facts.evidence, self.verdict);
+        let v = &verdict.violations;
+        let mut invariant_json = serde_json::Map::new();
+        for (id, _) in &INVARIANTS {
+            invariant_json.insert(
+                (*id).to_owned(),
+                json!(v.by_invariant.get(id).copied().unwrap_or(0)),
+            );
+        }
+        let attention_by_reason =
+            ev.attention
+                .iter()
+                .fold(BTreeMap::<String, u64>::new(), |mut m, a| {
+                    *m.entry(a.reason.clone()).or_default() += 1;
+                    m
+                });
+        json!({
+            "run_id": plan.run_id,
+            "seed": plan.seed,
+            "mode": if args.long { "long" } else { "short" },
+            "database": self.wiring.db_name,
+            "traffic_secs": plan.duration.as_secs(),
+            "total_secs": (total.as_secs_f64() * 10.0).round() / 10.0,
+            "clients": args.clients,
+            "declining_clients": args.declined_clients,
+            "keys": self.facts.records.len(),
+            "requests": AtomicU64::load(&tallies.requests, Ordering::Relaxed),
+            "retries": AtomicU64::load(&tallies.retries, Ordering::Relaxed),
+            "outcomes_seen_by_clients": verdict.outcomes,
+            "attempt_answers": tallies.attempts.snapshot(),
+            "abandoned_keys": verdict.abandoned,
+            "faults_injected": tallies.faults.snapshot(),
+            "maintenance": tallies.maintenance.snapshot(),
+            "drain": {
+                "completer_secs": (drain.completer.as_secs_f64() * 10.0).round() / 10.0,
+                "receipts_secs": (drain.receipts.as_secs_f64() * 10.0).round() / 10.0,
+                "unfinished_keys_left": drain.unfinished,
+                "staged_jobs_left": drain.staged,
+            },
+            "evidence": {
+                "rides": ev.rides.len(),
+                "charged_rides": ev.rides.iter().filter(|r| r.stripe_charge_id.is_some()).count(),
+                "payment_intents": ev.ledger.len(),
+                "succeeded_payment_intents": ev.ledger.iter().filter(|p| p.status == "succeeded").count(),
+                "sent_receipts": ev.sent_receipts.len(),
+                "mails": ev.mail.values().map(Vec::len).sum::<usize>(),
+                "receipts_recorded_from_the_relay_search": ev.recovered_at_relay,
+                "receipt_claims_left": ev.claims_left,
+                "crash_points_fired": verdict.crash_points_fired,
+                "keys_needing_attention": attention_by_reason,
+            },
+            "replays": self.facts.replays.stats,
+            "invariant_violations": invariant_json,
+            "violations": v.list.iter().take(200).collect::<Vec<_>>(),
+            "passed": passed,
+        })
+    }
+
+    fn text(&self, report: &Value, total: Duration, passed: bool) -> String {
+        let (args, plan, tallies) = (self.args, self.plan, self.tallies);
+        let mut text = String::new();
+        let line = |text: &mut String, k: &str, val: String| {
+            text.push_str(&format!("{k:<58} {val}\n"));
+        };
+        text.push_str(&format!(
+            "Rocket Rides proof campaign {} (seed {}, {} mode)\n",
+            plan.run_id,
+            plan.seed,
+            if args.long { "long" } else { "short" }
+        ));
+        line(
+            &mut text,
+            "traffic / total duration",
+            format!("{}s / {:.1}s", plan.duration.as_secs(), total.as_secs_f64()),
+        );
+        line(
+            &mut text,
+            "clients (declining cards)",
+            format!("{} ({})", args.clients, args.declined_clients),
+        );
+        line(&mut text, "keys", self.facts.records.len().to_string());
+        line(
+            &mut text,
+            "requests (attempts)",
+            AtomicU64::load(&tallies.requests, Ordering::Relaxed).to_string(),
+        );
+        line(
+            &mut text,
+            "retries",
+            AtomicU64::load(&tallies.retries, Ordering::Relaxed).to_string(),
+        );
+        text.push_str("-- outcomes seen by clients\n");
+        for (k, n) in &self.verdict.outcomes {
+            line(&mut text, &format!("  {k}"), n.to_string());
+        }
+        text.push_str("-- abandoned / given-up keys\n");
+        for (k, n) in &self.verdict.abandoned {
+            line(&mut text, &format!("  {k}"), n.to_string());
+        }
+        text.push_str("-- answers per attempt\n");
+        for (k, n) in tallies.attempts.snapshot() {
+            line(&mut text, &format!("  {k}"), n.to_string());
+        }
+        text.push_str("-- faults injected\n");
+        for (k, n) in tallies.faults.snapshot() {
+            line(&mut text, &format!("  {k}"), n.to_string());
+        }
+        text.push_str("-- completer / reaper passes\n");
+        for (k, n) in tallies.maintenance.snapshot() {
+            line(&mut text, &format!("  {k}"), n.to_string());
+        }
+        text.push_str("-- evidence\n");
+        for (k, val) in report["evidence"].as_object().into_iter().flatten() {
+            line(&mut text, &format!("  {k}"), val.to_string());
+        }
+        for (k, val) in report["drain"].as_object().into_iter().flatten() {
+            line(&mut text, &format!("  drain.{k}"), val.to_string());
+        }
+        for (k, val) in &self.facts.replays.stats {
+            line(&mut text, &format!("  replays.{k}"), val.to_string());
+        }
+        text.push_str("-- invariants\n");
+        for (id, what) in &INVARIANTS {
+            let n = self
+                .verdict
+                .violations
+                .by_invariant
+                .get(id)
+                .copied()
+                .unwrap_or(0);
+            line(
+                &mut text,
+                &format!("  {what}"),
+                if n == 0 {
+                    "PASS".to_owned()
+                } else {
+                    format!("FAIL ({n})")
+                },
+            );
+        }
+        text.push_str(&format!(
+            "RESULT: {}\n",
+            if passed { "PASS" } else { "FAIL" }
+        ));
+        text
+    }
+}
