@@ -1,7 +1,7 @@
 //! `proof`: a crash-and-fault campaign against the real Rocket Rides processes on loopback.
 //!
 //! It starts its own PostgreSQL cluster and RabbitMQ node ([`services`]), fake-stripe, two
-//! api-servers (the second with a pool of two connections, to exhaust it), a mail sink, the
+//! api-servers (the second with a pool of one connection, to exhaust it), a mail sink, the
 //! enqueuer and the receipt worker as separate child processes (plus `completer --once` /
 //! `reaper --once` passes), and drives CreateRide with concurrent retrying clients spread over
 //! both api-servers. Meanwhile it SIGKILLs the api-servers (at random, and at every crash point
