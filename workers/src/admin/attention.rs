@@ -1,6 +1,7 @@
 //! `workers admin keys needing-attention|resolve`: the list of keys automation gave up on.
 
 use std::collections::HashMap;
+use std::fmt::Write as _;
 
 use chrono::{DateTime, Utc};
 use diesel::{ExpressionMethods, OptionalExtension, QueryDsl, SelectableHelper};
@@ -13,6 +14,7 @@ use schema::{
 use serde::Serialize;
 use serde_json::{Value, json};
 
+use super::render::{relative, time};
 use super::{AdminError, Change, ChangeReport, Mode, bound_waits};
 use crate::redact;
 
@@ -212,4 +214,46 @@ pub async fn resolve(
         );
     }
     Ok(report)
+}
+
+/// One attention row, as `key show` and `keys needing-attention` print it.
+pub(super) fn line(row: &AttentionRow, now: DateTime<Utc>) -> String {
+    format!(
+        "#{} {} recorded {} at {}; {}; key now {}; last error: {}",
+        row.id,
+        row.reason,
+        relative(row.recorded_at, now),
+        row.recovery_point,
+        row.resolved_at.map_or_else(
+            || "UNRESOLVED".to_owned(),
+            |at| format!("resolved {}", time(at))
+        ),
+        row.key_recovery_point_now
+            .map_or_else(|| "gone (reaped)".to_owned(), |point| point.to_string()),
+        row.last_error.as_deref().unwrap_or("-")
+    )
+}
+
+impl AttentionList {
+    /// The report as text, for a terminal.
+    pub fn render(&self) -> String {
+        let now = Utc::now();
+        let mut out = String::new();
+        let _ = writeln!(
+            out,
+            "{} keys_needing_attention row(s){}, showing {} (oldest first)",
+            self.total,
+            if self.all { "" } else { " unresolved" },
+            self.rows.len()
+        );
+        for row in &self.rows {
+            let _ = writeln!(out, "{}", line(row, now));
+            let _ = writeln!(
+                out,
+                "    key {} user {} {:?} params {}",
+                row.idempotency_key_id, row.user_id, row.idempotency_key, row.request_params
+            );
+        }
+        out
+    }
 }

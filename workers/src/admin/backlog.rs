@@ -1,5 +1,9 @@
 //! `workers admin backlog`: what is waiting, where. Read-only.
 
+use std::fmt::Write as _;
+
+use super::render::relative;
+
 use chrono::{DateTime, Utc};
 use diesel::{
     QueryableByName,
@@ -134,4 +138,63 @@ async fn queue_depths(amqp_url: &str, topology: &Topology) -> Result<Vec<QueueDe
     }
     let _ = connection.close(200, "bye".into()).await;
     result.map(|()| depths)
+}
+
+impl Backlog {
+    /// The report as text, for a terminal.
+    pub fn render(&self) -> String {
+        let now = self.now;
+        let mut out = String::new();
+        if self.staged_jobs.is_empty() {
+            let _ = writeln!(out, "Staged jobs: none");
+        } else {
+            let _ = writeln!(out, "Staged jobs (not yet published)");
+            for staged in &self.staged_jobs {
+                let _ = writeln!(
+                    out,
+                    "  {:<24}{:>8} oldest {}",
+                    staged.job_name,
+                    staged.count,
+                    relative(staged.oldest_created_at, now)
+                );
+            }
+        }
+        if !self.held_jobs.is_empty() {
+            let _ = writeln!(
+                out,
+                "Staged jobs the broker returned or refused (set_aside: retried after a back-off; \
+                 parked: waiting for a human)"
+            );
+            for held in &self.held_jobs {
+                let _ = writeln!(
+                    out,
+                    "  {:<24}{:<10}{:>8} oldest {} (job {}, {} attempt(s)): {}",
+                    held.job_name,
+                    held.state,
+                    held.count,
+                    relative(held.oldest_created_at, now),
+                    held.oldest_id,
+                    held.max_attempts,
+                    held.last_error.as_deref().unwrap_or("-")
+                );
+            }
+        }
+        let _ = writeln!(out, "Queues");
+        for queue in &self.queues {
+            let _ = writeln!(
+                out,
+                "  {:<32}{:>8} message(s) {:>4} consumer(s)",
+                queue.queue, queue.messages, queue.consumers
+            );
+        }
+        if let Some(error) = &self.queues_error {
+            let _ = writeln!(out, "  unavailable: {error}");
+        }
+        let _ = writeln!(
+            out,
+            "Keys needing attention (unresolved): {}",
+            self.keys_needing_attention
+        );
+        out
+    }
 }

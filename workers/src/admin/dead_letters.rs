@@ -11,6 +11,10 @@
 //! refuses or cannot route is returned to the dead-letter queue and the command stops. A crash
 //! between the confirm and the ack leaves both copies: the receipt worker deduplicates per ride.
 
+use std::fmt::Write as _;
+
+use super::render::time;
+
 use std::time::Duration;
 
 use chrono::{DateTime, TimeZone, Utc};
@@ -435,6 +439,88 @@ fn timestamp(value: &AMQPValue) -> Option<DateTime<Utc>> {
             .ok()
             .and_then(|seconds| Utc.timestamp_opt(seconds, 0).single()),
         _ => None,
+    }
+}
+
+fn dead_letter_line(message: &DeadLetter) -> String {
+    let death = message.death.as_ref().map_or_else(
+        || "no x-death".to_owned(),
+        |death| {
+            format!(
+                "{} x{} from {} at {}",
+                death.reason.as_deref().unwrap_or("?"),
+                death.count.unwrap_or(0),
+                death.queue.as_deref().unwrap_or("?"),
+                death.time.map_or_else(|| "?".to_owned(), time)
+            )
+        },
+    );
+    format!(
+        "message {} job {} routing {}: {death}; {}",
+        message.message_id.as_deref().unwrap_or("-"),
+        message.job_name.as_deref().unwrap_or("-"),
+        message.routing_key,
+        message.summary
+    )
+}
+
+impl DeadLetterList {
+    /// The report as text, for a terminal.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        let _ = writeln!(
+            out,
+            "{}: {} message(s), {} consumer(s); showing {} (left in the queue)",
+            self.queue.queue, self.queue.messages, self.queue.consumers, self.shown
+        );
+        for message in &self.messages {
+            let _ = writeln!(out, "  {}", dead_letter_line(message));
+        }
+        out
+    }
+}
+
+impl RequeueReport {
+    /// The report as text, for a terminal.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        match self.mode {
+            Mode::DryRun => {
+                let _ = writeln!(
+                    out,
+                    "dead-letters requeue: DRY RUN, nothing moved. Would move {} of {} message(s) \
+                     from {} to exchange {} with routing key {}:",
+                    self.moved,
+                    self.dead_letter_depth_before,
+                    self.from_queue,
+                    self.to_exchange,
+                    self.routing_key
+                );
+            }
+            Mode::Apply => {
+                let _ = writeln!(
+                    out,
+                    "dead-letters requeue: APPLIED. Moved {} message(s) from {} to exchange {} with \
+                     routing key {}:",
+                    self.moved, self.from_queue, self.to_exchange, self.routing_key
+                );
+            }
+        }
+        for message in &self.messages {
+            let _ = writeln!(out, "  {}", dead_letter_line(message));
+        }
+        let _ = writeln!(
+            out,
+            "{}: {} message(s) before, {} now",
+            self.from_queue, self.dead_letter_depth_before, self.dead_letter_depth_after
+        );
+        if let Some(stopped) = &self.stopped {
+            let _ = writeln!(out, "STOPPED: {stopped}");
+        }
+        if self.mode == Mode::DryRun && self.moved > 0 {
+            let _ = writeln!(out, "Re-run with --yes to move them.");
+        }
+        out
     }
 }
 

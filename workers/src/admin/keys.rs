@@ -8,6 +8,8 @@
 //! token gone and commits nothing (`IDEMPOTENCY_KEY_LOCK_LOST`). What fencing cannot stop is a
 //! provider call the holder has already started, which is why a live lock needs `--force`.
 
+use std::fmt::Write as _;
+
 use chrono::{DateTime, Utc};
 use contract::{
     BackgroundJob, Outcome, ReceiptJob, StoredResponse,
@@ -29,6 +31,7 @@ use serde::Serialize;
 use serde_json::{Value, json};
 use uuid::Uuid;
 
+use super::render::{optional_time, outcome, relative};
 use super::{
     AdminError, AdminSettings, Change, ChangeReport, FinishOutcome, Mode, attention::AttentionRow,
     bound_waits, render,
@@ -844,5 +847,146 @@ fn expect_one(updated: usize, table: &str, id: i64) -> Result<(), AdminError> {
             "{table} row {id} changed under a locked transaction ({updated} rows updated); \
              rolled back, nothing was changed"
         )))
+    }
+}
+
+impl KeyReport {
+    /// The report as text, for a terminal.
+    pub fn render(&self) -> String {
+        let now = self.now;
+        let mut out = String::new();
+        match &self.key {
+            None => {
+                let _ = writeln!(
+                    out,
+                    "The idempotency key no longer exists (reaped). Attention rows about it follow."
+                );
+            }
+            Some(key) => {
+                let _ = writeln!(out, "Idempotency key {}", key.id);
+                let line = |out: &mut String, label: &str, value: String| {
+                    let _ = writeln!(out, "  {label:<16}{value}");
+                };
+                line(
+                    &mut out,
+                    "user",
+                    format!(
+                        "{} ({})",
+                        key.user_id,
+                        key.user_email.as_deref().unwrap_or("unknown")
+                    ),
+                );
+                line(&mut out, "key", key.idempotency_key.clone());
+                line(
+                    &mut out,
+                    "request",
+                    format!(
+                        "{} {} {}",
+                        key.request_method, key.request_path, key.request_params
+                    ),
+                );
+                line(&mut out, "created_at", relative(key.created_at, now));
+                line(
+                    &mut out,
+                    "expires_at",
+                    optional_time(key.expires_at, now, "never"),
+                );
+                line(&mut out, "last_run_at", relative(key.last_run_at, now));
+                line(&mut out, "recovery_point", key.recovery_point.to_string());
+                let lock = match key.lock.locked_at {
+                    None => "none".to_owned(),
+                    Some(locked_at) => format!(
+                        "held since {}, {} (expires {})",
+                        relative(locked_at, now),
+                        if key.lock.live {
+                            "LIVE: its holder may still be running"
+                        } else {
+                            "expired: abandoned, may be taken over"
+                        },
+                        optional_time(key.lock.expires_at, now, "?")
+                    ),
+                };
+                line(&mut out, "lock", lock);
+                line(
+                    &mut out,
+                    "provider key",
+                    format!(
+                        "{} (the charge's idempotency key at the provider)",
+                        key.provider_idempotency_key
+                    ),
+                );
+                line(
+                    &mut out,
+                    "completer",
+                    format!(
+                        "{} attempt(s), next attempt {}, gave up {}",
+                        key.completer.attempts,
+                        optional_time(key.completer.next_attempt_at, now, "-"),
+                        optional_time(key.completer.gave_up_at, now, "no")
+                    ),
+                );
+                let stored = match &key.stored_outcome {
+                    None => "none (unfinished)".to_owned(),
+                    Some(stored) => match &stored.outcome {
+                        Some(decoded) => {
+                            format!("code {}: {}", stored.response_code, outcome(decoded))
+                        }
+                        None => format!(
+                            "code {}: UNDECODABLE body {} (a replay fails with INTERNAL)",
+                            stored.response_code,
+                            stored
+                                .undecodable
+                                .as_ref()
+                                .map(ToString::to_string)
+                                .unwrap_or_default()
+                        ),
+                    },
+                };
+                line(&mut out, "stored outcome", stored);
+            }
+        }
+        match &self.ride {
+            None if self.key.is_some() => {
+                let _ = writeln!(out, "Ride: none");
+            }
+            None => {}
+            Some(ride) => {
+                let _ = writeln!(out, "Ride {}", ride.id);
+                let _ = writeln!(
+                    out,
+                    "  {:<16}{}",
+                    "charge_id",
+                    ride.charge_id.as_deref().unwrap_or("none")
+                );
+                let _ = writeln!(out, "  {:<16}{} {}", "amount", ride.amount, ride.currency);
+                let _ = writeln!(
+                    out,
+                    "  {:<16}{}",
+                    "created_at",
+                    relative(ride.created_at, now)
+                );
+                let receipt = match (&ride.receipt.sent_at, ride.receipt.staged_jobs) {
+                    (Some(sent_at), _) => format!(
+                        "sent {} (message {})",
+                        relative(*sent_at, now),
+                        ride.receipt.sent_message_id.as_deref().unwrap_or("?")
+                    ),
+                    (None, 0) => "not staged, not sent (in flight in RabbitMQ, dead-lettered, or \
+                                  never staged)"
+                        .to_owned(),
+                    (None, staged) => format!("{staged} job(s) staged, not yet published"),
+                };
+                let _ = writeln!(out, "  {:<16}{receipt}", "receipt");
+            }
+        }
+        if self.attention.is_empty() {
+            let _ = writeln!(out, "Keys needing attention: none");
+        } else {
+            let _ = writeln!(out, "Keys needing attention");
+            for row in &self.attention {
+                let _ = writeln!(out, "  {}", super::attention::line(row, now));
+            }
+        }
+        out
     }
 }

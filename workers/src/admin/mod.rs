@@ -18,6 +18,8 @@
 //! Each subcommand is a library function (used by the tests) returning a serialisable report;
 //! [`run`] is the thin CLI layer that prints it.
 
+use std::fmt::Write as _;
+
 pub mod attention;
 pub mod backlog;
 pub mod dead_letters;
@@ -455,12 +457,12 @@ impl Output {
 
     fn text(&self) -> String {
         match self {
-            Output::Key(report) => render::key_report(report),
-            Output::Change(report) => render::change_report(report),
-            Output::Attention(list) => render::attention_list(list),
-            Output::DeadLetters(list) => render::dead_letters(list),
-            Output::Requeue(report) => render::requeue_report(report),
-            Output::Backlog(backlog) => render::backlog(backlog),
+            Output::Key(report) => report.render(),
+            Output::Change(report) => report.render(),
+            Output::Attention(list) => list.render(),
+            Output::DeadLetters(list) => list.render(),
+            Output::Requeue(report) => report.render(),
+            Output::Backlog(backlog) => backlog.render(),
         }
     }
 
@@ -583,4 +585,55 @@ async fn dispatch(
             Output::Backlog(backlog::backlog(pool, amqp_url, &settings.topology).await?)
         }
     })
+}
+
+impl ChangeReport {
+    /// The report as text, for a terminal.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        let heading = match self.mode {
+            Mode::DryRun => "DRY RUN, nothing changed",
+            Mode::Apply => "APPLIED",
+        };
+        let _ = writeln!(out, "{} {}: {heading}", self.command, self.target);
+        for warning in &self.warnings {
+            let _ = writeln!(out, "WARNING: {warning}");
+        }
+        let _ = writeln!(
+            out,
+            "{}",
+            match self.mode {
+                Mode::DryRun => "Would change:",
+                Mode::Apply => "Changed:",
+            }
+        );
+        for change in &self.changes {
+            let row = change
+                .row
+                .map_or_else(String::new, |row| format!("[{row}]"));
+            match (change.column, &change.from) {
+                (Some(column), Some(from)) => {
+                    let _ = writeln!(
+                        out,
+                        "  {} {}{row}.{column}: {from} -> {}",
+                        change.action, change.table, change.to
+                    );
+                }
+                _ => {
+                    let _ = writeln!(
+                        out,
+                        "  {} {}{row}: {}",
+                        change.action, change.table, change.to
+                    );
+                }
+            }
+        }
+        for note in &self.notes {
+            let _ = writeln!(out, "Note: {note}");
+        }
+        if self.mode == Mode::DryRun {
+            let _ = writeln!(out, "Re-run with --yes to apply.");
+        }
+        out
+    }
 }

@@ -160,7 +160,7 @@ async fn show_reports_a_key_at_every_state() {
     assert!(report.ride.is_none());
     // Neither the lock token nor the rider's address is ever printed, in either form.
     let json = serde_json::to_string(&report).unwrap();
-    let text = workers::admin::render::key_report(&report);
+    let text = report.render();
     for printed in [&json, &text] {
         assert!(!printed.contains(&started.token.to_string()), "{printed}");
         assert!(printed.contains("r***@example.com"), "{printed}");
@@ -199,7 +199,7 @@ async fn show_reports_a_key_at_every_state() {
         report.attention[0].key_recovery_point_now,
         Some(RecoveryPoint::RideCreated)
     );
-    assert!(workers::admin::render::key_report(&report).contains("expired"));
+    assert!(report.render().contains("expired"));
 
     // charge_created, unlocked.
     let (_, charged) = key_at(&app, &user, RecoveryPoint::ChargeCreated).await;
@@ -711,7 +711,7 @@ async fn dead_letters_list_leaves_them_in_place() {
         3
     );
     assert_eq!(broker.depth(&broker.topology.receipts_queue).await, 0);
-    let text = workers::admin::render::dead_letters(&first);
+    let text = first.render();
     assert!(text.contains("rejected x1"), "{text}");
     broker.cleanup().await;
 }

@@ -553,7 +553,7 @@ async fn a_job_returned_past_the_attempt_limit_is_parked_and_listed_by_the_backl
         "{:?}",
         parked.last_error
     );
-    let text = workers::admin::render::backlog(&report);
+    let text = report.render();
     assert!(text.contains("parked"), "{text}");
     assert!(text.contains(UNCONSUMED), "{text}");
     broker.cleanup().await;
