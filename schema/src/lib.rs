@@ -1,6 +1,11 @@
-//! The Rocket Rides database: Diesel schema, models, the connection pool and the embedded
-//! migrations. Every process (api-server, workers, tests) reaches PostgreSQL through this crate,
-//! so the schema has exactly one Rust definition.
+//! The Rocket Rides database crate. Its name is `schema` because the project's top-level layout
+//! is fixed by its brief, but it owns everything about reaching PostgreSQL, not only the schema:
+//! the Diesel tables and models, the connection pool and every connection's TLS, prepared
+//! hand-written SQL, the errors every statement fails with and the one retry policy, the embedded
+//! migrations, and per-test databases. Every process (api-server, workers, tests) reaches
+//! PostgreSQL through this crate, so the schema has exactly one Rust definition. What the
+//! services agree on *about* the rows (the stored outcome, the jobs, the key's fence) is the
+//! `contract` crate's, above this one.
 //!
 //! Layout:
 //! - [`schema`]: table definitions as `diesel print-schema` writes them.

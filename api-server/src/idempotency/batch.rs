@@ -80,7 +80,7 @@ pub trait BatchStatement: Send + Sync + 'static {
 
     /// Runs the statement once for `items`, returning one output per item, in `items`' order
     /// (built by mapping `items`, so that no request can be left without its output).
-    fn run<'a>(
+    fn execute<'a>(
         &'a self,
         conn: &'a mut AsyncPgConnection,
         items: &'a [Self::Item],
@@ -202,7 +202,7 @@ impl<S: BatchStatement> Batcher<S> {
             queue.running += 1;
             self.take_batch(&mut queue)
         };
-        tokio::spawn(Arc::clone(self).run(batch));
+        tokio::spawn(Arc::clone(self).run_batch(batch));
     }
 
     fn take_batch(&self, queue: &mut Queue<S>) -> Vec<Pending<S>> {
@@ -215,7 +215,7 @@ impl<S: BatchStatement> Batcher<S> {
 
     /// Runs batches until the queue is empty. Only a runner that saw the queue empty under the
     /// lock stops, so a queued request always has a runner that will take it.
-    async fn run(self: Arc<Self>, mut batch: Vec<Pending<S>>) {
+    async fn run_batch(self: Arc<Self>, mut batch: Vec<Pending<S>>) {
         loop {
             // A panic drops the batch's senders: its requests then redo their work alone.
             let _ = AssertUnwindSafe(self.decide(batch)).catch_unwind().await;
@@ -235,7 +235,7 @@ impl<S: BatchStatement> Batcher<S> {
             .unzip();
         let outputs = retry_transient(self.policy, || async {
             let mut conn = self.pool.get().await.map_err(StoreError::Unavailable)?;
-            let result = self.statement.run(&mut conn, &items).await;
+            let result = self.statement.execute(&mut conn, &items).await;
             result.map_err(|error| lost_connection_discarded(&mut conn, error))
         })
         .await;

@@ -138,7 +138,7 @@ impl BatchStatement for CreateRideRecords {
     /// one.
     const REDO_AFTER_CONNECTION_LOSS: bool = false;
 
-    async fn run(
+    async fn execute(
         &self,
         conn: &mut AsyncPgConnection,
         items: &[NewRide],

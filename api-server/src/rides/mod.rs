@@ -258,7 +258,7 @@ impl Rides {
             }
             Decision::Execute(mut lease) => {
                 crate::fault::crash_point("claim.after_commit");
-                (false, self.run(&mut lease, request).await)
+                (false, self.drive(&mut lease, request).await)
             }
         };
         if matches!(result, Err(CreateRideError::LockLost)) {
@@ -274,7 +274,7 @@ impl Rides {
     }
 
     /// Drives a claimed key to a final outcome.
-    async fn run(
+    async fn drive(
         &self,
         lease: &mut Lease,
         request: &RideRequest,

@@ -200,7 +200,7 @@ impl BatchStatement for RecordCharges {
     /// Recording the same PaymentIntent id again changes nothing.
     const REDO_AFTER_CONNECTION_LOSS: bool = true;
 
-    async fn run(
+    async fn execute(
         &self,
         conn: &mut AsyncPgConnection,
         items: &[ChargeMade],

@@ -105,7 +105,7 @@ impl BatchStatement for StageReceipts {
     /// stages nothing twice.
     const REDO_AFTER_CONNECTION_LOSS: bool = true;
 
-    async fn run(
+    async fn execute(
         &self,
         conn: &mut AsyncPgConnection,
         items: &[ReceiptDue],

@@ -92,7 +92,7 @@ impl BatchStatement for Claims {
     /// the batch gave it: the same answer as two concurrent claims of one key, never a second key.
     const REDO_AFTER_CONNECTION_LOSS: bool = true;
 
-    async fn run(
+    async fn execute(
         &self,
         conn: &mut AsyncPgConnection,
         batch: &[ClaimRequest],
