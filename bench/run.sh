@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Reproducible benchmark driver (docs/performance.md). Builds in release, starts fake-stripe,
-# the api-server (and the workers for their scenarios) as separate processes on loopback ports
-# that do not clash with deploy/local/run.sh, against a fresh scratch database, runs the pgbench
-# ceiling and the load generator per scenario, prints the table and writes it to a file, then
-# kills its processes, drops its database and deletes its RabbitMQ queues.
+# the api-server (and the workers and the mail sink for their scenarios) as separate processes on
+# loopback ports that do not clash with deploy/local/run.sh, against a fresh scratch database,
+# runs the pgbench ceiling and the load generator per scenario, prints the table and writes it to
+# a file, then kills its processes, drops its database and deletes its RabbitMQ queues.
 #
 #   bench/run.sh [all | new | replay | latency | receipts | enqueuer | new-1 | new-8 | new-32 | new-64 ...]
 #
@@ -93,7 +93,7 @@ mkdir -p "$OUT/logs"
 log "run $RUN_ID -> $OUT (scenarios: ${SCENARIOS[*]}); load average now $(la)"
 
 log "building in release"
-cargo build --release --quiet -p api-server -p workers -p fake-stripe -p bench
+cargo build --release --quiet -p api-server -p workers -p fake-stripe -p mail-sink -p bench
 BIN="$REPO_ROOT/target/release"
 # A/B comparisons: another build's api-server against the same stack and database.
 API_SERVER_BIN=${API_SERVER_BIN:-$BIN/api-server}
@@ -255,7 +255,7 @@ if wants receipts; then
   # left 230,923, an hour of mail); keep RECEIPT_JOBS of them. This is a scratch database.
   psql_db -c "DELETE FROM staged_jobs WHERE id > (SELECT id FROM staged_jobs ORDER BY id OFFSET $((RECEIPT_JOBS - 1)) LIMIT 1)" >/dev/null
   mkdir -p "$OUT/mail"
-  start mail-sink "$BIN/workers" mail-sink --listen "$SMTP_ADDR" --dir "$OUT/mail"
+  start mail-sink "$BIN/mail-sink" --listen "$SMTP_ADDR" --dir "$OUT/mail"
   wait_for_port "$SMTP_ADDR" mail-sink
   jobs=$(count 'SELECT count(*) FROM staged_jobs')
   load=$(la); t0=$(now)

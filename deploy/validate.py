@@ -635,7 +635,7 @@ def dockerfile(path: Path, root: Path) -> list[str]:
         if excluded:
             problems.append(f"{ignore}: excludes {item}, which the build needs")
     for target, binary in (("api-server", "api-server"), ("workers", "workers"),
-                           ("fake-stripe", "fake-stripe")):
+                           ("fake-stripe", "fake-stripe"), ("mail-sink", "mail-sink")):
         if target not in stages:
             problems.append(f"{path}: no stage {target}")
             continue

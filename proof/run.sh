@@ -12,7 +12,7 @@ for a in "$@"; do
     *) args+=("$a") ;;
   esac
 done
-cargo build --locked --quiet -p workers -p fake-stripe -p proof
+cargo build --locked --quiet -p workers -p fake-stripe -p mail-sink -p proof
 # Last, so that target/debug/api-server is the build with the crash points compiled in (the
 # feature is never enabled by any other build, so release images never carry it).
 cargo build --locked --quiet -p api-server --features fault-injection

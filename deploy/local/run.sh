@@ -65,7 +65,7 @@ for addr in "$GRPC_LISTEN_ADDR" "$FAKE_STRIPE_LISTEN" "$SMTP_LISTEN" "$MAIL_SEAR
 done
 
 log "building (first build takes a few minutes)"
-cargo build --locked --quiet --bin api-server --bin fake-stripe --bin workers
+cargo build --locked --quiet --bin api-server --bin fake-stripe --bin workers --bin mail-sink
 bin="$REPO_ROOT/target/debug"
 mkdir -p .run/logs "$MAIL_DIR"
 
@@ -87,7 +87,7 @@ log "migrating $(printf '%s' "$DATABASE_URL" | sed -E 's#//([^:/@]+):[^@]*@#//\1
 
 start fake-stripe "$bin/fake-stripe" --listen "$FAKE_STRIPE_LISTEN"
 wait_for_port "${FAKE_STRIPE_LISTEN%:*}" "${FAKE_STRIPE_LISTEN##*:}" fake-stripe 30
-start mail-sink "$bin/workers" mail-sink --listen "$SMTP_LISTEN" --dir "$MAIL_DIR" --http-listen "$MAIL_SEARCH_LISTEN"
+start mail-sink "$bin/mail-sink" --listen "$SMTP_LISTEN" --dir "$MAIL_DIR" --http-listen "$MAIL_SEARCH_LISTEN"
 wait_for_port "${SMTP_LISTEN%:*}" "${SMTP_LISTEN##*:}" mail-sink 30
 start api-server "$bin/api-server" serve
 wait_for_port "${GRPC_LISTEN_ADDR%:*}" "${GRPC_LISTEN_ADDR##*:}" api-server 30

@@ -282,9 +282,8 @@ impl Children {
         stripe.start().await?;
         let mut sink = make(
             "mail-sink",
-            workers_bin.clone(),
+            plan.bin_dir.join("mail-sink"),
             vec![
-                "mail-sink".into(),
                 "--listen".into(),
                 format!("127.0.0.1:{}", args.smtp_port),
                 "--dir".into(),

@@ -10,7 +10,6 @@
 //! - [`receipts`]: the receipt worker, RabbitMQ → SMTP, claimed in `receipt_claims` and
 //!   deduplicated in `sent_receipts`.
 //! - [`mailer`]: receipt e-mails over SMTP (lettre).
-//! - [`mail_sink`]: a small SMTP server for development and tests.
 //! - [`relay_search`]: asks the relay whether it already holds a Message-ID (the crash window).
 //! - [`completer`]: pushes abandoned idempotency keys to completion through the public API.
 //! - [`reaper`]: retires expired keys, recording unfinished ones for a human first.
@@ -19,6 +18,9 @@
 //!
 //! Every worker has a `run_once` (one pass, returns a serialisable summary of counts) and a `run`
 //! loop that calls it until the shutdown token is cancelled.
+//!
+//! The development SMTP server that local runs, the benchmark and these tests mail receipts to
+//! is not part of the fleet: it is the `mail-sink` crate and binary.
 
 pub mod admin;
 pub mod amqp;
@@ -26,7 +28,6 @@ pub mod backoff;
 pub mod completer;
 pub mod config;
 pub mod enqueuer;
-pub mod mail_sink;
 pub mod mailer;
 pub mod metrics;
 pub mod reaper;

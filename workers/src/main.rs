@@ -2,14 +2,14 @@
 //! SIGTERM/SIGINT, or one pass with `--once`, which prints a one-line JSON summary of counts to
 //! stdout and exits 0 (non-zero on failure). Logs go to stderr.
 
-use std::{net::SocketAddr, path::PathBuf, time::Duration};
+use std::{net::SocketAddr, time::Duration};
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 use workers::{
-    amqp::AmqpSession, completer::Completer, config::Config, enqueuer::Enqueuer,
-    mail_sink::MailSink, mailer::Mailer, reaper::Reaper, receipts::ReceiptWorker,
-    relay_search::RelaySearch, shutdown, topology::Topology,
+    amqp::AmqpSession, completer::Completer, config::Config, enqueuer::Enqueuer, mailer::Mailer,
+    reaper::Reaper, receipts::ReceiptWorker, relay_search::RelaySearch, shutdown,
+    topology::Topology,
 };
 
 #[derive(Parser)]
@@ -29,24 +29,6 @@ enum Command {
     Completer(Once),
     /// Deletes expired idempotency keys, recording unfinished ones for a human.
     Reaper(Once),
-    /// A development SMTP server that stores every mail as an .eml file. It keeps at most
-    /// --max-mails mails and --max-bytes bytes of them in memory (for its search), dropping the
-    /// oldest first; the .eml files stay.
-    MailSink {
-        #[arg(long, default_value = "127.0.0.1:2525")]
-        listen: SocketAddr,
-        #[arg(long)]
-        dir: PathBuf,
-        /// Most mails kept in memory; the oldest are dropped first.
-        #[arg(long, default_value_t = workers::mail_sink::Retention::default().max_mails)]
-        max_mails: usize,
-        /// Most bytes of mail kept in memory; the oldest mails are dropped first.
-        #[arg(long, default_value_t = workers::mail_sink::Retention::default().max_bytes)]
-        max_bytes: usize,
-        /// Also serve the message search (Mailpit's `/api/v1/search`) here, for MAIL_SEARCH_URL.
-        #[arg(long)]
-        http_listen: Option<SocketAddr>,
-    },
     /// Operator commands: inspect and repair keys, dead letters, backlog (docs/operations.md).
     Admin(workers::admin::AdminArgs),
 }
@@ -67,7 +49,6 @@ impl Command {
             Command::Receipts(_) => ("rides-receipts", 9466),
             Command::Completer(_) => ("rides-completer", 9467),
             Command::Reaper(_) => ("rides-reaper", 9468),
-            Command::MailSink { .. } => ("rides-mail-sink", 9469),
             Command::Admin(_) => ("rides-admin", 9470),
         }
     }
@@ -78,7 +59,7 @@ impl Command {
             | Command::Receipts(once)
             | Command::Completer(once)
             | Command::Reaper(once) => !once.once,
-            Command::MailSink { .. } | Command::Admin(_) => false,
+            Command::Admin(_) => false,
         }
     }
 }
@@ -192,26 +173,6 @@ async fn run(cli: Cli, shutdown: tokio_util::sync::CancellationToken) -> anyhow:
                 tracing::info!(?total, "reaper stopped");
                 return Ok(());
             }
-        }
-        Command::MailSink {
-            listen,
-            dir,
-            max_mails,
-            max_bytes,
-            http_listen,
-        } => {
-            let retention = workers::mail_sink::Retention {
-                max_mails,
-                max_bytes,
-            };
-            let sink = MailSink::spawn_with(listen, Some(dir), retention).await?;
-            tracing::info!(addr = %sink.addr(), "mail sink listening");
-            if let Some(http_listen) = http_listen {
-                let url = sink.serve_search(http_listen).await?;
-                tracing::info!(%url, "mail sink search listening");
-            }
-            sink.run_until(shutdown).await;
-            return Ok(());
         }
         // Prints its own report (text or --json) on stdout; fails with a clear message.
         Command::Admin(args) => return workers::admin::run(args, &config, shutdown).await,

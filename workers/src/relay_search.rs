@@ -4,7 +4,7 @@
 //! send was recorded, only the relay knows the mail went out. This is the receipt worker's
 //! equivalent of looking a PaymentIntent up at Stripe before charging again. The API is Mailpit's
 //! message search (`GET /api/v1/search?query=message-id:<id>`), which the development mail sink
-//! (`workers mail-sink --http-listen`) also serves; a production relay with a message-events API
+//! (`mail-sink --http-listen`, its own crate) also serves; a production relay with a message-events API
 //! (SES, Postmark, Mailgun) fits behind the same call.
 
 use std::time::Duration;

@@ -17,6 +17,7 @@ use lapin::{
     options::{BasicAckOptions, BasicGetOptions, BasicPublishOptions, QueueDeclareOptions},
     types::FieldTable,
 };
+use mail_sink::MailSink;
 use schema::{Pool, models::NewStagedJob, schema::staged_jobs};
 use tokio::{
     io::{AsyncReadExt, AsyncWriteExt},
@@ -27,7 +28,6 @@ use workers::{
     amqp::AmqpSession,
     config::{EnqueuerConfig, ReceiptsConfig},
     enqueuer::Enqueuer,
-    mail_sink::MailSink,
     mailer::Mailer,
     receipts::ReceiptWorker,
     relay_search::RelaySearch,

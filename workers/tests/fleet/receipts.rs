@@ -6,9 +6,9 @@ use api_server::testing::{GOOD_CARD, TestApp, new_key, ride_request};
 use contract::message::ReceiptMessage;
 use diesel::{ExpressionMethods, QueryDsl};
 use diesel_async::RunQueryDsl;
+use mail_sink::MailSink;
 use schema::schema::{receipt_claims, sent_receipts};
 use workers::{
-    mail_sink::MailSink,
     mailer::{Mailer, Receipt, receipt_message_id},
     relay_search::RelaySearch,
 };

@@ -4,14 +4,19 @@
 //! with a failure code (e.g. 451) to exercise retries. It accepts every address and never relays.
 //!
 //! Like a real relay it can be asked, after the fact, whether it accepted a message: an HTTP
-//! endpoint with the shape of Mailpit's `GET /api/v1/search?query=message-id:<id>` (see
-//! [`crate::relay_search`]). With a directory, mails stored by an earlier run are loaded at start,
-//! so a restarted sink still answers for them.
+//! endpoint with the shape of Mailpit's `GET /api/v1/search?query=message-id:<id>` (what the
+//! receipt worker's `workers::relay_search` asks). With a directory, mails stored by an earlier
+//! run are loaded at start, so a restarted sink still answers for them.
 //!
 //! What it keeps in memory is bounded ([`Retention`]): beyond a count or a total size of mails,
 //! the oldest are dropped from memory (their `.eml` files stay), so a long run or a flood cannot
 //! grow it without bound. A dropped mail is no longer found by the search, so the defaults are
 //! sized for the benchmark's ~100,000 receipts of a few KB, and a search follows its send closely.
+//!
+//! A development tool, not part of the worker fleet: the `mail-sink` binary (`src/main.rs`) runs
+//! it for local runs, the benchmark, the crash-and-fault campaign and staging, and the workers'
+//! tests spawn it in-process. Like fake-stripe for Stripe, it stands in for the real service and
+//! shares no code with its client.
 
 use std::{
     collections::VecDeque,
@@ -251,7 +256,7 @@ impl MailSink {
         self.stop.cancel();
     }
 
-    /// Serves until `shutdown` is cancelled (the `mail-sink` subcommand).
+    /// Serves until `shutdown` is cancelled (the `mail-sink` binary).
     pub async fn run_until(self, shutdown: CancellationToken) {
         shutdown.cancelled().await;
         self.stop();
@@ -365,17 +370,17 @@ fn search(state: &State, uri: &hyper::Uri) -> hyper::Response<Full<Bytes>> {
             serde_json::json!({"Error": "only message-id:<id> searches are supported"}),
         );
     };
-    let wanted = crate::relay_search::bare(wanted.trim_matches('"'));
+    let wanted = bare(wanted.trim_matches('"'));
     let mails = state.mails();
     let messages: Vec<serde_json::Value> = mails
         .iter()
         .enumerate()
         .filter_map(|(n, mail)| {
             let id = mail.message_id()?;
-            (crate::relay_search::bare(&id) == wanted).then(|| {
+            (bare(&id) == wanted).then(|| {
                 serde_json::json!({
                     "ID": n.to_string(),
-                    "MessageID": crate::relay_search::bare(&id),
+                    "MessageID": bare(&id),
                     "Subject": mail.header("Subject").unwrap_or_default(),
                 })
             })
@@ -393,6 +398,18 @@ fn search(state: &State, uri: &hyper::Uri) -> hyper::Response<Full<Bytes>> {
             "messages": messages,
         }),
     )
+}
+
+/// `<id@host>` → `id@host`, as a relay compares Message-IDs. Deliberately the sink's own and not
+/// the receipt worker's (`workers::relay_search::bare`): the sink stands in for a real relay, as
+/// fake-stripe does for Stripe, so it must not borrow its client's reading of the protocol (and
+/// it does not depend on the fleet).
+fn bare(message_id: &str) -> &str {
+    let trimmed = message_id.trim();
+    trimmed
+        .strip_prefix('<')
+        .and_then(|rest| rest.strip_suffix('>'))
+        .unwrap_or(trimmed)
 }
 
 /// The mails a previous run stored in `dir`.
@@ -630,5 +647,11 @@ mod tests {
         };
         assert_eq!(mail.message_id().as_deref(), Some("<a@b>"));
         assert_eq!(mail.header("subject").as_deref(), Some("long folded"));
+    }
+
+    #[test]
+    fn searches_message_ids_without_their_angle_brackets() {
+        assert_eq!(bare(" <a@b> "), "a@b");
+        assert_eq!(bare("a@b>"), "a@b>");
     }
 }
