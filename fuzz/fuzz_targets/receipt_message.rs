@@ -1,4 +1,4 @@
-//! The AMQP receipt message decoder (`workers::message::ReceiptMessage::decode`): the boundary
+//! The AMQP receipt message decoder (`contract::message::ReceiptMessage::decode`): the boundary
 //! that other teams' producers and a broker's redeliveries cross.
 //!
 //! Properties: no body panics the decoder; what it accepts is a version-1 `ride.receipt` with
@@ -11,7 +11,7 @@
 use arbitrary::{Arbitrary, Unstructured};
 use chrono::{DateTime, FixedOffset};
 use libfuzzer_sys::fuzz_target;
-use workers::message::{RECEIPT_MESSAGE_TYPE, RECEIPT_MESSAGE_VERSION, ReceiptMessage};
+use contract::message::{RECEIPT_MESSAGE_TYPE, RECEIPT_MESSAGE_VERSION, ReceiptMessage};
 
 fuzz_target!(|data: &[u8]| {
     if let Ok(message) = ReceiptMessage::decode(data) {
