@@ -58,3 +58,27 @@ pub struct Lease {
     pub token: Uuid,
     pub recovery_point: RecoveryPoint,
 }
+
+/// Which key a batched phase's item moves on and the token its fence checks: the part of a
+/// [`Lease`] that goes into a batch (`contract::batch_fence!`'s `$1` and `$2` arrays).
+#[derive(Clone, Copy, Debug)]
+pub struct Fence {
+    pub key_id: i64,
+    pub token: Uuid,
+}
+
+impl Lease {
+    pub fn fence(&self) -> Fence {
+        Fence {
+            key_id: self.key_id,
+            token: self.token,
+        }
+    }
+}
+
+impl Fence {
+    /// The `$1` key ids and `$2` lock tokens of a batch statement, one element per item.
+    pub fn arrays(fences: impl Iterator<Item = Fence>) -> (Vec<i64>, Vec<Uuid>) {
+        fences.map(|fence| (fence.key_id, fence.token)).unzip()
+    }
+}

@@ -28,12 +28,11 @@ use schema::{
     store::StoreError,
 };
 use scoped_futures::ScopedFutureExt;
-use uuid::Uuid;
 
 use super::{RideParams, RideRequest, Rides};
 use crate::{
     config::Price,
-    idempotency::{self, BatchStatement, Lease},
+    idempotency::{self, BatchStatement, Fence, Lease},
 };
 
 impl Rides {
@@ -47,8 +46,7 @@ impl Rides {
         let origin_ip = IpNet::from(request.origin_ip);
         let data = serde_json::to_value(params).unwrap_or_default();
         let new_ride = || NewRide {
-            key_id: lease.key_id,
-            token: lease.token,
+            fence: lease.fence(),
             user_id: lease.user_id,
             params,
             data: data.clone(),
@@ -119,8 +117,7 @@ pub struct CreateRideRecords {
 
 /// One request's part of [`CreateRideRecords`].
 pub struct NewRide {
-    pub key_id: i64,
-    pub token: Uuid,
+    pub fence: Fence,
     pub user_id: i64,
     pub params: RideParams,
     /// The audit record's data.
@@ -144,8 +141,7 @@ impl BatchStatement for CreateRideRecords {
         items: &[NewRide],
     ) -> Result<Vec<Option<Ride>>, DieselError> {
         let column = |f: fn(&NewRide) -> f64| items.iter().map(f).collect::<Vec<f64>>();
-        let key_ids: Vec<i64> = items.iter().map(|item| item.key_id).collect();
-        let tokens: Vec<Uuid> = items.iter().map(|item| item.token).collect();
+        let (key_ids, tokens) = Fence::arrays(items.iter().map(|item| item.fence));
         let origin_lats = column(|item| item.params.origin_lat);
         let origin_lons = column(|item| item.params.origin_lon);
         let target_lats = column(|item| item.params.target_lat);
@@ -174,7 +170,7 @@ impl BatchStatement for CreateRideRecords {
             .collect();
         Ok(items
             .iter()
-            .map(|item| rides.remove(&item.key_id))
+            .map(|item| rides.remove(&item.fence.key_id))
             .collect())
     }
 }

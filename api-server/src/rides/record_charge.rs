@@ -22,11 +22,10 @@ use schema::{
 };
 use scoped_futures::ScopedFutureExt;
 use telemetry::attr;
-use uuid::Uuid;
 
 use super::{CreateRideError, RideRequest, Rides};
 use crate::{
-    idempotency::{self, BatchStatement, Lease},
+    idempotency::{self, BatchStatement, Fence, Lease},
     metrics::metrics,
     payments::{ChargeError, ChargeRequest},
 };
@@ -120,8 +119,7 @@ impl Rides {
         intent_id: &str,
     ) -> Result<(), StoreError> {
         let charge_made = || ChargeMade {
-            key_id: lease.key_id,
-            token: lease.token,
+            fence: lease.fence(),
             ride_id,
             charge_id: intent_id.to_owned(),
         };
@@ -185,8 +183,7 @@ pub struct RecordCharges;
 
 /// One request's part of [`RecordCharges`].
 pub struct ChargeMade {
-    pub key_id: i64,
-    pub token: Uuid,
+    pub fence: Fence,
     pub ride_id: i64,
     /// The provider's PaymentIntent id.
     pub charge_id: String,
@@ -205,8 +202,7 @@ impl BatchStatement for RecordCharges {
         conn: &mut AsyncPgConnection,
         items: &[ChargeMade],
     ) -> Result<Vec<Option<()>>, DieselError> {
-        let key_ids: Vec<i64> = items.iter().map(|item| item.key_id).collect();
-        let tokens: Vec<Uuid> = items.iter().map(|item| item.token).collect();
+        let (key_ids, tokens) = Fence::arrays(items.iter().map(|item| item.fence));
         let charge_ids: Vec<&str> = items.iter().map(|item| item.charge_id.as_str()).collect();
         let ride_ids: Vec<i64> = items.iter().map(|item| item.ride_id).collect();
         let moved = prepared::<RecordChargeBatch, _>(|q| {
@@ -217,7 +213,7 @@ impl BatchStatement for RecordCharges {
         })
         .load::<KeyMoved>(conn)
         .await?;
-        Ok(KeyMoved::per_item(items, |item| item.key_id, moved))
+        Ok(KeyMoved::per_item(items, |item| item.fence.key_id, moved))
     }
 }
 

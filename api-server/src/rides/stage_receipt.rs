@@ -17,10 +17,9 @@ use schema::{
     store::StoreError,
 };
 use scoped_futures::ScopedFutureExt;
-use uuid::Uuid;
 
 use super::Rides;
-use crate::idempotency::{self, BatchStatement, Lease};
+use crate::idempotency::{self, BatchStatement, Fence, Lease};
 
 impl Rides {
     /// Phase `charge_created`: the receipt job and the stored response, then finished.
@@ -36,8 +35,7 @@ impl Rides {
         let outcome = Outcome::ride_created(ride);
         let stored = outcome.to_stored();
         let receipt_due = || ReceiptDue {
-            key_id: lease.key_id,
-            token: lease.token,
+            fence: lease.fence(),
             job_args: job_args.clone(),
             trace_context: trace_context.clone(),
             response_code: stored.code,
@@ -88,8 +86,7 @@ pub struct StageReceipts;
 
 /// One request's part of [`StageReceipts`].
 pub struct ReceiptDue {
-    pub key_id: i64,
-    pub token: Uuid,
+    pub fence: Fence,
     pub job_args: serde_json::Value,
     pub trace_context: serde_json::Value,
     pub response_code: i32,
@@ -110,8 +107,7 @@ impl BatchStatement for StageReceipts {
         conn: &mut AsyncPgConnection,
         items: &[ReceiptDue],
     ) -> Result<Vec<Option<()>>, DieselError> {
-        let key_ids: Vec<i64> = items.iter().map(|item| item.key_id).collect();
-        let tokens: Vec<Uuid> = items.iter().map(|item| item.token).collect();
+        let (key_ids, tokens) = Fence::arrays(items.iter().map(|item| item.fence));
         let job_args: Vec<&serde_json::Value> = items.iter().map(|item| &item.job_args).collect();
         let trace_contexts: Vec<&serde_json::Value> =
             items.iter().map(|item| &item.trace_context).collect();
@@ -129,7 +125,7 @@ impl BatchStatement for StageReceipts {
         })
         .load::<KeyMoved>(conn)
         .await?;
-        Ok(KeyMoved::per_item(items, |item| item.key_id, moved))
+        Ok(KeyMoved::per_item(items, |item| item.fence.key_id, moved))
     }
 }
 

@@ -341,6 +341,32 @@ async fn unlock_refuses_a_live_lock_unless_forced_and_fences_out_its_holder() {
     assert!(app.rides().await.is_empty());
 }
 
+/// `key finish --force` takes the live lock over with its own token and finishes the key with the
+/// api-server's `FinishKey` statement: the old holder is fenced out exactly as after an unlock.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_forced_finish_fences_out_the_live_holder() {
+    let app = TestApp::spawn().await;
+    let user = app.create_user(GOOD_CARD).await;
+    let (key, mut lease) = key_at(&app, &user, RecoveryPoint::Started).await;
+
+    let request = FinishRequest {
+        force: true,
+        ..finish_request(lease.key_id, FinishOutcome::Declined)
+    };
+    let applied = keys::finish(&app.pool, &db_settings(), &request, Mode::Apply)
+        .await
+        .unwrap();
+    assert_eq!(applied.warnings.len(), 1);
+    let row = app.key_row(&user, &key).await.unwrap();
+    assert_eq!(row.recovery_point, RecoveryPoint::Finished);
+    assert_eq!((row.locked_at, row.lock_token), (None, None));
+    // The old holder's next phase commits nothing.
+    let ride_request = app.rides_request(&user, params()).await;
+    let step = app.rides.step(&mut lease, &ride_request).await;
+    assert!(matches!(step, Err(CreateRideError::LockLost)), "{step:?}");
+    assert!(app.rides().await.is_empty());
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_finished_key_is_neither_unlocked_nor_finished_again() {
     let app = TestApp::spawn().await;
