@@ -341,7 +341,7 @@ async fn migrate_creates_and_migrates_a_missing_database_and_is_idempotent() {
     let admin = std::env::var("TEST_DATABASE_URL")
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
     let name = format!("rides_cli_{}", uuid::Uuid::new_v4().simple());
-    let url = schema::testing::database_url(&admin, &name);
+    let url = schema::database_url(&admin, &name);
 
     let first = api_server_command(&url).arg("migrate").output().unwrap();
     let second = api_server_command(&url).arg("migrate").output().unwrap();

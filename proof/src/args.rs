@@ -86,16 +86,29 @@ pub(crate) struct Args {
     /// private ones; their restarts are then skipped.
     #[arg(long)]
     pub(crate) shared_services: bool,
+    /// Run on the high-availability topology of `deploy/local/ha.sh` (PostgreSQL under Patroni
+    /// with a synchronous standby, a three-node RabbitMQ cluster): PostgreSQL faults become
+    /// primary SIGKILLs and planned switchovers, RabbitMQ faults SIGKILL one node at a time.
+    #[arg(long, conflicts_with = "shared_services")]
+    pub(crate) ha: bool,
+    /// `--ha`: the first of the topology's ports (HA_PORT_BASE; the layout is in ha.sh).
+    #[arg(long, default_value_t = 27000)]
+    pub(crate) ha_port_base: u16,
+    /// `--ha`: the fraction of PostgreSQL faults that are planned switchovers rather than kills.
+    #[arg(long, default_value_t = 0.3)]
+    pub(crate) switchover_ratio: f64,
     /// Port of the private PostgreSQL cluster.
     #[arg(long, default_value_t = 25433)]
     pub(crate) pg_port: u16,
     /// Port of the private RabbitMQ node (its distribution port is this + 20000).
     #[arg(long, default_value_t = 5683)]
     pub(crate) amqp_port: u16,
-    /// Mean seconds between PostgreSQL fast-shutdown restarts.
+    /// Mean seconds between PostgreSQL fast-shutdown restarts (with `--ha`: between failovers,
+    /// each after the last has healed).
     #[arg(long, default_value_t = 20.0)]
     pub(crate) pg_restart_every_secs: f64,
-    /// Mean seconds between RabbitMQ restarts.
+    /// Mean seconds between RabbitMQ restarts (with `--ha`: between node kills, each after the
+    /// last node is back).
     #[arg(long, default_value_t = 25.0)]
     pub(crate) rabbit_restart_every_secs: f64,
     /// Mean seconds between stalls of an api-server (SIGSTOP for longer than the lock timeout,

@@ -22,7 +22,7 @@ use tonic_types::StatusExt;
 
 use crate::{
     args::Args,
-    counters::{Counters, Tallies},
+    counters::{Attempted, Counters, Tallies, Timeline},
     setup::{Plan, Wiring},
 };
 
@@ -185,6 +185,7 @@ struct ClientCtx {
     attempts: Arc<Counters>,
     requests: Arc<AtomicU64>,
     retries: Arc<AtomicU64>,
+    timeline: Arc<Timeline>,
 }
 
 async fn run_client(ctx: ClientCtx, seed: u64) -> Vec<KeyRecord> {
@@ -216,6 +217,7 @@ async fn run_client(ctx: ClientCtx, seed: u64) -> Vec<KeyRecord> {
                 Duration::from_secs(20)
             };
             let server = rng.random_range(0..ctx.rpcs.len());
+            let sent = Instant::now();
             let answer = match call(&ctx.rpcs[server], &ctx.user, &key, params, timeout).await {
                 Ok(Err(status)) if server == 1 && reason_of(&status) == "DATABASE_UNAVAILABLE" => {
                     ctx.faults
@@ -229,6 +231,13 @@ async fn run_client(ctx: ClientCtx, seed: u64) -> Vec<KeyRecord> {
                 }
                 Err(()) => Answer::Retry("CLIENT/TIMEOUT".to_owned()),
             };
+            ctx.timeline.attempt(
+                sent,
+                match answer {
+                    Answer::Final(_) => Attempted::Answered,
+                    Answer::Retry(_) => Attempted::Failed,
+                },
+            );
             match answer {
                 Answer::Final(seen) => {
                     ctx.attempts.add(
@@ -260,6 +269,9 @@ async fn run_client(ctx: ClientCtx, seed: u64) -> Vec<KeyRecord> {
                 }
             }
         };
+        if matches!(seen, Seen::Abandoned(_) | Seen::GaveUp(_)) {
+            ctx.timeline.key_left();
+        }
         records.push(KeyRecord {
             key,
             user_id: ctx.user.id,
@@ -389,6 +401,7 @@ impl Traffic {
                 attempts: Arc::clone(&tallies.attempts),
                 requests: Arc::clone(&tallies.requests),
                 retries: Arc::clone(&tallies.retries),
+                timeline: Arc::clone(&tallies.timeline),
             };
             clients.push(tokio::spawn(run_client(
                 ctx,

@@ -18,7 +18,7 @@ use tokio::{sync::Mutex, task::JoinHandle};
 
 use crate::{
     args::Args,
-    counters::Counters,
+    counters::{Counters, FaultEvent, Tallies, Timeline},
     processes::{Children, Proc, kill_and_restart, signal},
     services::{ServerKind, Services},
     setup::{LOCK_TIMEOUT_SECS, Plan, Wiring},
@@ -72,9 +72,10 @@ impl Faults {
         wiring: &Wiring,
         children: &Children,
         services: &Arc<Services>,
-        faults: &Arc<Counters>,
+        tallies: &Tallies,
         http: &reqwest::Client,
     ) -> Self {
+        let faults = &tallies.faults;
         let stop = Arc::new(AtomicBool::new(false));
         let rng = |salt: u64| StdRng::seed_from_u64(plan.seed.wrapping_add(salt));
         // Fault: api-server SIGKILL + restart, at random moments.
@@ -111,8 +112,28 @@ impl Faults {
                 mean,
             ))
         };
-        let pg_restarter = restarter(ServerKind::Postgres, args.pg_restart_every_secs, 6);
-        let rabbit_restarter = restarter(ServerKind::Rabbit, args.rabbit_restart_every_secs, 7);
+        let (pg_restarter, rabbit_restarter) = if services.ha.is_some() {
+            let ha = HaFaults {
+                services: Arc::clone(services),
+                faults: Arc::clone(faults),
+                timeline: Arc::clone(&tallies.timeline),
+                stop: Arc::clone(&stop),
+                traffic: plan.duration,
+            };
+            (
+                tokio::spawn(ha.clone().fail_over(
+                    rng(6),
+                    args.pg_restart_every_secs,
+                    args.switchover_ratio,
+                )),
+                tokio::spawn(ha.kill_brokers(rng(7), args.rabbit_restart_every_secs)),
+            )
+        } else {
+            (
+                restarter(ServerKind::Postgres, args.pg_restart_every_secs, 6),
+                restarter(ServerKind::Rabbit, args.rabbit_restart_every_secs, 7),
+            )
+        };
         // Fault: enqueuer / receipt worker SIGKILL + restart.
         let (enq, rec) = (
             Arc::clone(&children.enqueuer),
@@ -244,6 +265,81 @@ async fn restart_at_random(
         services.start_server(kind).await?;
     }
     Ok(())
+}
+
+/// `--ha`'s faults on the high-availability topology, one at a time per kind, each only once the
+/// last has healed (a primary with a synchronous standby, three brokers), and each logged on
+/// the timeline so that the report can say what the clients saw around it.
+#[derive(Clone)]
+struct HaFaults {
+    services: Arc<Services>,
+    faults: Arc<Counters>,
+    timeline: Arc<Timeline>,
+    stop: Arc<AtomicBool>,
+    traffic: Duration,
+}
+
+impl HaFaults {
+    /// PostgreSQL: SIGKILL of the primary's postmaster (Patroni promotes the synchronous standby
+    /// and re-joins the old primary with pg_rewind), or a planned switchover.
+    async fn fail_over(
+        self,
+        mut rng: StdRng,
+        mean: f64,
+        switchover_ratio: f64,
+    ) -> anyhow::Result<()> {
+        let Some(ha) = &self.services.ha else {
+            return Ok(());
+        };
+        let mut first = true;
+        while self.wait_next(&mut rng, &mut first, mean).await {
+            let at = Instant::now();
+            let label = if rng.random_bool(switchover_ratio.clamp(0.0, 1.0)) {
+                ha.switchover().await?;
+                "failover/postgresql planned switchover"
+            } else {
+                ha.kill_primary().await?;
+                "failover/postgresql primary SIGKILL"
+            };
+            self.faults.add(label, 1);
+            ha.wait_healthy().await?;
+            self.log(label.to_owned(), at);
+        }
+        Ok(())
+    }
+
+    /// RabbitMQ: SIGKILL of one node of three, started again after a few seconds.
+    async fn kill_brokers(self, mut rng: StdRng, mean: f64) -> anyhow::Result<()> {
+        let Some(ha) = &self.services.ha else {
+            return Ok(());
+        };
+        let mut first = true;
+        while self.wait_next(&mut rng, &mut first, mean).await {
+            let node: u8 = rng.random_range(1..=3);
+            let at = Instant::now();
+            ha.kill_broker(node).await?;
+            self.faults
+                .add("sigkill/rabbitmq node (of a cluster of 3)", 1);
+            tokio::time::sleep(Duration::from_millis(rng.random_range(1000..5000))).await;
+            ha.start_broker(node).await?;
+            ha.wait_healthy().await?;
+            self.log(format!("sigkill/rabbitmq node {node}"), at);
+        }
+        Ok(())
+    }
+
+    /// Sleeps until the next fault is due; false once traffic stops.
+    async fn wait_next(&self, rng: &mut StdRng, first: &mut bool, mean: f64) -> bool {
+        sleep_unless_stopped(&self.stop, rare_fault_delay(rng, first, self.traffic, mean)).await
+    }
+
+    fn log(&self, label: String, at: Instant) {
+        self.timeline.fault(FaultEvent {
+            label,
+            at,
+            healed: Instant::now(),
+        });
+    }
 }
 
 /// Fault: provider faults through fake-stripe's HTTP API.

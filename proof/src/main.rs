@@ -132,7 +132,7 @@ async fn campaign(args: Args) -> anyhow::Result<bool> {
     migrated?;
     let guard = DbGuard::new(&wiring, args.keep);
     let result = run(&args, &plan, &wiring, Arc::clone(&services)).await;
-    if services.pg.is_none() {
+    if services.pg.is_none() && services.ha.is_none() {
         guard.cleanup().await;
     }
     services.stop(args.keep).await;
@@ -158,15 +158,7 @@ async fn run(
     let window = Window::from_now(plan.duration);
     let traffic = Traffic::start(args, plan, &users, &tallies, window)?;
     let supervisor = Supervisor::start(&children, &tallies.faults);
-    let faults = Faults::start(
-        args,
-        plan,
-        wiring,
-        &children,
-        &services,
-        &tallies.faults,
-        &http,
-    );
+    let faults = Faults::start(args, plan, wiring, &children, &services, &tallies, &http);
     let maintainer = Maintainer::start(plan, wiring, &tallies.maintenance);
     let progress = report::progress(
         faults.stopped(),
@@ -176,6 +168,17 @@ async fn run(
     );
     tokio::time::sleep_until(window.end.into()).await;
     faults.stop().await?;
+    if args.ha {
+        let events = tallies.timeline.events();
+        for kind in ["failover/", "sigkill/rabbitmq"] {
+            if !events.iter().any(|event| event.label.starts_with(kind)) {
+                anyhow::bail!(
+                    "--ha: no {kind}… fault ran in {}s of traffic",
+                    plan.duration.as_secs()
+                );
+            }
+        }
+    }
     let _ = progress.await;
     faults::clear_provider_faults(&http, &wiring.stripe_base).await;
     println!(

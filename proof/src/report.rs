@@ -19,7 +19,7 @@ use tokio::task::JoinHandle;
 use crate::{
     args::Args,
     clients::KeyRecord,
-    counters::{Counters, Tallies},
+    counters::{Counters, Tallies, Timeline},
     faults::sleep_unless_stopped,
     invariants::{Facts, INVARIANTS, Verdict},
     maintenance::Drain,
@@ -115,6 +115,7 @@ impl Report<'_> {
             "run_id": plan.run_id,
             "seed": plan.seed,
             "mode": if args.long { "long" } else { "short" },
+            "topology": if args.ha { "ha (Patroni + 3-node RabbitMQ)" } else { "single nodes" },
             "database": self.wiring.db_name,
             "traffic_secs": plan.duration.as_secs(),
             "total_secs": (total.as_secs_f64() * 10.0).round() / 10.0,
@@ -147,6 +148,7 @@ impl Report<'_> {
                 "keys_needing_attention": attention_by_reason,
             },
             "replays": self.facts.replays.stats,
+            "ha_faults": ha_faults(&tallies.timeline),
             "invariant_violations": invariant_json,
             "violations": v.list.iter().take(200).collect::<Vec<_>>(),
             "passed": passed,
@@ -202,6 +204,28 @@ impl Report<'_> {
         for (k, n) in tallies.faults.snapshot() {
             line(&mut text, &format!("  {k}"), n.to_string());
         }
+        if args.ha {
+            text.push_str(
+                "-- HA faults: healed after / clients unavailable (first failed to first answered) / failed attempts / keys left to the completer\n",
+            );
+            for event in report["ha_faults"].as_array().into_iter().flatten() {
+                line(
+                    &mut text,
+                    &format!(
+                        "  {:>6.1}s {}",
+                        event["at_secs"].as_f64().unwrap_or(0.0),
+                        event["fault"].as_str().unwrap_or("?")
+                    ),
+                    format!(
+                        "{:.1}s / {} ms / {} / {}",
+                        event["healed_after_secs"].as_f64().unwrap_or(0.0),
+                        event["clients_unavailable_ms"],
+                        event["failed_attempts"],
+                        event["keys_left_to_completer"]
+                    ),
+                );
+            }
+        }
         text.push_str("-- completer / reaper passes\n");
         for (k, n) in tallies.maintenance.snapshot() {
             line(&mut text, &format!("  {k}"), n.to_string());
@@ -241,4 +265,38 @@ impl Report<'_> {
         ));
         text
     }
+}
+
+/// Each `--ha` fault with what the clients saw after it, up to the next fault or 30 s after it
+/// healed, whichever is first (so a failure is counted against at most one fault).
+fn ha_faults(timeline: &Timeline) -> Value {
+    let mut events = timeline.events();
+    events.sort_by_key(|event| event.at);
+    let Some(first) = events.first().map(|event| event.at) else {
+        return json!([]);
+    };
+    let rows: Vec<Value> = events
+        .iter()
+        .enumerate()
+        .map(|(i, event)| {
+            let horizon = event.healed + Duration::from_secs(30);
+            let until = events
+                .get(i + 1)
+                .map_or(horizon, |next| next.at.min(horizon));
+            let outage = timeline.outage(event, until);
+            json!({
+                "fault": event.label,
+                "at_secs": round1((event.at - first).as_secs_f64()),
+                "healed_after_secs": round1((event.healed - event.at).as_secs_f64()),
+                "clients_unavailable_ms": outage.unavailable.as_millis() as u64,
+                "failed_attempts": outage.failed_attempts,
+                "keys_left_to_completer": outage.keys_left,
+            })
+        })
+        .collect();
+    json!(rows)
+}
+
+fn round1(x: f64) -> f64 {
+    (x * 10.0).round() / 10.0
 }

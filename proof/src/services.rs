@@ -3,6 +3,11 @@
 //! stack). Both come from the machine's Debian packages; when the binaries are missing the
 //! campaign runs against the shared servers and reports those faults as skipped.
 //! [`Services`] holds this run's servers, [`ServerKind`] names the one a fault restarts.
+//!
+//! With `--ha` the servers are instead the high-availability topology of `deploy/local/ha.sh`
+//! ([`Ha`]): PostgreSQL under Patroni (a primary and a synchronous standby) and a three-node
+//! RabbitMQ cluster, on ports and in a directory of the run's own. The script is the one home of
+//! that topology; the campaign only asks it to start, break, wait for and stop it.
 
 use std::{
     path::{Path, PathBuf},
@@ -251,6 +256,101 @@ impl Rabbit {
     }
 }
 
+/// The high-availability topology, driven through `deploy/local/ha.sh`.
+pub struct Ha {
+    script: PathBuf,
+    dir: PathBuf,
+    port_base: u16,
+    /// The multi-host URL of the `postgres` database, `target_session_attrs=read-write`.
+    pub admin_url: String,
+    /// Every node's AMQP URL, comma-separated.
+    pub amqp_url: String,
+}
+
+impl Ha {
+    /// Starts the topology in `dir` on ports from `port_base` (etcd, Patroni, PostgreSQL,
+    /// RabbitMQ: the script's header has the layout). Installs its Debian packages if absent.
+    pub async fn up(dir: &Path, port_base: u16) -> anyhow::Result<Ha> {
+        let mut ha = Ha {
+            script: Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/local/ha.sh"),
+            dir: dir.to_path_buf(),
+            port_base,
+            admin_url: String::new(),
+            amqp_url: String::new(),
+        };
+        let urls = async {
+            ha.script_output(&["up"]).await?;
+            let admin_url = ha.script_output(&["database-url", "postgres"]).await?;
+            anyhow::Ok((admin_url, ha.script_output(&["amqp-url"]).await?))
+        };
+        match urls.await {
+            Ok((admin_url, amqp_url)) => {
+                ha.admin_url = admin_url;
+                ha.amqp_url = amqp_url;
+                Ok(ha)
+            }
+            Err(error) => {
+                ha.down().await;
+                Err(error)
+            }
+        }
+    }
+
+    async fn script_output(&self, args: &[&str]) -> anyhow::Result<String> {
+        let output = Command::new(&self.script)
+            .args(args)
+            .env("HA_DIR", &self.dir)
+            .env("HA_PORT_BASE", self.port_base.to_string())
+            .stdin(Stdio::null())
+            .kill_on_drop(true)
+            .output()
+            .await
+            .with_context(|| format!("running {}", self.script.display()))?;
+        if !output.status.success() {
+            bail!(
+                "ha.sh {} failed: {}{}",
+                args.join(" "),
+                String::from_utf8_lossy(&output.stdout),
+                String::from_utf8_lossy(&output.stderr)
+            );
+        }
+        Ok(String::from_utf8_lossy(&output.stdout).trim().to_owned())
+    }
+
+    /// SIGKILL of the primary's postmaster; the node's name.
+    pub async fn kill_primary(&self) -> anyhow::Result<String> {
+        self.script_output(&["kill-primary"]).await
+    }
+
+    pub async fn switchover(&self) -> anyhow::Result<()> {
+        self.script_output(&["switchover"]).await.map(drop)
+    }
+
+    /// SIGKILL of RabbitMQ node `node` (1–3).
+    pub async fn kill_broker(&self, node: u8) -> anyhow::Result<()> {
+        self.script_output(&["kill-broker", &node.to_string()])
+            .await
+            .map(drop)
+    }
+
+    pub async fn start_broker(&self, node: u8) -> anyhow::Result<()> {
+        self.script_output(&["start-broker", &node.to_string()])
+            .await
+            .map(drop)
+    }
+
+    /// Until there is a primary with a synchronous standby and all three brokers listen.
+    pub async fn wait_healthy(&self) -> anyhow::Result<()> {
+        self.script_output(&["wait", "180"]).await.map(drop)
+    }
+
+    pub async fn down(&self) {
+        if let Err(error) = self.script_output(&["down"]).await {
+            eprintln!("proof: stopping the HA topology: {error:#}");
+        }
+    }
+}
+
 /// One of the private servers the campaign restarts.
 #[derive(Clone, Copy)]
 pub(crate) enum ServerKind {
@@ -279,6 +379,8 @@ impl ServerKind {
 pub(crate) struct Services {
     pub(crate) pg: Option<Postgres>,
     pub(crate) rabbit: Option<Rabbit>,
+    /// `--ha`: instead of `pg` and `rabbit`.
+    pub(crate) ha: Option<Ha>,
     pub(crate) dir: PathBuf,
 }
 
@@ -308,6 +410,16 @@ impl Services {
     }
 
     pub(crate) async fn stop(&self, keep: bool) {
+        if let Some(ha) = &self.ha {
+            if keep {
+                println!(
+                    "proof: the HA topology keeps running in {}",
+                    self.dir.display()
+                );
+                return;
+            }
+            ha.down().await;
+        }
         if let Some(rabbit) = &self.rabbit
             && let Err(error) = rabbit.stop().await
         {
@@ -323,7 +435,7 @@ impl Services {
                 "proof: kept the private servers' data in {}",
                 self.dir.display()
             );
-        } else if self.pg.is_some() || self.rabbit.is_some() {
+        } else if self.pg.is_some() || self.rabbit.is_some() || self.ha.is_some() {
             let _ = std::fs::remove_dir_all(&self.dir);
         }
     }

@@ -84,7 +84,19 @@ pub(crate) async fn check_ports_free(args: &Args) -> anyhow::Result<()> {
         args.mail_search_port,
         args.pg_port,
         args.amqp_port,
-    ] {
+    ]
+    .into_iter()
+    // ha.sh reuses a server it finds on its port: a stale topology must not be mistaken for the
+    // run's own (its PostgreSQL ports and first broker; the layout is in ha.sh).
+    .chain(if args.ha {
+        vec![
+            args.ha_port_base + 432,
+            args.ha_port_base + 433,
+            args.ha_port_base + 672,
+        ]
+    } else {
+        Vec::new()
+    }) {
         if port_in_use(port).await {
             bail!("127.0.0.1:{port} is already in use (another proof run?)");
         }
@@ -96,6 +108,15 @@ pub(crate) async fn check_ports_free(args: &Args) -> anyhow::Result<()> {
 pub(crate) async fn start_services(args: &Args, plan: &Plan) -> anyhow::Result<Services> {
     let run_id = &plan.run_id;
     let services_dir = std::env::temp_dir().join(format!("rides-proof-{run_id}"));
+    if args.ha {
+        let ha = services::Ha::up(&services_dir.join("ha"), args.ha_port_base).await?;
+        return Ok(Services {
+            pg: None,
+            rabbit: None,
+            ha: Some(ha),
+            dir: services_dir,
+        });
+    }
     let pg = match (args.shared_services, services::Postgres::find_binaries()) {
         (false, Some(bin)) => Some(
             services::Postgres::init_and_start(bin, &services_dir.join("pg"), args.pg_port).await?,
@@ -127,6 +148,7 @@ pub(crate) async fn start_services(args: &Args, plan: &Plan) -> anyhow::Result<S
     Ok(Services {
         pg,
         rabbit,
+        ha: None,
         dir: services_dir,
     })
 }
@@ -147,20 +169,18 @@ pub(crate) struct Wiring {
 impl Wiring {
     pub(crate) fn new(args: &Args, plan: &Plan, services: &Services) -> anyhow::Result<Self> {
         let run_id = &plan.run_id;
-        let admin_url = services
-            .pg
-            .as_ref()
-            .map_or_else(|| args.admin_url.clone(), services::Postgres::admin_url);
-        let amqp_url = services
-            .rabbit
-            .as_ref()
-            .map_or_else(|| args.amqp_url.clone(), services::Rabbit::url);
+        let (admin_url, amqp_url) = match (&services.ha, &services.pg, &services.rabbit) {
+            (Some(ha), _, _) => (ha.admin_url.clone(), ha.amqp_url.clone()),
+            (None, pg, rabbit) => (
+                pg.as_ref()
+                    .map_or_else(|| args.admin_url.clone(), services::Postgres::admin_url),
+                rabbit
+                    .as_ref()
+                    .map_or_else(|| args.amqp_url.clone(), services::Rabbit::url),
+            ),
+        };
         let db_name = format!("proof_{run_id}");
-        let admin_base = admin_url
-            .rsplit_once('/')
-            .map(|(base, _)| base.to_owned())
-            .context("admin url has no database part")?;
-        let database_url = format!("{admin_base}/{db_name}");
+        let database_url = schema::database_url(&admin_url, &db_name);
         let prefix = format!("proof-{run_id}");
         let internal_token = format!("proof-internal-{}", uuid::Uuid::new_v4().simple());
         let grpc_addr = format!("127.0.0.1:{}", args.grpc_port);

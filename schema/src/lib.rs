@@ -32,4 +32,4 @@ pub mod tls;
 
 pub use pool::{DbConn, PlanCache, Pool, PoolError, build_pool};
 pub use recovery_point::{RecoveryPoint, UnknownRecoveryPoint};
-pub use tls::connect;
+pub use tls::{connect, database_url};

@@ -26,14 +26,14 @@ pub async fn create_database_if_missing(database_url: &str) -> Result<bool, Migr
         Err(error) if error.to_string().contains("does not exist") => {}
         Err(error) => return Err(MigrationError::Connect(error)),
     }
-    let Some((server, name)) = split_database_name(database_url) else {
+    let Some(name) = database_name(database_url) else {
         return Err(MigrationError::Connect(
             diesel::ConnectionError::InvalidConnectionUrl(
                 "the database URL names no database".into(),
             ),
         ));
     };
-    let mut admin = connect(&format!("{server}/postgres{}", query_of(database_url)))
+    let mut admin = connect(&crate::tls::database_url(database_url, "postgres"))
         .await
         .map_err(MigrationError::Connect)?;
     let quoted = name.replace('"', "\"\"");
@@ -52,19 +52,13 @@ pub async fn create_database_if_missing(database_url: &str) -> Result<bool, Migr
     }
 }
 
-/// (`postgres://host:port`, `name`) from `postgres://host:port/name?options`.
-fn split_database_name(url: &str) -> Option<(&str, &str)> {
+/// `name` from `postgres://host:port[,host:port…]/name?options`.
+fn database_name(url: &str) -> Option<&str> {
     let without_query = url.split('?').next()?;
     let authority_start = without_query.find("://")? + 3;
     let slash = authority_start + without_query[authority_start..].find('/')?;
     let name = &without_query[slash + 1..];
-    (!name.is_empty()).then_some((&without_query[..slash], name))
-}
-
-fn query_of(url: &str) -> String {
-    url.split_once('?')
-        .map(|(_, query)| format!("?{query}"))
-        .unwrap_or_default()
+    (!name.is_empty()).then_some(name)
 }
 
 /// Applies every pending migration and returns the versions it applied. Safe to run from several
@@ -92,13 +86,16 @@ mod tests {
     use super::*;
 
     #[test]
-    fn splits_the_database_name_off_a_url() {
+    fn reads_the_database_name_off_a_url() {
         assert_eq!(
-            split_database_name("postgres://u:p@h:5432/rides?sslmode=disable"),
-            Some(("postgres://u:p@h:5432", "rides"))
+            database_name("postgres://u:p@h:5432/rides?sslmode=disable"),
+            Some("rides")
         );
-        assert_eq!(split_database_name("postgres://h:5432/"), None);
-        assert_eq!(split_database_name("postgres://h:5432"), None);
-        assert_eq!(query_of("postgres://h/x?a=b"), "?a=b");
+        assert_eq!(
+            database_name("postgres://h1:1,h2:2/rides?target_session_attrs=read-write"),
+            Some("rides")
+        );
+        assert_eq!(database_name("postgres://h:5432/"), None);
+        assert_eq!(database_name("postgres://h:5432"), None);
     }
 }

@@ -20,7 +20,7 @@ use diesel::{QueryableByName, sql_types::BigInt};
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
 use rand::Rng;
 
-use crate::{PlanCache, Pool, build_pool};
+use crate::{PlanCache, Pool, build_pool, tls::database_url};
 
 const DEFAULT_ADMIN_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres";
 /// Arbitrary, fixed: serialises template builds across test processes.
@@ -121,25 +121,6 @@ impl Drop for TestDatabase {
     }
 }
 
-/// Replaces the database name in a `postgres://…/name?options` URL.
-pub fn database_url(server_url: &str, database: &str) -> String {
-    let (base, query) = match server_url.split_once('?') {
-        Some((base, query)) => (base, Some(query)),
-        None => (server_url, None),
-    };
-    let authority_end = base
-        .find("://")
-        .map(|scheme| scheme + 3)
-        .and_then(|start| base[start..].find('/').map(|slash| start + slash))
-        .unwrap_or(base.len());
-    let mut url = format!("{}/{}", &base[..authority_end], database);
-    if let Some(query) = query {
-        url.push('?');
-        url.push_str(query);
-    }
-    url
-}
-
 #[derive(QueryableByName)]
 struct Count {
     #[diesel(sql_type = BigInt)]
@@ -218,22 +199,4 @@ fn walk(dir: &Path) -> Vec<std::path::PathBuf> {
         }
     }
     files
-}
-
-#[cfg(test)]
-mod tests {
-    use super::database_url;
-
-    #[test]
-    fn replaces_the_database_name() {
-        assert_eq!(
-            database_url("postgres://postgres@127.0.0.1:5432/postgres", "x"),
-            "postgres://postgres@127.0.0.1:5432/x"
-        );
-        assert_eq!(
-            database_url("postgres://u:p@h/db?sslmode=disable", "y"),
-            "postgres://u:p@h/y?sslmode=disable"
-        );
-        assert_eq!(database_url("postgres://h:1", "z"), "postgres://h:1/z");
-    }
 }

@@ -140,6 +140,26 @@ pub(crate) fn connect_boxed(url: &str) -> BoxFuture<'_, ConnectionResult<AsyncPg
     Box::pin(connect(url))
 }
 
+/// Replaces the database name in a `postgres://…/name?options` URL, keeping every host of a
+/// multi-host URL and its options (`target_session_attrs`, `sslmode`).
+pub fn database_url(server_url: &str, database: &str) -> String {
+    let (base, query) = match server_url.split_once('?') {
+        Some((base, query)) => (base, Some(query)),
+        None => (server_url, None),
+    };
+    let authority_end = base
+        .find("://")
+        .map(|scheme| scheme + 3)
+        .and_then(|start| base[start..].find('/').map(|slash| start + slash))
+        .unwrap_or(base.len());
+    let mut url = format!("{}/{}", &base[..authority_end], database);
+    if let Some(query) = query {
+        url.push('?');
+        url.push_str(query);
+    }
+    url
+}
+
 fn bad(context: &str, error: impl std::fmt::Display) -> ConnectionError {
     ConnectionError::BadConnection(format!("{context}: {error}"))
 }
@@ -367,6 +387,27 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AsyncWrite for RustlsStream<S> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn replaces_the_database_name() {
+        use super::database_url;
+        assert_eq!(
+            database_url("postgres://postgres@127.0.0.1:5432/postgres", "x"),
+            "postgres://postgres@127.0.0.1:5432/x"
+        );
+        assert_eq!(
+            database_url("postgres://u:p@h/db?sslmode=disable", "y"),
+            "postgres://u:p@h/y?sslmode=disable"
+        );
+        assert_eq!(database_url("postgres://h:1", "z"), "postgres://h:1/z");
+        assert_eq!(
+            database_url(
+                "postgres://u:p@h1:5432,h2:5433/postgres?target_session_attrs=read-write",
+                "proof"
+            ),
+            "postgres://u:p@h1:5432,h2:5433/proof?target_session_attrs=read-write"
+        );
+    }
+
     use super::*;
 
     #[test]

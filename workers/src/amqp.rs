@@ -7,8 +7,17 @@
 //! TLS (rustls on ring) verified against the public web PKI or, with RabbitMQ's `cacertfile` URI
 //! query parameter (`amqps://host/%2f?cacertfile=/etc/rides/amqp-ca.pem`), against that PEM file
 //! as well, for a broker with a private CA.
+//!
+//! `AMQP_URL` may name every node of a RabbitMQ cluster, comma-separated (commas inside a URL are
+//! percent-encoded, so the list is unambiguous). Each connection tries the nodes in turn, starting
+//! one past the node the previous connection used, so a worker whose node died reconnects to a
+//! live one instead of retrying the dead one first. Queues are quorum queues replicated on every
+//! node, so any node serves them; publisher confirms still gate every delete.
 
-use std::time::Duration;
+use std::{
+    sync::atomic::{AtomicUsize, Ordering},
+    time::Duration,
+};
 
 use lapin::{
     Channel, Connection, ConnectionProperties, DefaultConnectionBuilder, tcp::OwnedTLSConfig,
@@ -45,8 +54,56 @@ impl AmqpSession {
     }
 }
 
-/// Opens a connection to `url` (see the module's documentation for TLS).
-pub async fn connect(url: &str) -> lapin::Result<Connection> {
+/// How long one node may take to accept a connection before the next is tried: a node whose
+/// machine vanished would otherwise hold the worker for the kernel's TCP timeout (minutes).
+const NODE_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The node the next connection tries first (an index into the URL list).
+static NEXT_NODE: AtomicUsize = AtomicUsize::new(0);
+
+/// Opens a connection to one of the comma-separated nodes of `urls` (see the module's
+/// documentation for the order and for TLS). The error is the last node's.
+pub async fn connect(urls: &str) -> lapin::Result<Connection> {
+    let nodes = nodes(urls);
+    let first = NEXT_NODE.load(Ordering::Relaxed);
+    let mut last_error = None;
+    for offset in 0..nodes.len() {
+        let index = (first + offset) % nodes.len();
+        let attempt = tokio::time::timeout(NODE_CONNECT_TIMEOUT, connect_node(nodes[index]));
+        let error = match attempt.await {
+            Ok(Ok(connection)) => {
+                NEXT_NODE.store(index + 1, Ordering::Relaxed);
+                return Ok(connection);
+            }
+            Ok(Err(error)) => error,
+            Err(_elapsed) => lapin::Error::from(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "the node did not accept the connection in time",
+            )),
+        };
+        if nodes.len() > 1 {
+            // The node's position, not its URL: the URL carries the broker password.
+            tracing::warn!(node = index, %error, "cannot reach this RabbitMQ node, trying the next");
+        }
+        last_error = Some(error);
+    }
+    Err(last_error.unwrap_or_else(|| {
+        lapin::Error::from(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "AMQP_URL names no broker",
+        ))
+    }))
+}
+
+/// The node URLs of a comma-separated `AMQP_URL`, blanks ignored.
+fn nodes(urls: &str) -> Vec<&str> {
+    urls.split(',')
+        .map(str::trim)
+        .filter(|url| !url.is_empty())
+        .collect()
+}
+
+async fn connect_node(url: &str) -> lapin::Result<Connection> {
     DefaultConnectionBuilder::new()?
         .with_uri_str(url.to_owned())
         .with_properties(ConnectionProperties::default())
@@ -105,7 +162,17 @@ pub async fn connect_with_backoff(
 
 #[cfg(test)]
 mod tests {
-    use super::tls_config;
+    use super::{nodes, tls_config};
+
+    #[test]
+    fn splits_a_cluster_into_its_nodes() {
+        assert_eq!(nodes("amqp://a:5672/%2f"), vec!["amqp://a:5672/%2f"]);
+        assert_eq!(
+            nodes(" amqp://u:p%2Cq@a:5672/%2f , amqp://b:5673/%2f,,"),
+            vec!["amqp://u:p%2Cq@a:5672/%2f", "amqp://b:5673/%2f"]
+        );
+        assert!(nodes(" , ").is_empty());
+    }
 
     #[test]
     fn reads_the_ca_named_in_the_url() {

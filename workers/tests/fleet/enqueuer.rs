@@ -6,7 +6,7 @@ use contract::{BackgroundJob, ReceiptJob, message::ReceiptMessage};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use lapin::types::AMQPValue;
 use schema::{models::NewStagedJob, schema::staged_jobs, testing::TestDatabase};
-use workers::enqueuer::Enqueuer;
+use workers::{amqp::AmqpSession, enqueuer::Enqueuer};
 
 use crate::common::{self, TestBroker};
 
@@ -244,6 +244,69 @@ async fn connection_lost_during_a_drain_loses_nothing() {
     assert_eq!(resumed.published as usize, left.len());
     let all: BTreeSet<i64> = first.union(&second).copied().collect();
     assert_eq!(all, staged.iter().copied().collect::<BTreeSet<_>>());
+    broker.cleanup().await;
+}
+
+/// A node that refuses connections is passed over, whichever position it has in the list.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_session_opens_on_any_live_node_of_the_list() {
+    let broker = TestBroker::new().await;
+    let topology = &broker.topology;
+    let dead = common::Proxy::spawn(common::broker_addr()).await;
+    dead.sever_after(0);
+    for cluster in [
+        format!("{},{}", dead.amqp_url(), common::amqp_url()),
+        format!("{},{}", common::amqp_url(), dead.amqp_url()),
+        format!("{0},{0},{1}", dead.amqp_url(), common::amqp_url()),
+    ] {
+        for _ in 0..3 {
+            let session = AmqpSession::open(&cluster, topology).await.unwrap();
+            assert!(session.is_usable());
+            session.close().await;
+        }
+    }
+    let only_dead = AmqpSession::open(&dead.amqp_url(), topology).await;
+    assert!(only_dead.is_err(), "a list of dead nodes must fail");
+    broker.cleanup().await;
+}
+
+/// `AMQP_URL` lists a cluster's nodes (two proxies to one broker stand in for two nodes): when
+/// the node in use dies mid-drain, the next pass connects to the other and nothing is lost.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_dead_node_is_passed_over_for_a_live_one() {
+    let db = TestDatabase::new().await;
+    let pool = db.pool(4);
+    let broker = TestBroker::new().await;
+    let staged = common::stage_jobs(&pool, 3000).await;
+    let first_node = common::Proxy::spawn(common::broker_addr()).await;
+    let second_node = common::Proxy::spawn(common::broker_addr()).await;
+    let cluster = format!("{},{}", first_node.amqp_url(), second_node.amqp_url());
+    let mut enqueuer = Enqueuer::new(
+        pool.clone(),
+        &cluster,
+        broker.topology.clone(),
+        common::enqueuer_config(1000),
+    );
+    // Whichever node the first pass uses dies part-way through the drain and stays dead.
+    first_node.sever_after(400_000);
+    second_node.sever_after(400_000);
+    assert!(enqueuer.run_once().await.is_err());
+    let (dead, live) = if first_node.is_severed() {
+        (&first_node, &second_node)
+    } else {
+        (&second_node, &first_node)
+    };
+    assert!(dead.is_severed() && !live.is_severed());
+    live.restore();
+
+    let resumed = enqueuer.run_once().await.unwrap();
+    assert!(common::staged_ids(&pool).await.is_empty());
+    assert!(dead.is_severed(), "the dead node stays dead");
+    let delivered: BTreeSet<i64> = ids(&broker.take_all(&broker.topology.receipts_queue).await)
+        .into_iter()
+        .collect();
+    assert_eq!(delivered, staged.iter().copied().collect::<BTreeSet<_>>());
+    assert!(resumed.published > 0);
     broker.cleanup().await;
 }
 
