@@ -9,6 +9,11 @@ Subcommands:
   same A B                   two rendered streams hold the same objects (order-insensitive).
   k8s-policy FILE...         the project's own rules for rendered manifests (non-root, read-only
                              root, no capabilities, requests and limits, gRPC probes, ...).
+  custom-resources DIR FILE...
+                             every custom resource (an API group outside Kubernetes' own) in the
+                             rendered FILEs against its JSON schema in DIR, named
+                             <group>_<version>_<Kind>.json (deploy/schemas/README.md); a custom
+                             resource without one is an error, never skipped.
   compose FILE               references inside a Compose file (depends_on targets, conditions,
                              images or builds, healthchecks for service_healthy, volumes, ...).
   collector FILE             an OpenTelemetry Collector config's pipelines use defined components.
@@ -188,13 +193,13 @@ def strategic_merge(target, patch):
         return target
     if isinstance(target, list) and isinstance(patch, list) and all(
             isinstance(item, dict) and "name" in item for item in target + patch):
+        # As kustomize orders the result: the patch's items first, in its order (each merged
+        # into the target's item of that name, if any), then the target's other items.
         by_name = {item["name"]: item for item in target}
-        for item in patch:
-            if item["name"] in by_name:
-                strategic_merge(by_name[item["name"]], item)
-            else:
-                target.append(copy.deepcopy(item))
-        return target
+        patched = {item["name"] for item in patch}
+        merged = [strategic_merge(by_name[item["name"]], item) if item["name"] in by_name
+                  else copy.deepcopy(item) for item in patch]
+        return merged + [item for item in target if item["name"] not in patched]
     return copy.deepcopy(patch)
 
 
@@ -474,6 +479,26 @@ def k8s_policy(paths: list[Path]) -> list[str]:
             (_, spec), = pod_specs(obj)
             if spec["containers"][0].get("args") != args:
                 problems.append(f"{kind}/{name}: args are not {args}")
+    # High availability, where an overlay runs the engines through their operators: PostgreSQL
+    # commits wait for a synchronous standby and a standby is left to fail over to; RabbitMQ has
+    # an odd number of nodes, at least three, so that quorum queues survive a node.
+    for name, cluster in (by_kind.get("Cluster") or {}).items():
+        if not cluster.get("apiVersion", "").startswith("postgresql.cnpg.io/"):
+            continue
+        spec = cluster.get("spec") or {}
+        synchronous = (spec.get("postgresql") or {}).get("synchronous") or {}
+        sync = synchronous.get("number") or spec.get("minSyncReplicas") or 0
+        if sync < 1:
+            problems.append(f"Cluster/{name}: no synchronous replica (postgresql.synchronous."
+                            "number or minSyncReplicas)")
+        if spec.get("instances", 0) < sync + 2:
+            problems.append(f"Cluster/{name}: with {spec.get('instances')} instances, losing one "
+                            f"standby leaves fewer than {sync} synchronous standby(s)")
+    for name, broker in (by_kind.get("RabbitmqCluster") or {}).items():
+        replicas = (broker.get("spec") or {}).get("replicas", 1)
+        if replicas < 3 or replicas % 2 == 0:
+            problems.append(f"RabbitmqCluster/{name}: {replicas} replicas; quorum queues need an "
+                            "odd number, at least 3")
     # Every referenced ConfigMap/Secret key exists when the object is in the stream.
     for obj in objects:
         for _, spec in pod_specs(obj):
@@ -488,6 +513,39 @@ def k8s_policy(paths: list[Path]) -> list[str]:
                         if target is not None and ref["key"] not in (target.get("data") or {}):
                             problems.append(f"{obj['kind']}/{obj['metadata']['name']}: "
                                             f"{ref_kind} {ref['name']} has no key {ref['key']}")
+    return problems
+
+
+# ------------------------------------------------------------------------------------------------
+# Custom resources (operators' CRDs, which kubernetes-validate has no schema for)
+
+def is_custom_resource(obj: dict) -> bool:
+    """An API group that is not Kubernetes' own: core (no group), a group without a dot (apps,
+    batch, autoscaling, policy) or one under k8s.io."""
+    group = obj.get("apiVersion", "").rpartition("/")[0]
+    return "." in group and not (group == "k8s.io" or group.endswith(".k8s.io"))
+
+
+def custom_resources(schema_dir: Path, paths: list[Path]) -> list[str]:
+    import jsonschema  # check-jsonschema's dependency, in deploy/validate.sh's virtualenv
+
+    problems: list[str] = []
+    for path in paths:
+        for obj in load_all(path):
+            if not is_custom_resource(obj):
+                continue
+            group, _, version = obj["apiVersion"].rpartition("/")
+            where = f"{path.name}: {obj['kind']}/{(obj.get('metadata') or {}).get('name')}"
+            schema_path = schema_dir / f"{group}_{version}_{obj['kind']}.json"
+            if not schema_path.is_file():
+                problems.append(f"{where}: no schema {schema_path} (vendor one: "
+                                f"{schema_dir}/README.md)")
+                continue
+            schema = json.loads(schema_path.read_text(encoding="utf-8"))
+            validator = jsonschema.Draft7Validator(schema)
+            for error in sorted(validator.iter_errors(obj), key=lambda e: list(e.absolute_path)):
+                field = ".".join(str(part) for part in error.absolute_path) or "(object)"
+                problems.append(f"{where}: {field}: {error.message}")
     return problems
 
 
@@ -688,6 +746,7 @@ def main(argv: list[str]) -> int:
             return 1
         problems = {
             "k8s-policy": lambda: k8s_policy(args),
+            "custom-resources": lambda: custom_resources(args[0], args[1:]),
             "compose": lambda: compose(args[0]),
             "collector": lambda: collector(args[0]),
             "dockerfile": lambda: dockerfile(args[0], args[1]),

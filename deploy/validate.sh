@@ -11,7 +11,10 @@
 #      kustomize used here) and, when kubectl is installed, by `kubectl kustomize` too; the two
 #      renderings must agree object for object
 #   6. the rendered manifests against Kubernetes' OpenAPI schemas, strictly (kubernetes-validate
-#      ships them), for the oldest and newest versions we support
+#      ships them), for the oldest and newest versions we support; custom resources (the
+#      operators' PostgreSQL and RabbitMQ clusters), which kubernetes-validate only warns about,
+#      against the JSON schemas vendored in deploy/schemas (deploy/validate.py custom-resources;
+#      a custom resource without one fails)
 #   7. the project's rules on the rendered overlays (non-root, read-only root filesystem, no
 #      capabilities, requests and limits, gRPC probes, Forbid CronJobs, secret refs resolve)
 #
@@ -133,6 +136,10 @@ for version in "${K8S_VERSIONS[@]}"; do
   run_check "kubernetes-validate --strict, Kubernetes $version: ${#RENDERED[@]} renderings" \
     "$BIN/kubernetes-validate" --strict --quiet -k "$version" "${RENDERED[@]}"
 done
+# kubernetes-validate has no schema for a custom resource and only warns (hidden above, since the
+# check passes): deploy/validate.py checks them against deploy/schemas, and fails on any without.
+run_check "custom resources against deploy/schemas (minimal schemas: deploy/schemas/README.md)" \
+  "$PY" deploy/validate.py custom-resources deploy/schemas "${RENDERED[@]}"
 for overlay in "${OVERLAYS[@]}"; do
   [ -f "$overlay" ] || continue
   run_check "policy on $(basename "$overlay" .yaml): non-root, read-only, no caps, resources, probes" \
