@@ -167,17 +167,15 @@ async fn run(
         window.start,
     );
     tokio::time::sleep_until(window.end.into()).await;
-    faults.stop().await?;
-    if args.ha {
-        let events = tallies.timeline.events();
-        for kind in ["failover/", "sigkill/rabbitmq"] {
-            if !events.iter().any(|event| event.label.starts_with(kind)) {
-                anyhow::bail!(
-                    "--ha: no {kind}… fault ran in {}s of traffic",
-                    plan.duration.as_secs()
-                );
-            }
-        }
+    let faulted = faults
+        .stop()
+        .await
+        .and_then(|()| ha_faults_ran(args, plan, &tallies));
+    if let Err(error) = faulted {
+        // The run cannot be judged; leave no child behind on the run's ports.
+        supervisor.stop().await;
+        children.kill_all().await;
+        return Err(error);
     }
     let _ = progress.await;
     faults::clear_provider_faults(&http, &wiring.stripe_base).await;
@@ -236,4 +234,21 @@ async fn run(
         verdict: &verdict,
     }
     .write()
+}
+
+/// `--ha` must have failed the primary over and killed a broker node at least once.
+fn ha_faults_ran(args: &Args, plan: &Plan, tallies: &Tallies) -> anyhow::Result<()> {
+    if !args.ha {
+        return Ok(());
+    }
+    let events = tallies.timeline.events();
+    for kind in ["failover/", "sigkill/rabbitmq"] {
+        if !events.iter().any(|event| event.label.starts_with(kind)) {
+            anyhow::bail!(
+                "--ha: no {kind}… fault ran in {}s of traffic",
+                plan.duration.as_secs()
+            );
+        }
+    }
+    Ok(())
 }
