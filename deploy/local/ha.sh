@@ -279,7 +279,8 @@ cmd_kill_primary() {
 
 cmd_switchover() {
   local leader candidate
-  leader=$(rest "$(primary_rest_port)" /patroni | python3 -c 'import json,sys; print(json.load(sys.stdin)["patroni"]["name"])')
+  leader=$(rest "$(primary_rest_port)" /cluster | python3 -c \
+    'import json,sys; print(next(m["name"] for m in json.load(sys.stdin)["members"] if m["role"] == "leader"))')
   candidate=$([ "$leader" = pg1 ] && echo pg2 || echo pg1)
   log "switchover $leader → $candidate"
   as_user "$PG_USER" patronictl -c "$HA_DIR/pg1/patroni.yml" switchover "$SCOPE" \
