@@ -1,8 +1,9 @@
 //! The campaign's clients: concurrent closed loops, one user each, that send CreateRide with an
-//! idempotency key and retry it the way a real client would (or drop it mid-request, or give up
-//! after one try), recording the final answer each key got ([`KeyRecord`]). Their records are
-//! what the database, the ledger and the mail are later checked against. The replays reuse
-//! [`call`] and [`classify`], so that a replay is judged by the rules of a first answer.
+//! idempotency key through `rides-client`, the client real services use, and let it retry (or
+//! drop the call mid-request, or give up after one try), recording the final answer each key got
+//! ([`KeyRecord`]). Their records are what the database, the ledger and the mail are later
+//! checked against. The replays reuse [`user_client`] and [`classify`], so that a replay is
+//! judged by the rules of a first answer.
 
 use std::{
     sync::{
@@ -14,11 +15,14 @@ use std::{
 
 use anyhow::Context;
 use prost::Message;
-use proto::v1::{CreateRideRequest, CreateRideResponse, ride_service_client::RideServiceClient};
+use proto::v1::CreateRideRequest;
 use rand::{Rng, SeedableRng, rngs::StdRng};
+use rides_client::{
+    AttemptObserver, AttemptRecord, CallError, Created, Credential, RetryPolicy, RidesClient,
+    RidesError,
+};
 use tokio::task::JoinHandle;
-use tonic::{Code, Status, metadata::MetadataValue, transport::Channel};
-use tonic_types::StatusExt;
+use tonic::transport::Channel;
 
 use crate::{
     args::Args,
@@ -84,99 +88,69 @@ pub(crate) struct KeyRecord {
     pub(crate) seen: Seen,
 }
 
-fn reason_of(status: &Status) -> String {
-    status
-        .get_error_details()
-        .error_info()
-        .map_or_else(|| "-".to_owned(), |info| info.reason.clone())
-}
-
-fn label_of(status: &Status) -> String {
-    format!("{:?}/{}", status.code(), reason_of(status))
-}
-
-fn retryable(code: Code) -> bool {
-    matches!(
-        code,
-        Code::Aborted
-            | Code::Unavailable
-            | Code::Internal
-            | Code::Unknown
-            | Code::Cancelled
-            | Code::DeadlineExceeded
-    )
-}
-
 pub(crate) enum Answer {
     Final(Seen),
+    /// Not final (retryable) after the call's retries: the last attempt's `Code/REASON`.
     Retry(String),
 }
 
-pub(crate) fn classify(result: Result<tonic::Response<CreateRideResponse>, Status>) -> Answer {
-    match result {
-        Ok(response) => {
-            let expires_at = response
-                .metadata()
-                .get("idempotency-key-expires-at")
-                .and_then(|v| v.to_str().ok())
-                .map(str::to_owned);
-            let body = response.into_inner();
-            let (ride_id, charge_id) = body
-                .ride
-                .as_ref()
-                .map(|r| (r.id, r.charge_id.clone()))
-                .unwrap_or_default();
-            Answer::Final(Seen::Ok {
-                ride_id,
-                charge_id,
-                bytes: body.encode_to_vec(),
-                expires_at,
-            })
+/// A call's result as the campaign judges it: success and card declines are final (and kept to
+/// the byte, for the replays); what the client would still retry is not; anything else is an
+/// answer that must never happen.
+pub(crate) fn classify(result: Result<Created, CallError>) -> Answer {
+    let call = match result {
+        Ok(created) => {
+            return Answer::Final(Seen::Ok {
+                ride_id: created.ride.id,
+                charge_id: created.ride.charge_id.clone(),
+                bytes: created.response().encode_to_vec(),
+                expires_at: created.expires_at,
+            });
         }
-        Err(status) => {
-            let reason = reason_of(&status);
-            if status.code() == Code::FailedPrecondition && reason == "CARD_DECLINED" {
-                Answer::Final(Seen::Declined {
-                    message: status.message().to_owned(),
-                    details: status.details().to_vec(),
-                })
-            } else if retryable(status.code()) {
-                Answer::Retry(label_of(&status))
-            } else {
-                Answer::Final(Seen::Unexpected(label_of(&status)))
-            }
-        }
+        Err(call) => call,
+    };
+    if let RidesError::CardDeclined { status, .. } = &call.error {
+        return Answer::Final(Seen::Declined {
+            message: status.message().to_owned(),
+            details: status.details().to_vec(),
+        });
+    }
+    // A deadline stops a call between attempts: the last attempt's answer is what it saw.
+    let label = match (&call.error, call.log.last()) {
+        (RidesError::DeadlineExceeded { .. }, Some(last)) => last.outcome.clone(),
+        (error, _) => error.label(),
+    };
+    if call.error.is_retryable() {
+        Answer::Retry(label)
+    } else {
+        Answer::Final(Seen::Unexpected(label))
     }
 }
 
-pub(crate) async fn call(
-    rpc: &RideServiceClient<Channel>,
-    user: &User,
-    key: &str,
-    params: CreateRideRequest,
-    client_timeout: Duration,
-) -> Result<Result<tonic::Response<CreateRideResponse>, Status>, ()> {
-    let mut request = tonic::Request::new(params);
-    let (Ok(auth), Ok(key_value)) = (
-        MetadataValue::try_from(format!("Bearer {}", user.token)),
-        MetadataValue::try_from(key),
-    ) else {
-        return Ok(Err(Status::invalid_argument("client: bad metadata")));
-    };
-    request.metadata_mut().insert("authorization", auth);
-    request.metadata_mut().insert("idempotency-key", key_value);
-    let mut rpc = rpc.clone();
-    // A client-side timeout drops the call (RST_STREAM): the server's attempt runs on detached.
-    tokio::time::timeout(client_timeout, rpc.create_ride(request))
-        .await
-        .map_err(|_| ())
+/// The campaign user's client over `targets` (each attempt picks one at random, as a load
+/// balancer would).
+pub(crate) fn user_client(user: &User, first: Channel, more: Vec<Channel>) -> RidesClient {
+    RidesClient::with_targets(first, more, Credential::user(user.token.as_str()))
+}
+
+/// A retrying client's policy: 100 ms doubling to 2 s of jitter (never under the server's
+/// `RetryInfo`), `--max-tries` attempts of 20 s, and no retry started after `hard_end`.
+fn retrying(args: &Args, hard_end: Instant) -> RetryPolicy {
+    RetryPolicy {
+        max_attempts: args.max_tries,
+        initial_backoff: Duration::from_millis(100),
+        multiplier: 2.0,
+        max_backoff: Duration::from_secs(2),
+        deadline: hard_end.saturating_duration_since(Instant::now()),
+        attempt_timeout: Duration::from_secs(20),
+    }
 }
 
 struct ClientCtx {
     id: u32,
     user: User,
-    /// One per api-server; each attempt picks one at random, as a load balancer would.
-    rpcs: Vec<RideServiceClient<Channel>>,
+    /// This user's client of both api-servers; each attempt picks one at random.
+    client: RidesClient,
     faults: Arc<Counters>,
     run_id: String,
     traffic_end: Instant,
@@ -204,70 +178,36 @@ async fn run_client(ctx: ClientCtx, seed: u64) -> Vec<KeyRecord> {
         let mode: f64 = rng.random();
         let drop_mid = mode < ctx.args.drop_ratio;
         let no_retry = !drop_mid && mode < ctx.args.drop_ratio + ctx.args.no_retry_ratio;
-        let mut attempts = 0;
-        let seen = loop {
-            attempts += 1;
-            ctx.requests.fetch_add(1, Ordering::Relaxed);
-            if attempts > 1 {
-                ctx.retries.fetch_add(1, Ordering::Relaxed);
+        // A dropping client gives its one attempt 2-300 ms, then drops the call (RST_STREAM):
+        // the server's attempt runs on detached.
+        let drop_after = Duration::from_millis(rng.random_range(2..300));
+        let policy = if drop_mid {
+            RetryPolicy::single_attempt(drop_after)
+        } else if no_retry {
+            RetryPolicy::single_attempt(Duration::from_secs(20))
+        } else {
+            retrying(&ctx.args, ctx.hard_end)
+        };
+        let result = ctx
+            .client
+            .clone()
+            .with_policy(policy)
+            .on_attempt(observer(&ctx, drop_mid))
+            .create_ride_with_key(key.as_str(), params)
+            .await;
+        let attempts = match &result {
+            Ok(created) => created.attempts(),
+            Err(call) => call.attempts(),
+        };
+        let seen = match classify(result) {
+            Answer::Final(seen) => seen,
+            Answer::Retry(label) if drop_mid && label == TIMEOUT => {
+                Seen::Abandoned(format!("dropped after {}ms", drop_after.as_millis()))
             }
-            let timeout = if drop_mid {
-                Duration::from_millis(rng.random_range(2..300))
-            } else {
-                Duration::from_secs(20)
-            };
-            let server = rng.random_range(0..ctx.rpcs.len());
-            let sent = Instant::now();
-            let answer = match call(&ctx.rpcs[server], &ctx.user, &key, params, timeout).await {
-                Ok(Err(status)) if server == 1 && reason_of(&status) == "DATABASE_UNAVAILABLE" => {
-                    ctx.faults
-                        .add("pool_exhaustion/api-b answered DATABASE_UNAVAILABLE", 1);
-                    classify(Err(status))
-                }
-                Ok(result) => classify(result),
-                Err(()) if drop_mid => {
-                    ctx.attempts.add("CLIENT/DROPPED_MID_REQUEST", 1);
-                    break Seen::Abandoned(format!("dropped after {}ms", timeout.as_millis()));
-                }
-                Err(()) => Answer::Retry("CLIENT/TIMEOUT".to_owned()),
-            };
-            ctx.timeline.attempt(
-                sent,
-                match answer {
-                    Answer::Final(_) => Attempted::Answered,
-                    Answer::Retry(_) => Attempted::Failed,
-                },
-            );
-            match answer {
-                Answer::Final(seen) => {
-                    ctx.attempts.add(
-                        match &seen {
-                            Seen::Ok { .. } => "OK".to_owned(),
-                            Seen::Declined { .. } => "FailedPrecondition/CARD_DECLINED".to_owned(),
-                            Seen::Unexpected(label) => label.clone(),
-                            _ => "?".to_owned(),
-                        },
-                        1,
-                    );
-                    break seen;
-                }
-                Answer::Retry(label) => {
-                    ctx.attempts.add(label.clone(), 1);
-                    if drop_mid || no_retry {
-                        break Seen::Abandoned(format!("no retry after {label}"));
-                    }
-                    if attempts >= ctx.args.max_tries || Instant::now() > ctx.hard_end {
-                        break Seen::GaveUp(format!("{attempts} tries, last {label}"));
-                    }
-                    let ceiling = Duration::from_millis(50)
-                        .saturating_mul(1 << attempts.min(6))
-                        .min(Duration::from_secs(2));
-                    let delay = Duration::from_millis(
-                        rng.random_range(0..=ceiling.as_millis() as u64).max(20),
-                    );
-                    tokio::time::sleep(delay).await;
-                }
+            Answer::Retry(label) if drop_mid || no_retry => {
+                Seen::Abandoned(format!("no retry after {label}"))
             }
+            Answer::Retry(label) => Seen::GaveUp(format!("{attempts} tries, last {label}")),
         };
         if matches!(seen, Seen::Abandoned(_) | Seen::GaveUp(_)) {
             ctx.timeline.key_left();
@@ -286,6 +226,45 @@ async fn run_client(ctx: ClientCtx, seed: u64) -> Vec<KeyRecord> {
         }
     }
     records
+}
+
+/// The client's label of an attempt that got no answer in time.
+const TIMEOUT: &str = "CLIENT/TIMEOUT";
+
+/// Counts every attempt as it ends, so the progress lines and the report's tallies are live:
+/// requests, retries, each answer by `Code/REASON`, and api-b's pool running dry.
+fn observer(ctx: &ClientCtx, drop_mid: bool) -> AttemptObserver {
+    let (requests, retries) = (Arc::clone(&ctx.requests), Arc::clone(&ctx.retries));
+    let (attempts, faults) = (Arc::clone(&ctx.attempts), Arc::clone(&ctx.faults));
+    let timeline = Arc::clone(&ctx.timeline);
+    Arc::new(move |attempt: &AttemptRecord| {
+        requests.fetch_add(1, Ordering::Relaxed);
+        if attempt.number > 1 {
+            retries.fetch_add(1, Ordering::Relaxed);
+        }
+        if drop_mid && attempt.outcome == TIMEOUT {
+            attempts.add("CLIENT/DROPPED_MID_REQUEST", 1);
+        } else {
+            attempts.add(attempt.outcome.as_str(), 1);
+            // Called as the answer arrives: it was sent `elapsed` ago.
+            let sent = Instant::now()
+                .checked_sub(attempt.elapsed)
+                .unwrap_or_else(Instant::now);
+            let final_answer =
+                attempt.outcome == "OK" || attempt.outcome.ends_with("/CARD_DECLINED");
+            timeline.attempt(
+                sent,
+                if final_answer {
+                    Attempted::Answered
+                } else {
+                    Attempted::Failed
+                },
+            );
+        }
+        if attempt.target == 1 && attempt.outcome.ends_with("/DATABASE_UNAVAILABLE") {
+            faults.add("pool_exhaustion/api-b answered DATABASE_UNAVAILABLE", 1);
+        }
+    })
 }
 
 /// The endpoint of the api-server at `addr`: plaintext, or mutual TLS with `--tls-dir`. It is
@@ -382,17 +361,20 @@ impl Traffic {
     ) -> anyhow::Result<Self> {
         let mut clients: Vec<JoinHandle<Vec<KeyRecord>>> = Vec::new();
         for (i, user) in users.iter().enumerate() {
-            let mut rpcs = Vec::new();
-            for port in [args.grpc_port, args.grpc_port_b] {
-                let channel = grpc_endpoint(args, &format!("127.0.0.1:{port}"))?
+            let channel = |port: u16| -> anyhow::Result<Channel> {
+                Ok(grpc_endpoint(args, &format!("127.0.0.1:{port}"))?
                     .connect_timeout(Duration::from_secs(1))
-                    .connect_lazy();
-                rpcs.push(RideServiceClient::new(channel));
-            }
+                    .connect_lazy())
+            };
+            let client = user_client(
+                user,
+                channel(args.grpc_port)?,
+                vec![channel(args.grpc_port_b)?],
+            );
             let ctx = ClientCtx {
                 id: i as u32,
                 user: user.clone(),
-                rpcs,
+                client,
                 faults: Arc::clone(&tallies.faults),
                 run_id: plan.run_id.clone(),
                 traffic_end: window.end,

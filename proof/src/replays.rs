@@ -9,12 +9,12 @@ use std::{
     time::Duration,
 };
 
-use proto::v1::ride_service_client::RideServiceClient;
+use rides_client::RetryPolicy;
 use tonic::transport::Channel;
 
 use crate::{
     args::Args,
-    clients::{Answer, KeyRecord, Seen, User, call, classify, grpc_endpoint},
+    clients::{Answer, KeyRecord, Seen, User, classify, grpc_endpoint, user_client},
     evidence::{self, KeyRow},
     invariants::Violations,
 };
@@ -39,7 +39,6 @@ pub(crate) async fn replay(
     let key_by_name = evidence::by_name(keys);
     let token_of: HashMap<i64, &User> = users.iter().map(|u| (u.id, u)).collect();
     let replay_channel = grpc_endpoint(args, grpc_addr)?.connect().await?;
-    let rpc = RideServiceClient::new(replay_channel);
     let mut replays = Replays {
         stats: BTreeMap::new(),
         seen: HashMap::new(),
@@ -60,7 +59,7 @@ pub(crate) async fn replay(
             let Some(user) = token_of.get(&record.user_id).map(|u| (*u).clone()) else {
                 continue;
             };
-            set.spawn(replay_one(rpc.clone(), user, record));
+            set.spawn(replay_one(replay_channel.clone(), user, record));
         }
         let Some(joined) = set.join_next().await else {
             break;
@@ -72,32 +71,16 @@ pub(crate) async fn replay(
 }
 
 /// One replay: its answer, and whether it was marked as a replay.
-async fn replay_one(
-    rpc: RideServiceClient<Channel>,
-    user: User,
-    record: KeyRecord,
-) -> (KeyRecord, Seen, bool) {
-    let result = call(
-        &rpc,
-        &user,
-        &record.key,
-        record.params,
-        Duration::from_secs(20),
-    )
-    .await;
-    let replayed = match &result {
-        Ok(Ok(r)) => r
-            .metadata()
-            .get("idempotent-replayed")
-            .is_some_and(|v| v.as_bytes() == b"true"),
-        _ => true,
-    };
-    let seen = match result {
-        Ok(r) => match classify(r) {
-            Answer::Final(seen) => seen,
-            Answer::Retry(label) => Seen::Unexpected(label),
-        },
-        Err(()) => Seen::Unexpected("CLIENT/TIMEOUT".to_owned()),
+async fn replay_one(channel: Channel, user: User, record: KeyRecord) -> (KeyRecord, Seen, bool) {
+    let result = user_client(&user, channel, Vec::new())
+        .with_policy(RetryPolicy::single_attempt(Duration::from_secs(20)))
+        .create_ride_with_key(record.key.as_str(), record.params)
+        .await;
+    // An answer that is not a success cannot carry the marker; only a success is judged by it.
+    let replayed = result.as_ref().map_or(true, |created| created.replayed);
+    let seen = match classify(result) {
+        Answer::Final(seen) => seen,
+        Answer::Retry(label) => Seen::Unexpected(label),
     };
     (record, seen, replayed)
 }

@@ -11,6 +11,8 @@ pub mod rides {
 }
 
 pub mod client;
+pub mod metadata;
+pub mod reason;
 
 pub use rides::v1;
 

@@ -18,12 +18,12 @@ use diesel::{
     sql_types::{BigInt, Double, Integer, Jsonb, Text, Timestamptz},
 };
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
-use proto::v1::{CreateRideRequest, ride_service_client::RideServiceClient};
+use proto::v1::CreateRideRequest;
+use rides_client::{CallError, Created, Credential, RetryPolicy, RidesClient, RidesError};
 use schema::{Pool, PoolError};
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
-use tonic::{Code, Request, Status, metadata::MetadataValue, transport::Channel};
-use tonic_types::StatusExt;
+use tonic::Code;
 
 use crate::{
     backoff,
@@ -32,9 +32,6 @@ use crate::{
     redact,
     shutdown::{self, Next, Passes},
 };
-
-const REASON_CARD_DECLINED: &str = "CARD_DECLINED";
-const REASON_KEY_IN_USE: &str = "IDEMPOTENCY_KEY_IN_USE";
 
 #[derive(Debug, thiserror::Error)]
 pub enum CompleteError {
@@ -124,30 +121,50 @@ pub enum Attempt {
     CredentialRefused(Code),
 }
 
-/// Classifies a CreateRide result by status code and `ErrorInfo.reason`.
-pub fn classify(result: &Result<(), Status>) -> Attempt {
-    let status = match result {
-        Ok(()) => return Attempt::Completed,
-        Err(status) => status,
+/// Classifies a CreateRide call by the client's typed error (its `ErrorInfo` reason).
+pub fn classify(result: &Result<Created, CallError>) -> Attempt {
+    let error = match result {
+        Ok(_) => return Attempt::Completed,
+        Err(call) => &call.error,
     };
-    let reason = status
-        .get_error_details()
-        .error_info()
-        .map(|info| info.reason.clone())
-        .unwrap_or_default();
-    match (status.code(), reason.as_str()) {
-        (Code::FailedPrecondition, REASON_CARD_DECLINED) => Attempt::Declined,
-        (Code::Aborted, REASON_KEY_IN_USE) => Attempt::InUse,
-        (code @ (Code::Unauthenticated | Code::PermissionDenied), _) => {
-            Attempt::CredentialRefused(code)
+    match error {
+        RidesError::CardDeclined { .. } => Attempt::Declined,
+        RidesError::IdempotencyKeyInUse(_) => Attempt::InUse,
+        RidesError::MissingCredentials(status)
+        | RidesError::InvalidCredentials(status)
+        | RidesError::OnBehalfOfRequired(status)
+        | RidesError::OnBehalfOfNotAllowed(status)
+        | RidesError::InternalCredentialNotAllowed(status) => {
+            Attempt::CredentialRefused(status.code())
         }
-        (code, reason) => Attempt::StillFailing(format!("{code:?} {reason}: {}", status.message())),
+        RidesError::RateLimited { .. }
+        | RidesError::InvalidIdempotencyKey(_)
+        | RidesError::InvalidRideParameters(_)
+        | RidesError::IdempotencyKeyReused(_)
+        | RidesError::IdempotencyKeyLockLost(_)
+        | RidesError::ConcurrencyConflict(_)
+        | RidesError::PaymentProviderUnavailable(_)
+        | RidesError::DatabaseUnavailable(_)
+        | RidesError::Internal(_)
+        | RidesError::RideNotFound(_)
+        | RidesError::UnknownReason { .. }
+        | RidesError::Transport(_)
+        | RidesError::AttemptTimedOut(_)
+        | RidesError::DeadlineExceeded { .. }
+        | RidesError::MissingRide
+        | RidesError::InvalidMetadata(_) => Attempt::StillFailing(match error.status() {
+            Some(status) => format!("{}: {}", error.label(), status.message()),
+            None => format!("{}: {error}", error.label()),
+        }),
     }
 }
 
 pub struct Completer {
     pool: Pool,
-    client: RideServiceClient<Channel>,
+    /// One attempt per key and pass ([`RetryPolicy::single_attempt`]): the completer retries
+    /// across passes with its own per-key back-off, and a pass works its keys one after another,
+    /// so in-call retries during a provider outage would hold every other key up.
+    client: RidesClient,
     token: Secret,
     config: CompleterConfig,
 }
@@ -155,14 +172,17 @@ pub struct Completer {
 impl Completer {
     pub fn new(pool: Pool, config: CompleterConfig) -> Result<Completer, CompleteError> {
         let token = config.token()?.clone();
-        let channel = proto::client::endpoint(&config.api_server_url, &config.api_server_tls)
-            .map_err(CompleteError::ApiUrl)?
-            .timeout(config.rpc_timeout)
-            .connect_timeout(Duration::from_secs(10))
-            .connect_lazy();
+        // Each key's call replaces the credential with one on behalf of the key's user.
+        let client = RidesClient::connect_lazy(
+            &config.api_server_url,
+            &config.api_server_tls,
+            Credential::User(token.clone()),
+        )
+        .map_err(CompleteError::ApiUrl)?
+        .with_policy(RetryPolicy::single_attempt(config.rpc_timeout));
         Ok(Completer {
             pool,
-            client: RideServiceClient::new(channel),
+            client,
             token,
             config,
         })
@@ -253,23 +273,17 @@ impl Completer {
             Some(body) => body,
             None => return Attempt::StillFailing("request_params are not a ride request".into()),
         };
-        let mut request = Request::new(body);
-        let metadata = request.metadata_mut();
-        let values = (
-            MetadataValue::try_from(format!("Bearer {}", self.token.expose())),
-            MetadataValue::try_from(key.user_id.to_string()),
-            MetadataValue::try_from(key.idempotency_key.as_str()),
-        );
-        match values {
-            (Ok(authorization), Ok(user), Ok(idempotency_key)) => {
-                metadata.insert("authorization", authorization);
-                metadata.insert("on-behalf-of-user", user);
-                metadata.insert("idempotency-key", idempotency_key);
-            }
-            _ => return Attempt::StillFailing("metadata is not valid ASCII".into()),
-        }
-        let mut client = self.client.clone();
-        classify(&client.create_ride(request).await.map(|_| ()))
+        let credential = Credential::Internal {
+            token: self.token.clone(),
+            on_behalf_of: key.user_id,
+        };
+        let result = self
+            .client
+            .clone()
+            .with_credential(credential)
+            .create_ride_with_key(key.idempotency_key.as_str(), body)
+            .await;
+        classify(&result)
     }
 
     async fn settle(&self, key_id: i64, settle: Settle) -> Result<(), CompleteError> {
@@ -399,22 +413,37 @@ impl Passes for CompleterPasses<'_> {
 
 #[cfg(test)]
 mod tests {
+    use tonic_types::StatusExt;
+
     use super::*;
 
     #[test]
     fn classifies_outcomes() {
         let with_reason = |code: Code, reason: &str| {
-            Err(Status::with_error_details(
-                code,
-                "x",
-                tonic_types::ErrorDetails::with_error_info(
-                    reason,
-                    "d",
-                    std::collections::HashMap::<String, String>::new(),
-                ),
-            ))
+            Err(CallError {
+                method: "CreateRide",
+                key: Some("k".repeat(20)),
+                log: Vec::new(),
+                error: RidesError::from(tonic::Status::with_error_details(
+                    code,
+                    "x",
+                    tonic_types::ErrorDetails::with_error_info(
+                        reason,
+                        proto::reason::ERROR_DOMAIN,
+                        std::collections::HashMap::<String, String>::new(),
+                    ),
+                )),
+            })
         };
-        assert_eq!(classify(&Ok(())), Attempt::Completed);
+        let created = Created {
+            ride: proto::v1::Ride::default(),
+            message: String::new(),
+            key: "k".repeat(20),
+            replayed: false,
+            expires_at: None,
+            log: Vec::new(),
+        };
+        assert_eq!(classify(&Ok(created)), Attempt::Completed);
         assert_eq!(
             classify(&with_reason(Code::FailedPrecondition, "CARD_DECLINED")),
             Attempt::Declined
@@ -434,10 +463,13 @@ mod tests {
             classify(&with_reason(Code::Aborted, "IDEMPOTENCY_KEY_LOCK_LOST")),
             Attempt::StillFailing(_)
         ));
-        assert!(matches!(
-            classify(&Err(Status::internal("boom"))),
-            Attempt::StillFailing(_)
-        ));
+        let transport = Err(CallError {
+            method: "CreateRide",
+            key: None,
+            log: Vec::new(),
+            error: RidesError::from(tonic::Status::internal("boom")),
+        });
+        assert!(matches!(classify(&transport), Attempt::StillFailing(_)));
         assert_eq!(
             classify(&with_reason(Code::Unauthenticated, "INVALID_CREDENTIALS")),
             Attempt::CredentialRefused(Code::Unauthenticated)

@@ -41,11 +41,11 @@ use crate::{
 
 pub use status::{ERROR_DOMAIN, reason};
 
-pub const IDEMPOTENCY_KEY_HEADER: &str = "idempotency-key";
-/// With the internal credential only: the id of the user the call is made for.
-pub const ON_BEHALF_OF_HEADER: &str = "on-behalf-of-user";
-pub const REPLAYED_HEADER: &str = "idempotent-replayed";
-pub const EXPIRES_AT_HEADER: &str = "idempotency-key-expires-at";
+// The metadata names are the wire contract, defined once in `proto::metadata`.
+pub use proto::metadata::{
+    IDEMPOTENCY_KEY as IDEMPOTENCY_KEY_HEADER, IDEMPOTENCY_KEY_EXPIRES_AT as EXPIRES_AT_HEADER,
+    IDEMPOTENT_REPLAYED as REPLAYED_HEADER, ON_BEHALF_OF_USER as ON_BEHALF_OF_HEADER,
+};
 /// The retry hint when every token-lookup place is taken: a lookup takes milliseconds.
 const LOOKUP_RETRY: Duration = Duration::from_millis(200);
 
@@ -360,7 +360,7 @@ impl opentelemetry::propagation::Extractor for MetadataExtractor<'_> {
 /// The token of the `authorization: Bearer <token>` metadata.
 fn bearer(metadata: &MetadataMap) -> Result<&str, Status> {
     metadata
-        .get("authorization")
+        .get(proto::metadata::AUTHORIZATION)
         .ok_or_else(status::missing_credentials)?
         .to_str()
         .ok()

@@ -11,28 +11,9 @@ use schema::store::StoreError;
 
 use crate::rides::{CreateRideError, FieldViolation};
 
-pub const ERROR_DOMAIN: &str = "rides.rocketrides.io";
-
-/// `ErrorInfo.reason` values.
-pub mod reason {
-    pub const MISSING_CREDENTIALS: &str = "MISSING_CREDENTIALS";
-    pub const INVALID_CREDENTIALS: &str = "INVALID_CREDENTIALS";
-    pub const ON_BEHALF_OF_NOT_ALLOWED: &str = "ON_BEHALF_OF_NOT_ALLOWED";
-    pub const ON_BEHALF_OF_REQUIRED: &str = "ON_BEHALF_OF_REQUIRED";
-    pub const INTERNAL_CREDENTIAL_NOT_ALLOWED: &str = "INTERNAL_CREDENTIAL_NOT_ALLOWED";
-    pub const RATE_LIMITED: &str = "RATE_LIMITED";
-    pub const INVALID_IDEMPOTENCY_KEY: &str = "INVALID_IDEMPOTENCY_KEY";
-    pub const INVALID_RIDE_PARAMETERS: &str = "INVALID_RIDE_PARAMETERS";
-    pub const IDEMPOTENCY_KEY_REUSED: &str = "IDEMPOTENCY_KEY_REUSED";
-    pub const IDEMPOTENCY_KEY_IN_USE: &str = "IDEMPOTENCY_KEY_IN_USE";
-    pub const IDEMPOTENCY_KEY_LOCK_LOST: &str = "IDEMPOTENCY_KEY_LOCK_LOST";
-    pub const CONCURRENCY_CONFLICT: &str = "CONCURRENCY_CONFLICT";
-    pub const CARD_DECLINED: &str = "CARD_DECLINED";
-    pub const PAYMENT_PROVIDER_UNAVAILABLE: &str = "PAYMENT_PROVIDER_UNAVAILABLE";
-    pub const DATABASE_UNAVAILABLE: &str = "DATABASE_UNAVAILABLE";
-    pub const RIDE_NOT_FOUND: &str = "RIDE_NOT_FOUND";
-    pub const INTERNAL: &str = "INTERNAL";
-}
+/// The reasons and their domain are the wire contract, defined once in `proto` for the server and
+/// its clients alike.
+pub use proto::reason::{self, ERROR_DOMAIN};
 
 const RETRY_SOON: Duration = Duration::from_secs(1);
 const RETRY_PROVIDER: Duration = Duration::from_secs(2);
@@ -128,7 +109,7 @@ pub fn card_declined(message: &str, decline_code: Option<&str>) -> Status {
     // At most one metadata entry: the details are encoded from a map, and a replay must encode
     // to the same bytes as the first answer.
     let metadata = decline_code
-        .map(|code| HashMap::from([("decline_code".to_owned(), code.to_owned())]))
+        .map(|code| HashMap::from([(reason::DECLINE_CODE.to_owned(), code.to_owned())]))
         .unwrap_or_default();
     Status::with_error_details(
         Code::FailedPrecondition,

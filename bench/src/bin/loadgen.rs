@@ -1,9 +1,11 @@
 //! `loadgen`: N concurrent gRPC clients calling `rides.v1.RideService/CreateRide`.
 //!
 //! Each logical request uses a fresh idempotency key, or (with `--replay-ratio`) the key of a
-//! request this client already finished, with the same parameters. Retryable answers (ABORTED,
-//! UNAVAILABLE) are retried with the same key, with exponential backoff and full jitter. The
-//! latency of a logical request runs from its first attempt to its final answer.
+//! request this client already finished, with the same parameters. Each logical request is one
+//! `rides-client` call: retryable answers are retried with the same key, with exponential
+//! backoff and full jitter (20 ms doubling to 500 ms, never under the server's `RetryInfo`), up
+//! to `--max-attempts`, with no overall deadline. The latency of a logical request runs from its
+//! first attempt to its final answer.
 //!
 //! Each client is a closed loop on one user (by default), hundreds of calls per second: far
 //! above the api-server's per-user limits (`RATE_LIMIT_*`, `MAX_CONCURRENT_CREATES_PER_USER`),
@@ -38,11 +40,10 @@ use diesel::{
     sql_types::{Array, BigInt, Text},
 };
 use diesel_async::RunQueryDsl;
-use proto::v1::{CreateRideRequest, ride_service_client::RideServiceClient};
+use proto::v1::CreateRideRequest;
 use rand::Rng;
+use rides_client::{AttemptRecord, Credential, RetryPolicy, RidesClient};
 use serde_json::json;
-use tonic::{Code, metadata::MetadataValue, transport::Channel};
-use tonic_types::StatusExt;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -156,9 +157,7 @@ struct ClientStats {
 
 struct Shared {
     run_id: String,
-    retry_codes: [Code; 2],
-    timeout: Duration,
-    max_attempts: u32,
+    policy: RetryPolicy,
     replay_ratio: f64,
     measure_from: Instant,
     deadline: Option<Instant>,
@@ -228,9 +227,7 @@ async fn main() -> anyhow::Result<()> {
     // Seeding: finished keys to replay, made before the clock starts.
     let seed_shared = Arc::new(Shared {
         run_id: run_id.clone(),
-        retry_codes: [Code::Aborted, Code::Unavailable],
-        timeout: Duration::from_secs(args.request_timeout_secs),
-        max_attempts: args.max_attempts,
+        policy: policy(&args),
         replay_ratio: 0.0,
         measure_from: Instant::now() + Duration::from_secs(86_400),
         deadline: None,
@@ -242,15 +239,18 @@ async fn main() -> anyhow::Result<()> {
         for client in 0..args.clients {
             let shared = Arc::clone(&seed_shared);
             let user = Arc::clone(&users[client as usize % users.len()]);
-            let rpc = RideServiceClient::new(channels[client as usize % channels.len()].clone());
+            let rpc = rides_client(
+                &channels[client as usize % channels.len()],
+                &user,
+                &shared.policy,
+            );
             let seeds = args.seed_keys_per_client;
             tasks.push(tokio::spawn(async move {
                 let mut stats = ClientStats::default();
                 let mut finished = Vec::new();
                 for n in 0..seeds {
                     let key = format!("bench-{}-seed-{client:05}-{n:09}", shared.run_id);
-                    if let Final::Ok { .. } =
-                        request(&shared, &rpc, &user, &key, &mut stats, false).await
+                    if let Final::Ok { .. } = request(&shared, &rpc, &key, &mut stats, false).await
                     {
                         finished.push(key);
                     }
@@ -295,9 +295,7 @@ async fn main() -> anyhow::Result<()> {
     };
     let shared = Arc::new(Shared {
         run_id: run_id.clone(),
-        retry_codes: [Code::Aborted, Code::Unavailable],
-        timeout: Duration::from_secs(args.request_timeout_secs),
-        max_attempts: args.max_attempts,
+        policy: policy(&args),
         replay_ratio: args.replay_ratio,
         measure_from,
         deadline,
@@ -326,7 +324,11 @@ async fn main() -> anyhow::Result<()> {
     for client in 0..args.clients {
         let shared = Arc::clone(&shared);
         let user = Arc::clone(&users[client as usize % users.len()]);
-        let rpc = RideServiceClient::new(channels[client as usize % channels.len()].clone());
+        let rpc = rides_client(
+            &channels[client as usize % channels.len()],
+            &user,
+            &shared.policy,
+        );
         let (seed_stats, finished) = seeded.next().unwrap_or_default();
         tasks.push(tokio::spawn(async move {
             let mut stats = ClientStats::default();
@@ -354,7 +356,7 @@ async fn main() -> anyhow::Result<()> {
                     n += 1;
                     format!("bench-{}-c{client:05}-{n:012}", shared.run_id)
                 };
-                let outcome = request(&shared, &rpc, &user, &key, &mut stats, replay).await;
+                let outcome = request(&shared, &rpc, &key, &mut stats, replay).await;
                 if !replay
                     && shared.replay_ratio > 0.0
                     && matches!(outcome, Final::Ok { .. })
@@ -532,68 +534,66 @@ impl ClientStats {
     }
 }
 
-/// One logical request: attempts with the same key until a final answer.
+/// The retries of one logical request: `--max-attempts` attempts of `--request-timeout-secs`
+/// each, 20 ms doubling to 500 ms of full jitter between them (what this load generator always
+/// used), no overall deadline (a logical request's latency is what is measured, not bounded).
+fn policy(args: &Args) -> RetryPolicy {
+    RetryPolicy {
+        max_attempts: args.max_attempts,
+        initial_backoff: Duration::from_millis(20),
+        multiplier: 2.0,
+        max_backoff: Duration::from_millis(500),
+        deadline: Duration::MAX,
+        attempt_timeout: Duration::from_secs(args.request_timeout_secs),
+    }
+}
+
+/// A client task's `rides-client`, as its user, over one of the shared connections.
+fn rides_client(
+    channel: &tonic::transport::Channel,
+    user: &BenchUser,
+    policy: &RetryPolicy,
+) -> RidesClient {
+    RidesClient::new(channel.clone(), Credential::user(user.token.as_str()))
+        .with_policy(policy.clone())
+}
+
+/// One logical request: one `rides-client` call, which retries with the same key until a final
+/// answer. Every attempt's answer is counted by its `CODE/REASON` label.
 async fn request(
     shared: &Shared,
-    rpc: &RideServiceClient<Channel>,
-    user: &BenchUser,
+    rpc: &RidesClient,
     key: &str,
     stats: &mut ClientStats,
     replay: bool,
 ) -> Final {
     let started = Instant::now();
-    let mut attempt = 0;
-    let outcome = loop {
-        attempt += 1;
-        let mut call = tonic::Request::new(PARAMS);
-        call.set_timeout(shared.timeout);
-        let (Ok(auth), Ok(key_value)) = (
-            MetadataValue::try_from(format!("Bearer {}", user.token)),
-            MetadataValue::try_from(key),
-        ) else {
-            *stats
-                .attempts
-                .entry("CLIENT/BAD_METADATA".to_owned())
-                .or_default() += 1;
-            break Final::Err;
-        };
-        call.metadata_mut().insert("authorization", auth);
-        call.metadata_mut().insert("idempotency-key", key_value);
-        let mut rpc = rpc.clone();
-        match rpc.create_ride(call).await {
-            Ok(response) => {
-                let replayed = response
-                    .metadata()
-                    .get("idempotent-replayed")
-                    .is_some_and(|v| v.as_bytes() == b"true");
-                let label = if replayed { "OK (replayed)" } else { "OK" };
-                *stats.attempts.entry(label.to_owned()).or_default() += 1;
-                break Final::Ok { replayed };
-            }
-            Err(status) => {
-                let reason = status
-                    .get_error_details()
-                    .error_info()
-                    .map_or_else(|| "-".to_owned(), |info| info.reason.clone());
-                *stats
-                    .attempts
-                    .entry(format!("{:?}/{reason}", status.code()))
-                    .or_default() += 1;
-                if status.code() == Code::Aborted {
-                    stats.aborted += 1;
-                }
-                if !shared.retry_codes.contains(&status.code()) || attempt >= shared.max_attempts {
-                    break Final::Err;
-                }
-                // Exponential backoff with full jitter: 10 ms doubling, capped at 500 ms.
-                let ceiling = Duration::from_millis(10)
-                    .saturating_mul(1 << attempt.min(6))
-                    .min(Duration::from_millis(500));
-                let delay = rand::rng().random_range(Duration::ZERO..=ceiling);
-                tokio::time::sleep(delay).await;
-            }
-        }
+    let result = rpc.create_ride_with_key(key, PARAMS).await;
+    let (log, outcome): (&[AttemptRecord], Final) = match &result {
+        Ok(created) => (
+            &created.log,
+            Final::Ok {
+                replayed: created.replayed,
+            },
+        ),
+        Err(error) => (&error.log, Final::Err),
     };
+    for attempt in log {
+        let label = match (&outcome, attempt.outcome.as_str()) {
+            (Final::Ok { replayed: true }, "OK") => "OK (replayed)",
+            (_, label) => label,
+        };
+        *stats.attempts.entry(label.to_owned()).or_default() += 1;
+        if label.starts_with("Aborted/") {
+            stats.aborted += 1;
+        }
+    }
+    if let Err(error) = &result
+        && error.log.is_empty()
+    {
+        // Nothing was sent (the token or key cannot be metadata).
+        *stats.attempts.entry(error.error.label()).or_default() += 1;
+    }
     let measured = started >= shared.measure_from;
     if measured {
         stats.latencies.record(started.elapsed());

@@ -1,0 +1,14 @@
+//! The request and response metadata (HTTP/2 headers) of the `rides.v1` API, as the README's
+//! contract names them: one definition for the server that reads and writes them and the clients
+//! that send and read them.
+
+/// Request, CreateRide: the idempotency key (20 to 255 visible ASCII characters, per user).
+pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
+/// Request, every call: `Bearer <token>`.
+pub const AUTHORIZATION: &str = "authorization";
+/// Request, with the internal credential only: the id of the user the call is made for.
+pub const ON_BEHALF_OF_USER: &str = "on-behalf-of-user";
+/// Response, CreateRide: `true` when the answer is the stored answer of a finished key.
+pub const IDEMPOTENT_REPLAYED: &str = "idempotent-replayed";
+/// Response, CreateRide, once the key exists: when the reaper retires it (RFC 3339).
+pub const IDEMPOTENCY_KEY_EXPIRES_AT: &str = "idempotency-key-expires-at";

@@ -1,0 +1,28 @@
+//! The `google.rpc.ErrorInfo` of every error the api-server returns: its domain and the reasons
+//! (the README's table). Clients branch on the reason, not the message, so these strings are part
+//! of the wire contract; the server builds its statuses from them and `rides-client` parses them,
+//! both from this one definition.
+
+/// `ErrorInfo.domain` of every error.
+pub const ERROR_DOMAIN: &str = "rides.rocketrides.io";
+
+pub const MISSING_CREDENTIALS: &str = "MISSING_CREDENTIALS";
+pub const INVALID_CREDENTIALS: &str = "INVALID_CREDENTIALS";
+pub const ON_BEHALF_OF_NOT_ALLOWED: &str = "ON_BEHALF_OF_NOT_ALLOWED";
+pub const ON_BEHALF_OF_REQUIRED: &str = "ON_BEHALF_OF_REQUIRED";
+pub const INTERNAL_CREDENTIAL_NOT_ALLOWED: &str = "INTERNAL_CREDENTIAL_NOT_ALLOWED";
+pub const RATE_LIMITED: &str = "RATE_LIMITED";
+pub const INVALID_IDEMPOTENCY_KEY: &str = "INVALID_IDEMPOTENCY_KEY";
+pub const INVALID_RIDE_PARAMETERS: &str = "INVALID_RIDE_PARAMETERS";
+pub const IDEMPOTENCY_KEY_REUSED: &str = "IDEMPOTENCY_KEY_REUSED";
+pub const IDEMPOTENCY_KEY_IN_USE: &str = "IDEMPOTENCY_KEY_IN_USE";
+pub const IDEMPOTENCY_KEY_LOCK_LOST: &str = "IDEMPOTENCY_KEY_LOCK_LOST";
+pub const CONCURRENCY_CONFLICT: &str = "CONCURRENCY_CONFLICT";
+pub const CARD_DECLINED: &str = "CARD_DECLINED";
+pub const PAYMENT_PROVIDER_UNAVAILABLE: &str = "PAYMENT_PROVIDER_UNAVAILABLE";
+pub const DATABASE_UNAVAILABLE: &str = "DATABASE_UNAVAILABLE";
+pub const RIDE_NOT_FOUND: &str = "RIDE_NOT_FOUND";
+pub const INTERNAL: &str = "INTERNAL";
+
+/// `ErrorInfo.metadata` key of a `CARD_DECLINED` error: the provider's decline code.
+pub const DECLINE_CODE: &str = "decline_code";
