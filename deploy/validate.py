@@ -469,11 +469,13 @@ def k8s_policy(paths: list[Path]) -> list[str]:
     for kind, name in (("HorizontalPodAutoscaler", "api-server"),
                        ("PodDisruptionBudget", "api-server"), ("Job", "api-server-migrate"),
                        ("Deployment", "enqueuer"), ("Deployment", "receipts"),
-                       ("CronJob", "completer"), ("CronJob", "reaper"), ("Service", "api-server")):
+                       ("CronJob", "completer"), ("CronJob", "reaper"), ("CronJob", "reconciler"),
+                       ("Service", "api-server")):
         if name not in (by_kind.get(kind) or {}):
             problems.append(f"missing {kind}/{name}")
     for kind, name, args in (("CronJob", "completer", ["completer", "--once"]),
-                             ("CronJob", "reaper", ["reaper", "--once"])):
+                             ("CronJob", "reaper", ["reaper", "--once"]),
+                             ("CronJob", "reconciler", ["reconciler", "--once"])):
         obj = (by_kind.get(kind) or {}).get(name)
         if obj:
             (_, spec), = pod_specs(obj)

@@ -94,15 +94,8 @@ pub struct DatabaseConfig {
     pub pool_timeout: Duration,
 }
 
-#[derive(Clone, Debug)]
-pub struct StripeConfig {
-    pub api_base: String,
-    pub secret_key: Secret,
-    pub timeout: Duration,
-    /// How long the provider remembers an idempotency key (Stripe: 24 hours). A charge resumed
-    /// later than that is looked up before it is retried.
-    pub idempotency_window: Duration,
-}
+/// Stripe: the `provider` crate's configuration, read here from the api-server's variables.
+pub use provider::StripeConfig;
 
 #[derive(Clone, Copy, Debug)]
 pub struct IdempotencyConfig {
@@ -132,9 +125,7 @@ pub enum ConfigError {
 
 pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/rocket_rides";
 pub const DEFAULT_GRPC_LISTEN_ADDR: &str = "127.0.0.1:50051";
-pub const DEFAULT_STRIPE_API_BASE: &str = "http://127.0.0.1:12111";
-/// Only meaningful against fake-stripe, which accepts any `sk_test_` key.
-pub const DEFAULT_STRIPE_SECRET_KEY: &str = "sk_test_rocket_rides_development";
+pub use provider::{DEFAULT_STRIPE_API_BASE, DEFAULT_STRIPE_SECRET_KEY};
 
 impl Config {
     pub fn from_env() -> Result<Config, ConfigError> {
@@ -171,19 +162,10 @@ impl Config {
                 "GRPC_LISTEN_ADDR",
                 SocketAddr::from(([127, 0, 0, 1], 50051)),
             )?,
-            stripe: StripeConfig {
-                api_base: vars
-                    .string("STRIPE_API_BASE", DEFAULT_STRIPE_API_BASE)
-                    .trim_end_matches('/')
-                    .to_owned(),
-                secret_key: Secret::new(
-                    vars.string("STRIPE_SECRET_KEY", DEFAULT_STRIPE_SECRET_KEY),
-                ),
-                timeout: Duration::from_millis(vars.parse("STRIPE_TIMEOUT_MS", 30_000)?),
-                idempotency_window: Duration::from_secs(
-                    vars.parse("STRIPE_IDEMPOTENCY_WINDOW_SECS", 86_400)?,
-                ),
-            },
+            stripe: StripeConfig::from_lookup(&lookup).map_err(|invalid| ConfigError::Invalid {
+                name: invalid.name,
+                reason: invalid.reason,
+            })?,
             idempotency: IdempotencyConfig {
                 lock_timeout: Duration::from_secs(vars.parse("IDEMPOTENCY_LOCK_TIMEOUT_SECS", 90)?),
                 key_ttl: Duration::from_secs(

@@ -15,6 +15,14 @@ pub fn provider_idempotency_key(key_id: i64) -> String {
     format!("rocket-rides-{key_id}")
 }
 
+/// The idempotency key presented to the provider for the refund of reconciliation finding
+/// `finding_id`. Derived from the finding, so every attempt at refunding it (any reconciler pass,
+/// a concurrent one, `workers admin findings refund`) presents the same key and the provider makes
+/// one refund.
+pub fn provider_refund_idempotency_key(finding_id: i64) -> String {
+    format!("rocket-rides-refund-{finding_id}")
+}
+
 /// Whether a key locked at `locked_at` is still held at `now`: a lock older than the lock timeout
 /// may be taken over (its holder is presumed dead). The api-server's claim and `workers admin`
 /// both decide by it.

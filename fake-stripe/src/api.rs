@@ -16,14 +16,16 @@ use hyper::body::Incoming;
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
-use crate::state::{Begin, FaultMode, PaymentIntent, State, StoredResponse, random_id};
+use crate::state::{
+    Begin, CreatedRange, FaultMode, PaymentIntent, State, StoredResponse, random_id,
+};
 
 /// Stripe rejects larger bodies too; this keeps a misbehaving client from exhausting memory.
 const MAX_BODY_BYTES: usize = 1 << 20;
 const MAX_LIMIT: usize = 100;
 /// Stripe's cap for a USD amount: $999,999.99.
 const MAX_AMOUNT: i64 = 99_999_999;
-const MAX_IDEMPOTENCY_KEY_LEN: usize = 255;
+pub(crate) const MAX_IDEMPOTENCY_KEY_LEN: usize = 255;
 const DOCS: &str =
     "Please see https://stripe.com/docs or we can help at https://support.stripe.com/.";
 
@@ -39,7 +41,7 @@ pub(crate) enum ConnectionFault {
 /// An error answered before (or instead of) executing the endpoint; never stored under an
 /// idempotency key, since Stripe only saves results once execution has started.
 #[derive(Debug, thiserror::Error)]
-enum ApiError {
+pub(crate) enum ApiError {
     #[error("{message}")]
     InvalidRequest {
         status: StatusCode,
@@ -58,7 +60,11 @@ enum ApiError {
 }
 
 impl ApiError {
-    fn invalid(code: Option<&'static str>, param: &str, message: impl Into<String>) -> Self {
+    pub(crate) fn invalid(
+        code: Option<&'static str>,
+        param: &str,
+        message: impl Into<String>,
+    ) -> Self {
         ApiError::InvalidRequest {
             status: StatusCode::BAD_REQUEST,
             code,
@@ -67,7 +73,7 @@ impl ApiError {
         }
     }
 
-    fn bare(status: StatusCode, message: impl Into<String>) -> Self {
+    pub(crate) fn bare(status: StatusCode, message: impl Into<String>) -> Self {
         ApiError::InvalidRequest {
             status,
             code: None,
@@ -76,7 +82,7 @@ impl ApiError {
         }
     }
 
-    fn missing(param: &str) -> Self {
+    pub(crate) fn missing(param: &str) -> Self {
         Self::invalid(
             Some("parameter_missing"),
             param,
@@ -84,7 +90,7 @@ impl ApiError {
         )
     }
 
-    fn no_such_intent(param: &str, id: &str) -> Self {
+    pub(crate) fn no_such_intent(param: &str, id: &str) -> Self {
         ApiError::InvalidRequest {
             status: if param == "intent" {
                 StatusCode::NOT_FOUND
@@ -97,7 +103,7 @@ impl ApiError {
         }
     }
 
-    fn response(&self) -> Response<Full<Bytes>> {
+    pub(crate) fn response(&self) -> Response<Full<Bytes>> {
         let message = self.to_string();
         let (status, kind, code, param) = match self {
             ApiError::InvalidRequest {
@@ -146,13 +152,13 @@ struct ErrorObject<'a> {
 
 /// Both `list` and `search_result` envelopes; `next_page` only exists on search results.
 #[derive(Serialize)]
-struct ListBody<'a> {
-    object: &'static str,
-    data: &'a [PaymentIntent],
-    has_more: bool,
+pub(crate) struct ListBody<'a, T> {
+    pub(crate) object: &'static str,
+    pub(crate) data: &'a [T],
+    pub(crate) has_more: bool,
     #[serde(skip_serializing_if = "Option::is_none")]
-    next_page: Option<Option<String>>,
-    url: &'static str,
+    pub(crate) next_page: Option<Option<String>>,
+    pub(crate) url: &'static str,
 }
 
 #[derive(Deserialize)]
@@ -166,10 +172,10 @@ fn one() -> usize {
     1
 }
 
-type HttpResponse = Response<Full<Bytes>>;
+pub(crate) type HttpResponse = Response<Full<Bytes>>;
 
 /// Serialising our own plain structs cannot fail; the fallback only keeps us panic-free.
-fn to_json<T: Serialize>(value: &T) -> Bytes {
+pub(crate) fn to_json<T: Serialize>(value: &T) -> Bytes {
     serde_json::to_vec(value)
         .map(Bytes::from)
         .unwrap_or_else(|e| {
@@ -180,7 +186,7 @@ fn to_json<T: Serialize>(value: &T) -> Bytes {
         })
 }
 
-fn json_response(status: StatusCode, body: Bytes) -> HttpResponse {
+pub(crate) fn json_response(status: StatusCode, body: Bytes) -> HttpResponse {
     let mut response = Response::new(Full::new(body));
     *response.status_mut() = status;
     let headers = response.headers_mut();
@@ -216,6 +222,11 @@ pub(crate) async fn handle(
                 .map(|pi| json_response(StatusCode::OK, to_json(&pi))),
             _ => method_not_allowed(&method, &path, "GET"),
         },
+        ("/v1/refunds", _) => match method {
+            Method::POST => crate::refunds::create(&state, req).await,
+            Method::GET => crate::refunds::list(&state, &req),
+            _ => method_not_allowed(&method, &path, "GET, POST"),
+        },
         ("/_faults", _) => match method {
             Method::POST => faults(&state, req).await,
             Method::DELETE => {
@@ -236,7 +247,7 @@ pub(crate) async fn handle(
 }
 
 /// Stripe itself answers 404 here; we use 405 with `Allow` so test failures are obvious.
-fn method_not_allowed(
+pub(crate) fn method_not_allowed(
     method: &Method,
     path: &str,
     allow: &'static str,
@@ -267,7 +278,7 @@ fn mask_key(key: &str) -> String {
 }
 
 /// Returns the caller's API key, which also scopes its idempotency keys.
-fn authenticate(headers: &HeaderMap, state: &State) -> Result<String, ApiError> {
+pub(crate) fn authenticate(headers: &HeaderMap, state: &State) -> Result<String, ApiError> {
     let Some(value) = headers.get(AUTHORIZATION) else {
         return Err(ApiError::bare(
             StatusCode::UNAUTHORIZED,
@@ -533,59 +544,15 @@ async fn create_inner(
     extra_delay: Duration,
 ) -> Result<HttpResponse, ApiError> {
     let api_key = authenticate(req.headers(), state)?;
-    let idempotency_key = match req.headers().get("idempotency-key") {
-        None => None,
-        Some(v) => match v.to_str() {
-            Ok(k) if !k.is_empty() && k.len() <= MAX_IDEMPOTENCY_KEY_LEN => Some(k.to_owned()),
-            _ => {
-                let msg = format!(
-                    "Idempotency-Key must be 1 to {MAX_IDEMPOTENCY_KEY_LEN} visible ASCII characters."
-                );
-                return Err(ApiError::bare(StatusCode::BAD_REQUEST, msg));
-            }
-        },
-    };
-    let body = read_body(req).await?;
-    let mut pairs: Vec<(String, String)> = serde_urlencoded::from_bytes(&body).map_err(|e| {
-        ApiError::bare(
-            StatusCode::BAD_REQUEST,
-            format!("Invalid application/x-www-form-urlencoded body: {e}"),
-        )
-    })?;
+    let idempotency_key = idempotency_key(req.headers())?;
+    let mut pairs = read_form(req).await?;
     let params = parse_create(&pairs)?;
     pairs.sort();
     let key_for_messages = idempotency_key.clone().unwrap_or_default();
-    let reservation = match state.begin(idempotency_key.map(|k| (api_key, k)), pairs) {
-        Begin::Execute(reservation) => reservation,
-        Begin::Replay(stored) => {
-            let mut response = json_response(stored.status, stored.body);
-            response
-                .headers_mut()
-                .insert("idempotent-replayed", HeaderValue::from_static("true"));
-            return Ok(response);
-        }
-        Begin::Mismatch => {
-            return Err(ApiError::Idempotency {
-                status: StatusCode::BAD_REQUEST,
-                code: None,
-                message: format!(
-                    "Keys for idempotent requests can only be used with the same parameters they were \
-                     first used with. Try using a key other than '{key_for_messages}' if you meant to \
-                     execute a different request."
-                ),
-            });
-        }
-        Begin::InUse => {
-            return Err(ApiError::Idempotency {
-                status: StatusCode::CONFLICT,
-                code: Some("idempotency_key_in_use"),
-                message: format!(
-                    "There is currently another in-progress request using this Idempotent Key (that \
-                     probably means you submitted twice, and the other request is still going \
-                     through): {key_for_messages}. Please try again later."
-                ),
-            });
-        }
+    let begin = state.begin(idempotency_key.map(|k| (api_key, k)), pairs);
+    let reservation = match reserve(begin, &key_for_messages)? {
+        Ok(reservation) => reservation,
+        Err(replay) => return Ok(replay),
     };
     // Run the charge in its own task: like the real Stripe, a charge that has started
     // completes even if the client hangs up during the (simulated) provider latency.
@@ -605,7 +572,70 @@ async fn create_inner(
     Ok(json_response(stored.status, stored.body))
 }
 
-async fn read_body(req: Request<Incoming>) -> Result<Bytes, ApiError> {
+/// The request's `Idempotency-Key`, if it sent one.
+pub(crate) fn idempotency_key(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
+    match headers.get("idempotency-key") {
+        None => Ok(None),
+        Some(v) => match v.to_str() {
+            Ok(k) if !k.is_empty() && k.len() <= MAX_IDEMPOTENCY_KEY_LEN => Ok(Some(k.to_owned())),
+            _ => {
+                let msg = format!(
+                    "Idempotency-Key must be 1 to {MAX_IDEMPOTENCY_KEY_LEN} visible ASCII characters."
+                );
+                Err(ApiError::bare(StatusCode::BAD_REQUEST, msg))
+            }
+        },
+    }
+}
+
+/// What presenting an idempotency key decided, shared by every idempotent endpoint: go ahead
+/// (`Ok(Ok(reservation))`), replay the stored answer (`Ok(Err(response))`), or refuse.
+pub(crate) fn reserve(
+    begin: Begin,
+    key: &str,
+) -> Result<Result<crate::state::Reservation, HttpResponse>, ApiError> {
+    match begin {
+        Begin::Execute(reservation) => Ok(Ok(reservation)),
+        Begin::Replay(stored) => {
+            let mut response = json_response(stored.status, stored.body);
+            response
+                .headers_mut()
+                .insert("idempotent-replayed", HeaderValue::from_static("true"));
+            Ok(Err(response))
+        }
+        Begin::Mismatch => Err(ApiError::Idempotency {
+            status: StatusCode::BAD_REQUEST,
+            code: None,
+            message: format!(
+                "Keys for idempotent requests can only be used with the same parameters they were \
+                 first used with. Try using a key other than '{key}' if you meant to \
+                 execute a different request."
+            ),
+        }),
+        Begin::InUse => Err(ApiError::Idempotency {
+            status: StatusCode::CONFLICT,
+            code: Some("idempotency_key_in_use"),
+            message: format!(
+                "There is currently another in-progress request using this Idempotent Key (that \
+                 probably means you submitted twice, and the other request is still going \
+                 through): {key}. Please try again later."
+            ),
+        }),
+    }
+}
+
+/// The request's form-encoded body as name/value pairs, in order.
+pub(crate) async fn read_form(req: Request<Incoming>) -> Result<Vec<(String, String)>, ApiError> {
+    let body = read_body(req).await?;
+    serde_urlencoded::from_bytes(&body).map_err(|e| {
+        ApiError::bare(
+            StatusCode::BAD_REQUEST,
+            format!("Invalid application/x-www-form-urlencoded body: {e}"),
+        )
+    })
+}
+
+pub(crate) async fn read_body(req: Request<Incoming>) -> Result<Bytes, ApiError> {
     match Limited::new(req.into_body(), MAX_BODY_BYTES)
         .collect()
         .await
@@ -619,7 +649,7 @@ async fn read_body(req: Request<Incoming>) -> Result<Bytes, ApiError> {
 }
 
 /// Parses `limit` the way Stripe does: integer in `1..=100`, default 10.
-fn parse_limit(value: Option<&str>) -> Result<usize, ApiError> {
+pub(crate) fn parse_limit(value: Option<&str>) -> Result<usize, ApiError> {
     let Some(raw) = value else { return Ok(10) };
     let limit: i64 = raw.parse().map_err(|_| {
         ApiError::invalid(
@@ -644,7 +674,7 @@ fn parse_limit(value: Option<&str>) -> Result<usize, ApiError> {
 }
 
 /// Decodes the query string, rejecting parameters the endpoint does not know.
-fn query_params(
+pub(crate) fn query_params(
     req: &Request<Incoming>,
     allowed: &[&str],
 ) -> Result<BTreeMap<String, String>, ApiError> {
@@ -668,14 +698,32 @@ fn query_params(
 
 fn list(state: &State, req: &Request<Incoming>) -> Result<HttpResponse, ApiError> {
     authenticate(req.headers(), state)?;
-    let params = query_params(req, &["limit", "starting_after", "customer"])?;
+    let params = query_params(
+        req,
+        &[
+            "limit",
+            "starting_after",
+            "customer",
+            "created[gt]",
+            "created[gte]",
+            "created[lt]",
+            "created[lte]",
+        ],
+    )?;
     let limit = parse_limit(params.get("limit").map(String::as_str))?;
     let starting_after = params.get("starting_after").map(String::as_str);
+    let created = CreatedRange {
+        gt: timestamp(&params, "created[gt]")?,
+        gte: timestamp(&params, "created[gte]")?,
+        lt: timestamp(&params, "created[lt]")?,
+        lte: timestamp(&params, "created[lte]")?,
+    };
     let (data, has_more) = state
         .list(
             limit,
             starting_after,
             params.get("customer").map(String::as_str),
+            created,
         )
         .ok_or_else(|| ApiError::no_such_intent("starting_after", starting_after.unwrap_or("")))?;
     let body = ListBody {
@@ -686,6 +734,22 @@ fn list(state: &State, req: &Request<Incoming>) -> Result<HttpResponse, ApiError
         url: "/v1/payment_intents",
     };
     Ok(json_response(StatusCode::OK, to_json(&body)))
+}
+
+/// A Unix-seconds bound such as `created[gte]`, as Stripe parses it: an integer.
+fn timestamp(params: &BTreeMap<String, String>, name: &str) -> Result<Option<i64>, ApiError> {
+    params
+        .get(name)
+        .map(|raw| {
+            raw.parse().map_err(|_| {
+                ApiError::invalid(
+                    Some("parameter_invalid_integer"),
+                    name,
+                    format!("Invalid integer: {raw}"),
+                )
+            })
+        })
+        .transpose()
 }
 
 /// One clause of the supported search-query subset.

@@ -11,11 +11,13 @@
 //!   and [`serve`], the accept loop with graceful shutdown used by the binary.
 //! - `state.rs`: the in-memory ledger, idempotency store and fault queue.
 //! - `api.rs`: HTTP routing, auth, validation and Stripe-shaped JSON.
+//! - `refunds.rs`: `POST /v1/refunds` and `GET /v1/refunds`.
 //!
 //! hyper is used directly (not a framework) because faults need to close a connection
 //! without a response, and to hold one open without answering.
 
 mod api;
+mod refunds;
 mod state;
 
 use std::future::Future;
@@ -31,7 +33,7 @@ use tokio::sync::{oneshot, watch};
 use tokio::task::{JoinHandle, JoinSet};
 
 use state::State;
-pub use state::{FaultMode, PaymentIntent};
+pub use state::{FaultMode, PaymentIntent, Refund};
 
 /// How long shutdown waits for in-flight requests (e.g. ones sleeping for `latency`)
 /// before cutting their connections.
@@ -128,6 +130,18 @@ impl FakeStripe {
             .iter()
             .filter(|pi| pi.status == "succeeded")
             .count()
+    }
+
+    /// Snapshot of every refund made, oldest first.
+    pub fn refunds(&self) -> Vec<Refund> {
+        self.state.refunds()
+    }
+
+    /// Moves a PaymentIntent's `created` to `created` (Unix seconds), so a test can place a
+    /// charge in a window of time. Stripe has no such call; our clients never make it. Returns
+    /// false for an unknown id.
+    pub fn backdate(&self, id: &str, created: i64) -> bool {
+        self.state.backdate(id, created)
     }
 
     /// Every `POST /v1/payment_intents` received, including replays, rejects and faulted ones.

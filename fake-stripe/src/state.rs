@@ -39,6 +39,52 @@ pub struct PaymentIntent {
     pub confirmation_method: String,
 }
 
+/// A Refund as Stripe serialises it (the subset of fields we model). A refunded PaymentIntent
+/// stays `succeeded`, as at Stripe; what was given back is the sum of its refunds.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct Refund {
+    pub id: String,
+    pub object: String,
+    pub amount: i64,
+    pub charge: Option<String>,
+    pub created: i64,
+    pub currency: String,
+    pub metadata: BTreeMap<String, String>,
+    pub payment_intent: String,
+    pub reason: Option<String>,
+    pub status: String,
+}
+
+/// Why a refund cannot be made, decided against the ledger under the lock.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum RefundRefusal {
+    NoSuchIntent,
+    NotSucceeded,
+    /// Nothing is left to refund.
+    AlreadyRefunded,
+    /// More than what is left was asked for; carries what is left.
+    TooLarge(i64),
+}
+
+/// The `created` bounds of a list request (`created[gt]`, `created[gte]`, `created[lt]`,
+/// `created[lte]`), in Unix seconds.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct CreatedRange {
+    pub gt: Option<i64>,
+    pub gte: Option<i64>,
+    pub lt: Option<i64>,
+    pub lte: Option<i64>,
+}
+
+impl CreatedRange {
+    fn contains(&self, created: i64) -> bool {
+        self.gt.is_none_or(|bound| created > bound)
+            && self.gte.is_none_or(|bound| created >= bound)
+            && self.lt.is_none_or(|bound| created < bound)
+            && self.lte.is_none_or(|bound| created <= bound)
+    }
+}
+
 /// A fault to inject into the next `POST /v1/payment_intents` call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -94,6 +140,8 @@ pub(crate) enum Begin {
 struct Inner {
     intents: Vec<PaymentIntent>,
     by_id: HashMap<String, usize>,
+    /// Every refund, oldest first.
+    refunds: Vec<Refund>,
     keys: HashMap<Scope, KeyEntry>,
     /// Keys in first-use order, so expired ones can be pruned from the front cheaply.
     key_order: VecDeque<(Instant, Scope)>,
@@ -199,31 +247,128 @@ impl State {
             .cloned()
     }
 
-    /// Newest-first page after `starting_after` (which must exist), filtered by customer.
-    /// Returns `None` if `starting_after` is unknown, else the page and `has_more`.
+    /// Newest-first page after `starting_after` (which must exist), filtered by customer and
+    /// by `created`. Returns `None` if `starting_after` is unknown, else the page and `has_more`.
     pub fn list(
         &self,
         limit: usize,
         starting_after: Option<&str>,
         customer: Option<&str>,
+        created: CreatedRange,
     ) -> Option<(Vec<PaymentIntent>, bool)> {
         let inner = self.lock();
-        // Insertion order is creation order, so reverse index order is newest first with
-        // ties on `created` broken deterministically.
+        // The ledger is kept in `created` order (ties in insertion order, see `backdate`), so
+        // reverse index order is newest first with ties broken deterministically.
         let start = match starting_after {
             Some(id) => *inner.by_id.get(id)?,
             None => inner.intents.len(),
         };
-        let mut page: Vec<PaymentIntent> = inner.intents[..start]
+        Some(newest_first(&inner.intents[..start], limit, |pi| {
+            (customer.is_none() || pi.customer.as_deref() == customer)
+                && created.contains(pi.created)
+        }))
+    }
+
+    /// Moves a PaymentIntent's `created` (a test hook: Stripe cannot do this), keeping the ledger
+    /// in `created` order so that lists stay newest first. Returns false for an unknown id.
+    pub fn backdate(&self, id: &str, created: i64) -> bool {
+        let mut inner = self.lock();
+        let Some(&index) = inner.by_id.get(id) else {
+            return false;
+        };
+        if let Some(pi) = inner.intents.get_mut(index) {
+            pi.created = created;
+        }
+        // A stable sort keeps insertion order among equal timestamps.
+        inner.intents.sort_by_key(|pi| pi.created);
+        let by_id = inner
+            .intents
             .iter()
-            .rev()
-            .filter(|pi| customer.is_none() || pi.customer.as_deref() == customer)
-            .take(limit + 1)
-            .cloned()
+            .enumerate()
+            .map(|(index, pi)| (pi.id.clone(), index))
             .collect();
-        let has_more = page.len() > limit;
-        page.truncate(limit);
-        Some((page, has_more))
+        inner.by_id = by_id;
+        true
+    }
+
+    /// Every refund, oldest first.
+    pub fn refunds(&self) -> Vec<Refund> {
+        self.lock().refunds.clone()
+    }
+
+    /// Newest-first page of refunds after `starting_after` (which must exist), filtered by
+    /// PaymentIntent. `None` if `starting_after` is unknown.
+    pub fn list_refunds(
+        &self,
+        limit: usize,
+        starting_after: Option<&str>,
+        payment_intent: Option<&str>,
+    ) -> Option<(Vec<Refund>, bool)> {
+        let inner = self.lock();
+        let start = match starting_after {
+            Some(id) => inner.refunds.iter().position(|refund| refund.id == id)?,
+            None => inner.refunds.len(),
+        };
+        Some(newest_first(&inner.refunds[..start], limit, |refund| {
+            payment_intent.is_none_or(|pi| refund.payment_intent == pi)
+        }))
+    }
+
+    /// Refunds `amount` (everything left when `None`) of a succeeded PaymentIntent, and, in the
+    /// same critical section, freezes the response under the reservation's idempotency key. A
+    /// refusal stores nothing: the reservation is dropped, which frees the key.
+    pub fn refund(
+        &self,
+        payment_intent: &str,
+        amount: Option<i64>,
+        reason: Option<String>,
+        metadata: BTreeMap<String, String>,
+        mut reservation: Reservation,
+        respond: impl FnOnce(&Refund) -> StoredResponse,
+    ) -> Result<StoredResponse, RefundRefusal> {
+        let mut inner = self.lock();
+        let pi = inner
+            .by_id
+            .get(payment_intent)
+            .and_then(|&index| inner.intents.get(index))
+            .ok_or(RefundRefusal::NoSuchIntent)?;
+        if pi.status != "succeeded" {
+            return Err(RefundRefusal::NotSucceeded);
+        }
+        let refunded: i64 = inner
+            .refunds
+            .iter()
+            .filter(|refund| refund.payment_intent == payment_intent)
+            .map(|refund| refund.amount)
+            .sum();
+        let left = pi.amount_received - refunded;
+        if left <= 0 {
+            return Err(RefundRefusal::AlreadyRefunded);
+        }
+        let amount = amount.unwrap_or(left);
+        if amount > left {
+            return Err(RefundRefusal::TooLarge(left));
+        }
+        let refund = Refund {
+            id: random_id("re_", 24),
+            object: "refund".to_owned(),
+            amount,
+            charge: pi.latest_charge.clone(),
+            created: chrono::Utc::now().timestamp(),
+            currency: pi.currency.clone(),
+            metadata,
+            payment_intent: payment_intent.to_owned(),
+            reason,
+            status: "succeeded".to_owned(),
+        };
+        let response = respond(&refund);
+        inner.refunds.push(refund);
+        if let Some(scope) = reservation.scope.take()
+            && let Some(entry) = inner.keys.get_mut(&scope)
+        {
+            entry.state = KeyState::Done(response.clone());
+        }
+        Ok(response)
     }
 
     /// Newest-first PaymentIntents matching `pred`.
@@ -294,6 +439,21 @@ impl State {
         }
         response
     }
+}
+
+/// One page of a list: the `older` items (oldest first) that `keep` accepts, newest first, at
+/// most `limit`, and whether more follow.
+fn newest_first<T: Clone>(older: &[T], limit: usize, keep: impl Fn(&T) -> bool) -> (Vec<T>, bool) {
+    let mut page: Vec<T> = older
+        .iter()
+        .rev()
+        .filter(|item| keep(item))
+        .take(limit + 1)
+        .cloned()
+        .collect();
+    let has_more = page.len() > limit;
+    page.truncate(limit);
+    (page, has_more)
 }
 
 fn pending(inner: &Inner) -> usize {

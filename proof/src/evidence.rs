@@ -16,7 +16,10 @@ use diesel::{
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use serde_json::Value;
 
-use crate::setup::{Plan, STRIPE_KEY, Wiring};
+use crate::{
+    reconciliation::{Reconciliation, reconcile},
+    setup::{Plan, STRIPE_KEY, Wiring},
+};
 
 #[derive(QueryableByName, Debug)]
 pub(crate) struct KeyRow {
@@ -58,6 +61,8 @@ struct TextRow {
 
 #[derive(QueryableByName, Debug)]
 pub(crate) struct AttentionRow {
+    #[diesel(sql_type = BigInt)]
+    pub(crate) idempotency_key_id: i64,
     #[diesel(sql_type = Text)]
     pub(crate) idempotency_key: String,
     #[diesel(sql_type = BigInt)]
@@ -180,6 +185,8 @@ pub(crate) struct Evidence {
     pub(crate) attention: Vec<AttentionRow>,
     pub(crate) attention_keys: HashSet<(i64, String)>,
     pub(crate) ledger: Vec<Intent>,
+    /// What a reconciler pass over the whole run found.
+    pub(crate) reconciliation: Reconciliation,
     /// ride id → the stamps of its mails.
     pub(crate) mail: BTreeMap<i64, Vec<i128>>,
     pub(crate) unparsed_mail: u64,
@@ -216,15 +223,17 @@ pub(crate) async fn collect(
         .filter_map(|r| serde_json::from_str::<Value>(&r.t).ok())
         .filter_map(|v| v["ride_id"].as_i64())
         .collect();
-    let attention: Vec<AttentionRow> =
-        diesel::sql_query("SELECT idempotency_key, user_id, reason FROM keys_needing_attention")
-            .load(conn)
-            .await?;
+    let attention: Vec<AttentionRow> = diesel::sql_query(
+        "SELECT idempotency_key_id, idempotency_key, user_id, reason FROM keys_needing_attention",
+    )
+    .load(conn)
+    .await?;
     let attention_keys: HashSet<(i64, String)> = attention
         .iter()
         .map(|a| (a.user_id, a.idempotency_key.clone()))
         .collect();
     let ledger = fetch_ledger(http, &wiring.stripe_base).await?;
+    let reconciliation = reconcile(conn, plan, wiring).await?;
     let (mail, unparsed_mail) = read_mail(&plan.mail_dir)?;
     Ok(Evidence {
         keys,
@@ -236,6 +245,7 @@ pub(crate) async fn collect(
         attention,
         attention_keys,
         ledger,
+        reconciliation,
         mail,
         unparsed_mail,
     })

@@ -3,7 +3,7 @@
 //! mail without its ride, every crash point fired). Each violation names its invariant and the
 //! offending key, so that one failed run says what broke and where to look.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use crate::{
     args::Args,
@@ -15,7 +15,7 @@ use crate::{
 };
 
 /// Every invariant the campaign checks, by id, with what it means (the report's lines).
-pub(crate) const INVARIANTS: [(&str, &str); 22] = [
+pub(crate) const INVARIANTS: [(&str, &str); 23] = [
     (
         "ok_key_finished",
         "every key a client saw succeed is finished",
@@ -83,6 +83,10 @@ pub(crate) const INVARIANTS: [(&str, &str); 22] = [
         "no_unexpected_answer",
         "no non-retryable error other than CARD_DECLINED",
     ),
+    (
+        "reconciled",
+        "the reconciler finds exactly the unrecorded charges of keys needing attention",
+    ),
 ];
 
 #[derive(Default)]
@@ -133,6 +137,7 @@ pub(crate) fn judge(
     let crash_points_fired = arming.fired();
     checks.exits(args, &crash_points_fired, &faults.snapshot(), &mut v);
     checks.ledger_and_mail(&mut v);
+    checks.reconciliation(&mut v);
     Verdict {
         violations: v,
         outcomes,
@@ -557,6 +562,66 @@ impl<'a> Checks<'a> {
                         ride.id, ride.stripe_charge_id
                     ),
                 );
+            }
+        }
+    }
+
+    /// The reconciler's findings over the whole run: each must be an unrecorded charge of a key
+    /// listed in keys_needing_attention (the completer could not finish it), and each such charge
+    /// must have been found.
+    fn reconciliation(&self, v: &mut Violations) {
+        let found = &self.ev.reconciliation;
+        if let Err(error) = &found.summary {
+            v.add("reconciled", format!("the reconciler pass failed: {error}"));
+        }
+        let attention: HashSet<i64> = self
+            .ev
+            .attention
+            .iter()
+            .map(|a| a.idempotency_key_id)
+            .collect();
+        for finding in &found.findings {
+            let expected = finding.kind == "unrecorded_charge"
+                && finding
+                    .idempotency_key_id
+                    .is_some_and(|key| attention.contains(&key));
+            if !expected {
+                v.add(
+                    "reconciled",
+                    format!(
+                        "unexpected finding #{} {} {} (ride {:?}, key {:?})",
+                        finding.id,
+                        finding.kind,
+                        finding.payment_intent_id,
+                        finding.ride_id,
+                        finding.idempotency_key_id
+                    ),
+                );
+            }
+        }
+        let unrecorded: HashSet<&str> = found
+            .findings
+            .iter()
+            .filter(|finding| finding.kind == "unrecorded_charge")
+            .map(|finding| finding.payment_intent_id.as_str())
+            .collect();
+        for (ride, pis) in &self.succeeded_by_ride {
+            let Some(row) = self.ride_by_id.get(ride) else {
+                continue;
+            };
+            for pi in pis {
+                if row.stripe_charge_id.as_deref() != Some(pi.id.as_str())
+                    && !unrecorded.contains(pi.id.as_str())
+                {
+                    v.add(
+                        "reconciled",
+                        format!(
+                            "ride {ride}: charge {} is not the one it records ({:?}) and the \
+                             reconciler did not find it",
+                            pi.id, row.stripe_charge_id
+                        ),
+                    );
+                }
             }
         }
     }

@@ -25,6 +25,7 @@
 //! - [`maintenance`]: the completer and reaper passes, and the drains after traffic.
 //! - [`replays`]: every finished key sent again, to compare with its first answer.
 //! - [`evidence`]: the database rows, the ledger and the mail, read once drained.
+//! - [`reconciliation`]: a reconciler pass over the whole run, and the findings it recorded.
 //! - [`invariants`]: what the clients saw, checked against the evidence.
 //! - [`report`]: the progress line and the report.
 //! - [`counters`]: the tallies the steps keep while they run, for the report.
@@ -41,6 +42,7 @@ mod faults;
 mod invariants;
 mod maintenance;
 mod processes;
+mod reconciliation;
 mod replays;
 mod report;
 mod services;

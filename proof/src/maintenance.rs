@@ -29,7 +29,7 @@ use crate::{
 };
 
 /// Runs `workers <what> --once`; its summary is the last JSON object it prints.
-async fn run_once(
+pub(crate) async fn run_once(
     bin: &Path,
     what: &str,
     env: &[(String, String)],

@@ -147,6 +147,7 @@ impl Report<'_> {
                 "crash_points_fired": verdict.crash_points_fired,
                 "keys_needing_attention": attention_by_reason,
             },
+            "reconciliation": reconciliation_json(&ev.reconciliation),
             "replays": self.facts.replays.stats,
             "ha_faults": ha_faults(&tallies.timeline),
             "invariant_violations": invariant_json,
@@ -240,6 +241,10 @@ impl Report<'_> {
         for (k, val) in &self.facts.replays.stats {
             line(&mut text, &format!("  replays.{k}"), val.to_string());
         }
+        text.push_str("-- reconciler pass over the run\n");
+        for (k, val) in report["reconciliation"].as_object().into_iter().flatten() {
+            line(&mut text, &format!("  {k}"), val.to_string());
+        }
         text.push_str("-- invariants\n");
         for (id, what) in &INVARIANTS {
             let n = self
@@ -299,4 +304,22 @@ fn ha_faults(timeline: &Timeline) -> Value {
 
 fn round1(x: f64) -> f64 {
     (x * 10.0).round() / 10.0
+}
+
+/// The reconciler's pass and its findings by kind, for the report.
+fn reconciliation_json(found: &crate::reconciliation::Reconciliation) -> Value {
+    let by_kind = found
+        .findings
+        .iter()
+        .fold(BTreeMap::<String, u64>::new(), |mut m, f| {
+            *m.entry(f.kind.clone()).or_default() += 1;
+            m
+        });
+    json!({
+        "summary": match &found.summary {
+            Ok(summary) => summary.clone(),
+            Err(error) => json!({ "error": error }),
+        },
+        "findings_by_kind": by_kind,
+    })
 }

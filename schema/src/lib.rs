@@ -11,6 +11,7 @@
 //! - [`schema`]: table definitions as `diesel print-schema` writes them.
 //! - [`models`]: a read struct and an insert struct per table.
 //! - [`RecoveryPoint`]: the closed set of phases a key moves through, stored as TEXT.
+//! - [`FindingKind`]: the closed set of mismatches the reconciler records, stored as TEXT.
 //! - [`pool`]: the bb8 pool of diesel-async connections (pure Rust, no libpq).
 //! - [`prepared`]: hand-written SQL (data-modifying CTEs) that is still prepared once per connection.
 //! - [`store`]: [`StoreError`](store::StoreError), what every statement fails with, and the one
@@ -19,6 +20,7 @@
 //! - [`migrations`]: `migrations/` embedded in the binary and applied over an async connection.
 //! - `testing` (feature `testing`): one database per test, cloned from a migrated template.
 
+mod finding_kind;
 pub mod migrations;
 pub mod models;
 pub mod pool;
@@ -28,8 +30,10 @@ pub mod schema;
 pub mod store;
 #[cfg(feature = "testing")]
 pub mod testing;
+mod text_enum;
 pub mod tls;
 
+pub use finding_kind::{FindingKind, UnknownFindingKind};
 pub use pool::{DbConn, PlanCache, Pool, PoolError, build_pool};
 pub use recovery_point::{RecoveryPoint, UnknownRecoveryPoint};
 pub use tls::{connect, database_url};

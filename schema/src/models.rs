@@ -7,7 +7,7 @@ use ipnet::IpNet;
 use uuid::Uuid;
 
 use crate::{
-    RecoveryPoint,
+    FindingKind, RecoveryPoint,
     schema::{audit_records, idempotency_keys, rides, staged_jobs, users},
 };
 
@@ -194,4 +194,42 @@ pub struct NewSentReceipt<'a> {
     pub ride_id: i64,
     pub message_id: &'a str,
     pub recorded_via: &'a str,
+}
+
+/// A disagreement between the provider's ledger and the rides, recorded once per
+/// `(kind, payment_intent_id)` by the reconciler.
+#[derive(Clone, Debug, PartialEq, Queryable, Selectable, Identifiable, serde::Serialize)]
+#[diesel(table_name = crate::schema::reconciliation_findings, check_for_backend(diesel::pg::Pg))]
+pub struct ReconciliationFinding {
+    pub id: i64,
+    pub kind: FindingKind,
+    pub payment_intent_id: String,
+    pub ride_id: Option<i64>,
+    pub user_id: Option<i64>,
+    pub idempotency_key_id: Option<i64>,
+    pub provider_amount: Option<i64>,
+    pub provider_currency: Option<String>,
+    pub provider_status: Option<String>,
+    pub ride_amount: Option<i64>,
+    pub ride_currency: Option<String>,
+    pub first_seen_at: DateTime<Utc>,
+    pub last_seen_at: DateTime<Utc>,
+    pub resolved_at: Option<DateTime<Utc>>,
+    pub resolution: Option<String>,
+    pub refund_id: Option<String>,
+}
+
+#[derive(Clone, Debug, PartialEq, Insertable)]
+#[diesel(table_name = crate::schema::reconciliation_findings)]
+pub struct NewReconciliationFinding {
+    pub kind: FindingKind,
+    pub payment_intent_id: String,
+    pub ride_id: Option<i64>,
+    pub user_id: Option<i64>,
+    pub idempotency_key_id: Option<i64>,
+    pub provider_amount: Option<i64>,
+    pub provider_currency: Option<String>,
+    pub provider_status: Option<String>,
+    pub ride_amount: Option<i64>,
+    pub ride_currency: Option<String>,
 }

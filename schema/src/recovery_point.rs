@@ -1,15 +1,7 @@
 //! The closed set of recovery points a key moves through. The database enforces the same set with
 //! a CHECK constraint; this enum is how code names them.
 
-use std::{fmt, io::Write, str::FromStr};
-
-use diesel::{
-    deserialize::{self, FromSql, FromSqlRow},
-    expression::AsExpression,
-    pg::{Pg, PgValue},
-    serialize::{self, IsNull, Output, ToSql},
-    sql_types::Text,
-};
+use diesel::{deserialize::FromSqlRow, expression::AsExpression, sql_types::Text};
 use serde::{Deserialize, Serialize};
 
 /// The last atomic phase a key has committed. A retry resumes from here.
@@ -47,40 +39,11 @@ impl RecoveryPoint {
     }
 }
 
-impl fmt::Display for RecoveryPoint {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
 #[derive(Debug, thiserror::Error)]
 #[error("unknown recovery point {0:?}")]
 pub struct UnknownRecoveryPoint(pub String);
 
-impl FromStr for RecoveryPoint {
-    type Err = UnknownRecoveryPoint;
-
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        RecoveryPoint::ALL
-            .into_iter()
-            .find(|point| point.as_str() == s)
-            .ok_or_else(|| UnknownRecoveryPoint(s.to_owned()))
-    }
-}
-
-impl ToSql<Text, Pg> for RecoveryPoint {
-    fn to_sql<'b>(&'b self, out: &mut Output<'b, '_, Pg>) -> serialize::Result {
-        out.write_all(self.as_str().as_bytes())?;
-        Ok(IsNull::No)
-    }
-}
-
-impl FromSql<Text, Pg> for RecoveryPoint {
-    fn from_sql(bytes: PgValue<'_>) -> deserialize::Result<Self> {
-        let text = std::str::from_utf8(bytes.as_bytes())?;
-        Ok(text.parse()?)
-    }
-}
+crate::text_enum::text_enum!(RecoveryPoint, UnknownRecoveryPoint);
 
 #[cfg(test)]
 mod tests {

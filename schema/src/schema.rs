@@ -51,6 +51,36 @@ diesel::table! {
 }
 
 diesel::table! {
+    reconciler_watermarks (name) {
+        name -> Text,
+        reconciled_until -> Timestamptz,
+        pending_payment_intents -> Array<Text>,
+        updated_at -> Timestamptz,
+    }
+}
+
+diesel::table! {
+    reconciliation_findings (id) {
+        id -> Int8,
+        kind -> Text,
+        payment_intent_id -> Text,
+        ride_id -> Nullable<Int8>,
+        user_id -> Nullable<Int8>,
+        idempotency_key_id -> Nullable<Int8>,
+        provider_amount -> Nullable<Int8>,
+        provider_currency -> Nullable<Text>,
+        provider_status -> Nullable<Text>,
+        ride_amount -> Nullable<Int8>,
+        ride_currency -> Nullable<Text>,
+        first_seen_at -> Timestamptz,
+        last_seen_at -> Timestamptz,
+        resolved_at -> Nullable<Timestamptz>,
+        resolution -> Nullable<Text>,
+        refund_id -> Nullable<Text>,
+    }
+}
+
+diesel::table! {
     rides (id) {
         id -> Int8,
         created_at -> Timestamptz,
@@ -123,6 +153,8 @@ diesel::allow_tables_to_appear_in_same_query!(
     idempotency_keys,
     keys_needing_attention,
     receipt_claims,
+    reconciler_watermarks,
+    reconciliation_findings,
     rides,
     sent_receipts,
     staged_jobs,

@@ -14,6 +14,7 @@ pub const DEFAULT_SMTP_URL: &str = "smtp://127.0.0.1:2525";
 pub const DEFAULT_RECEIPT_FROM: &str = "Rocket Rides <receipts@rocketrides.test>";
 pub const DEFAULT_API_SERVER_URL: &str = "http://127.0.0.1:50051";
 pub const DEFAULT_TOPOLOGY_PREFIX: &str = "rides";
+pub use provider::{DEFAULT_STRIPE_API_BASE, DEFAULT_STRIPE_SECRET_KEY};
 
 #[derive(Clone, Debug)]
 pub struct Config {
@@ -26,6 +27,7 @@ pub struct Config {
     pub receipts: ReceiptsConfig,
     pub completer: CompleterConfig,
     pub reaper: ReaperConfig,
+    pub reconciler: ReconcilerConfig,
 }
 
 #[derive(Clone, Debug)]
@@ -89,6 +91,25 @@ pub struct ReaperConfig {
     pub key_ttl: Duration,
     pub lock_timeout: Duration,
     pub batch_size: i64,
+    pub interval: Duration,
+}
+
+#[derive(Clone, Debug)]
+pub struct ReconcilerConfig {
+    /// The provider (`STRIPE_API_BASE`, `STRIPE_SECRET_KEY`, `STRIPE_TIMEOUT_MS`, the same
+    /// variables as the api-server's).
+    pub stripe: provider::StripeConfig,
+    /// A window ends this long before now, so that a CreateRide still between its charge and the
+    /// commit that records it is not read half-way.
+    pub settle_delay: Duration,
+    /// Each pass starts this long before the watermark, re-reading the end of the last window
+    /// (a ride committed late, a provider list that lagged).
+    pub overlap: Duration,
+    /// Where the first pass starts when there is no watermark yet: this long before now.
+    pub initial_lookback: Duration,
+    /// The longest window one pass reads; a loop catching up goes on at once.
+    pub max_window: Duration,
+    /// Pause between passes of the loop.
     pub interval: Duration,
 }
 
@@ -231,6 +252,25 @@ impl Config {
                 batch_size: vars.positive("REAPER_BATCH_SIZE", 1000)?,
                 interval: vars.secs("REAPER_INTERVAL_SECS", 600)?,
             },
+            reconciler: ReconcilerConfig {
+                stripe: provider::StripeConfig::from_lookup(&lookup).map_err(|invalid| {
+                    ConfigError::Invalid {
+                        name: invalid.name,
+                        reason: invalid.reason,
+                    }
+                })?,
+                settle_delay: vars.secs("RECONCILER_SETTLE_SECS", 900)?,
+                overlap: vars.secs("RECONCILER_OVERLAP_SECS", 3600)?,
+                initial_lookback: Duration::from_secs(
+                    vars.positive::<u64>("RECONCILER_LOOKBACK_HOURS", 168)?
+                        .saturating_mul(3600),
+                ),
+                max_window: Duration::from_secs(
+                    vars.positive::<u64>("RECONCILER_MAX_WINDOW_HOURS", 24)?
+                        .saturating_mul(3600),
+                ),
+                interval: vars.secs("RECONCILER_INTERVAL_SECS", 3600)?,
+            },
         })
     }
 }
@@ -267,6 +307,14 @@ mod tests {
         assert_eq!(config.receipts.claim_lease, Duration::from_secs(120));
         assert_eq!(config.receipts.mail_search_url, None);
         assert_eq!(config.completer.api_server_tls, ClientTls::default());
+        assert_eq!(config.reconciler.settle_delay, Duration::from_secs(900));
+        assert_eq!(config.reconciler.overlap, Duration::from_secs(3600));
+        assert_eq!(config.reconciler.max_window, Duration::from_secs(24 * 3600));
+        assert_eq!(config.reconciler.stripe.api_base, DEFAULT_STRIPE_API_BASE);
+        assert!(
+            !format!("{:?}", config.reconciler).contains(DEFAULT_STRIPE_SECRET_KEY),
+            "the secret key never prints"
+        );
     }
 
     #[test]

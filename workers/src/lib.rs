@@ -13,6 +13,8 @@
 //! - [`relay_search`]: asks the relay whether it already holds a Message-ID (the crash window).
 //! - [`completer`]: pushes abandoned idempotency keys to completion through the public API.
 //! - [`reaper`]: retires expired keys, recording unfinished ones for a human first.
+//! - [`reconciler`]: compares the provider's charges with the rides and records every mismatch
+//!   in `reconciliation_findings`; refunds a charge no ride stands for only when asked.
 //! - [`shutdown`] and [`backoff`]: the plumbing every loop shares.
 //! - [`admin`]: the operator CLI (`workers admin …`, see `docs/operations.md`).
 //!
@@ -32,6 +34,7 @@ pub mod mailer;
 pub mod metrics;
 pub mod reaper;
 pub mod receipts;
+pub mod reconciler;
 pub mod redact;
 pub mod relay_search;
 pub mod shutdown;

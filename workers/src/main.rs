@@ -8,8 +8,8 @@ use anyhow::Context;
 use clap::{Parser, Subcommand};
 use workers::{
     amqp::AmqpSession, completer::Completer, config::Config, enqueuer::Enqueuer, mailer::Mailer,
-    reaper::Reaper, receipts::ReceiptWorker, relay_search::RelaySearch, shutdown,
-    topology::Topology,
+    reaper::Reaper, receipts::ReceiptWorker, reconciler::Reconciler, relay_search::RelaySearch,
+    shutdown, topology::Topology,
 };
 
 #[derive(Parser)]
@@ -29,6 +29,8 @@ enum Command {
     Completer(Once),
     /// Deletes expired idempotency keys, recording unfinished ones for a human.
     Reaper(Once),
+    /// Compares the provider's charges with the rides and records every mismatch.
+    Reconciler(ReconcilerArgs),
     /// Operator commands: inspect and repair keys, dead letters, backlog (docs/operations.md).
     Admin(workers::admin::AdminArgs),
 }
@@ -40,6 +42,16 @@ struct Once {
     once: bool,
 }
 
+#[derive(clap::Args)]
+struct ReconcilerArgs {
+    #[command(flatten)]
+    once: Once,
+    /// Also refund the charge of every open unrecorded_charge and unknown_ride finding (once
+    /// each, re-checked under locks). Never done without this flag.
+    #[arg(long)]
+    refund: bool,
+}
+
 impl Command {
     /// The service name this process reports, and its default Prometheus port: one per worker so
     /// that the whole fleet can run on one machine.
@@ -49,6 +61,7 @@ impl Command {
             Command::Receipts(_) => ("rides-receipts", 9466),
             Command::Completer(_) => ("rides-completer", 9467),
             Command::Reaper(_) => ("rides-reaper", 9468),
+            Command::Reconciler(_) => ("rides-reconciler", 9469),
             Command::Admin(_) => ("rides-admin", 9470),
         }
     }
@@ -59,6 +72,7 @@ impl Command {
             | Command::Receipts(once)
             | Command::Completer(once)
             | Command::Reaper(once) => !once.once,
+            Command::Reconciler(args) => !args.once.once,
             Command::Admin(_) => false,
         }
     }
@@ -171,6 +185,24 @@ async fn run(cli: Cli, shutdown: tokio_util::sync::CancellationToken) -> anyhow:
             } else {
                 let total = reaper.run(shutdown).await;
                 tracing::info!(?total, "reaper stopped");
+                return Ok(());
+            }
+        }
+        Command::Reconciler(ReconcilerArgs {
+            once: Once { once },
+            refund,
+        }) => {
+            let reconciler = Reconciler::new(pool(), config.reconciler.clone())?;
+            if once {
+                serde_json::to_value(
+                    reconciler
+                        .run_once(refund)
+                        .await
+                        .context("reconciler pass failed")?,
+                )?
+            } else {
+                let total = reconciler.run(refund, shutdown).await;
+                tracing::info!(?total, "reconciler stopped");
                 return Ok(());
             }
         }

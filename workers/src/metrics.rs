@@ -22,6 +22,7 @@ struct Instruments {
     completer: Counter<u64>,
     needing_attention: Gauge<u64>,
     reaped: Counter<u64>,
+    findings: Gauge<u64>,
 }
 
 static INSTRUMENTS: LazyLock<Instruments> = LazyLock::new(|| {
@@ -63,6 +64,10 @@ static INSTRUMENTS: LazyLock<Instruments> = LazyLock::new(|| {
         reaped: meter
             .u64_counter("rides.reaper.keys")
             .with_description("Expired keys the reaper handled, by outcome")
+            .build(),
+        findings: meter
+            .u64_gauge("rides.reconciler.findings")
+            .with_description("Open reconciliation findings (provider and rides disagree), by kind")
             .build(),
     }
 });
@@ -154,5 +159,35 @@ pub async fn observe_needing_attention(conn: &mut AsyncPgConnection) {
         INSTRUMENTS
             .needing_attention
             .record(u64::try_from(unresolved.keys).unwrap_or(0), &[]);
+    }
+}
+
+#[derive(QueryableByName)]
+struct OpenFindings {
+    #[diesel(sql_type = diesel::sql_types::Text)]
+    kind: String,
+    #[diesel(sql_type = BigInt)]
+    findings: i64,
+}
+
+/// Refreshes the open-findings gauge, one series per kind (0 for a kind with none, so an alert
+/// on it clears once the last one is resolved).
+pub async fn observe_findings(conn: &mut AsyncPgConnection) {
+    let open = diesel::sql_query(
+        "SELECT kind, count(*) AS findings FROM reconciliation_findings \
+         WHERE resolved_at IS NULL GROUP BY kind",
+    )
+    .load::<OpenFindings>(conn)
+    .await;
+    if let Ok(open) = open {
+        for kind in schema::FindingKind::ALL {
+            let count = open
+                .iter()
+                .find(|row| row.kind == kind.as_str())
+                .map_or(0, |row| u64::try_from(row.findings).unwrap_or(0));
+            INSTRUMENTS
+                .findings
+                .record(count, &[attr("kind", kind.as_str())]);
+        }
     }
 }

@@ -1,6 +1,4 @@
-//! The payment provider: a Stripe PaymentIntents client and the classification of its errors
-//! into what the ride flow must do next (store a decline, retry later, or stop).
+//! The payment provider: the `provider` crate's Stripe client (the one home of its HTTP calls and
+//! error classification, shared with the workers' reconciler), as the ride flow uses it.
 
-mod stripe;
-
-pub use stripe::{ChargeError, ChargeRequest, PaymentIntent, StripeClient};
+pub use provider::{ChargeError, ChargeRequest, PaymentIntent, StripeClient};

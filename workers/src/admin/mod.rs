@@ -23,6 +23,7 @@ use std::fmt::Write as _;
 pub mod attention;
 pub mod backlog;
 pub mod dead_letters;
+pub mod findings;
 pub mod keys;
 pub mod render;
 
@@ -93,6 +94,8 @@ pub enum AdminError {
     BrokerState(String),
     #[error("internal error: {0}")]
     Internal(String),
+    #[error("payment provider")]
+    Provider(#[from] provider::ProviderError),
     #[error(
         "interrupted; a transaction in progress was rolled back, unacked messages return to their queue"
     )]
@@ -111,6 +114,7 @@ impl AdminError {
             AdminError::Database(_) => "database",
             AdminError::Broker(_) | AdminError::BrokerState(_) => "broker",
             AdminError::Internal(_) => "internal",
+            AdminError::Provider(_) => "provider",
             AdminError::Interrupted => "interrupted",
         }
     }
@@ -309,6 +313,45 @@ pub enum AdminCommand {
     DeadLetters(DeadLettersCommand),
     /// Staged jobs not yet published, and the receipts and dead-letter queue depths.
     Backlog,
+    /// What the reconciler found: the provider's charges and the rides disagree.
+    #[command(subcommand)]
+    Findings(FindingsCommand),
+}
+
+#[derive(Subcommand, Debug)]
+pub enum FindingsCommand {
+    /// Lists open reconciliation findings, oldest first.
+    List {
+        /// Include resolved findings.
+        #[arg(long)]
+        all: bool,
+        /// Show at most this many (the total is always reported).
+        #[arg(long, default_value_t = 100)]
+        limit: i64,
+    },
+    /// Everything recorded about one finding.
+    Show {
+        /// The finding's id (as `findings list` prints it).
+        id: i64,
+    },
+    /// Marks a finding settled, with the reason (kept in `resolution`).
+    Resolve {
+        /// The finding's id.
+        id: i64,
+        /// Why it is settled (what was done, or why nothing needs doing).
+        #[arg(long)]
+        note: String,
+        #[command(flatten)]
+        commit: CommitArgs,
+    },
+    /// Refunds the charge of an unrecorded_charge or unknown_ride finding at the provider (once,
+    /// however often it is run) and resolves the finding.
+    Refund {
+        /// The finding's id.
+        id: i64,
+        #[command(flatten)]
+        commit: CommitArgs,
+    },
 }
 
 #[derive(Subcommand, Debug)]
@@ -441,6 +484,8 @@ pub enum Output {
     DeadLetters(dead_letters::DeadLetterList),
     Requeue(dead_letters::RequeueReport),
     Backlog(backlog::Backlog),
+    Findings(findings::FindingList),
+    Finding(Box<findings::FindingReport>),
 }
 
 impl Output {
@@ -452,6 +497,8 @@ impl Output {
             Output::DeadLetters(list) => serde_json::to_string_pretty(list),
             Output::Requeue(report) => serde_json::to_string_pretty(report),
             Output::Backlog(backlog) => serde_json::to_string_pretty(backlog),
+            Output::Findings(list) => serde_json::to_string_pretty(list),
+            Output::Finding(report) => serde_json::to_string_pretty(report),
         }
     }
 
@@ -463,6 +510,8 @@ impl Output {
             Output::DeadLetters(list) => list.render(),
             Output::Requeue(report) => report.render(),
             Output::Backlog(backlog) => backlog.render(),
+            Output::Findings(list) => list.render(),
+            Output::Finding(report) => report.render(),
         }
     }
 
@@ -496,7 +545,7 @@ pub async fn run(
     let amqp_url = config.amqp_url.expose();
     let json = args.json;
     let result = tokio::select! {
-        result = dispatch(args.command, &pool, amqp_url, &settings) => result,
+        result = dispatch(args.command, &pool, amqp_url, &settings, &config.reconciler.stripe) => result,
         // Dropping the future rolls back an open transaction (the connection is discarded) and
         // closes the broker connection, which returns unacked messages to their queue.
         () = shutdown.cancelled() => Err(AdminError::Interrupted),
@@ -526,11 +575,13 @@ pub async fn run(
     }
 }
 
+/// `stripe` is only used by `findings refund`: the provider's client is built for it alone.
 async fn dispatch(
     command: AdminCommand,
     pool: &Pool,
     amqp_url: &str,
     settings: &AdminSettings,
+    stripe: &provider::StripeConfig,
 ) -> Result<Output, AdminError> {
     Ok(match command {
         AdminCommand::Key(KeyCommand::Show(selector)) => {
@@ -583,6 +634,25 @@ async fn dispatch(
         }
         AdminCommand::Backlog => {
             Output::Backlog(backlog::backlog(pool, amqp_url, &settings.topology).await?)
+        }
+        AdminCommand::Findings(FindingsCommand::List { all, limit }) => {
+            Output::Findings(findings::list(pool, all, limit).await?)
+        }
+        AdminCommand::Findings(FindingsCommand::Show { id }) => {
+            Output::Finding(Box::new(findings::show(pool, id).await?))
+        }
+        AdminCommand::Findings(FindingsCommand::Resolve { id, note, commit }) => {
+            Output::Change(findings::resolve(pool, id, &note, commit.mode()).await?)
+        }
+        AdminCommand::Findings(FindingsCommand::Refund { id, commit }) => {
+            let stripe = provider::StripeClient::new(stripe).map_err(|error| {
+                AdminError::Internal(format!(
+                    "cannot build the payment provider's client: {error}"
+                ))
+            })?;
+            Output::Change(
+                crate::reconciler::refund::refund_finding(pool, &stripe, id, commit.mode()).await?,
+            )
         }
     })
 }

@@ -10,4 +10,5 @@ mod end_to_end;
 mod enqueuer;
 mod reaper;
 mod receipts;
+mod reconciler;
 mod tls;

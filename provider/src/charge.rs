@@ -1,30 +1,13 @@
-//! A Stripe client for the one call this service makes: `POST /v1/payment_intents` with
-//! `confirm=true` and `off_session=true`, sent with an `Idempotency-Key` so that a retry after a
-//! timeout or a lost response returns the PaymentIntent of the first attempt instead of charging
-//! again.
-//!
-//! Errors are classified as Stripe documents them
-//! (<https://docs.stripe.com/error-handling>):
-//! - `card_error` (HTTP 402): the card was declined. Final; the outcome is stored.
-//! - 429, 5xx, 409 (`idempotency_key_in_use`: the same key is still running at Stripe), timeouts
-//!   and connection errors: the provider is unavailable. The charge may or may not have happened;
-//!   a retry with the same idempotency key settles it.
-//! - Anything else (`invalid_request_error`, `idempotency_error`, authentication errors): a bug
-//!   or a misconfiguration on our side, surfaced as INTERNAL.
-
-use std::time::Duration;
+//! The one call the api-server makes: `POST /v1/payment_intents` with `confirm=true` and
+//! `off_session=true`, sent with an `Idempotency-Key` so that a retry after a timeout or a lost
+//! response returns the PaymentIntent of the first attempt instead of charging again; and the
+//! search that finds a charge whose key the provider may have forgotten.
 
 use serde::Deserialize;
 
-use crate::config::{Secret, StripeConfig};
-
-#[derive(Clone)]
-pub struct StripeClient {
-    http: reqwest::Client,
-    api_base: String,
-    secret_key: Secret,
-    idempotency_window: Duration,
-}
+use crate::{
+    ErrorParts, PaymentIntent, StripeClient, error_parts, is_unavailable, transport_reason,
+};
 
 /// One charge. `idempotency_key` must be the same for every attempt at the same ride.
 #[derive(Clone, Debug)]
@@ -36,15 +19,6 @@ pub struct ChargeRequest {
     pub description: String,
     pub metadata: Vec<(&'static str, String)>,
     pub idempotency_key: String,
-}
-
-/// The fields of a PaymentIntent this service reads.
-#[derive(Clone, Debug, Deserialize, PartialEq)]
-pub struct PaymentIntent {
-    pub id: String,
-    pub status: String,
-    pub amount: i64,
-    pub currency: String,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -69,38 +43,7 @@ pub enum ChargeError {
     },
 }
 
-#[derive(Debug, Deserialize)]
-struct ErrorEnvelope {
-    error: StripeError,
-}
-
-#[derive(Debug, Deserialize)]
-struct StripeError {
-    #[serde(rename = "type")]
-    error_type: String,
-    #[serde(default)]
-    code: Option<String>,
-    #[serde(default)]
-    decline_code: Option<String>,
-    #[serde(default)]
-    message: Option<String>,
-}
-
 impl StripeClient {
-    pub fn new(config: &StripeConfig) -> Result<StripeClient, reqwest::Error> {
-        let http = reqwest::Client::builder()
-            .timeout(config.timeout)
-            .connect_timeout(config.timeout.min(Duration::from_secs(5)))
-            .user_agent(concat!("rocket-rides/", env!("CARGO_PKG_VERSION")))
-            .build()?;
-        Ok(StripeClient {
-            http,
-            api_base: config.api_base.clone(),
-            secret_key: config.secret_key.clone(),
-            idempotency_window: config.idempotency_window,
-        })
-    }
-
     #[tracing::instrument(
         name = "stripe",
         skip_all,
@@ -189,11 +132,6 @@ struct SearchResult {
 }
 
 impl StripeClient {
-    /// How long the provider remembers an idempotency key.
-    pub fn idempotency_window(&self) -> Duration {
-        self.idempotency_window
-    }
-
     /// A succeeded PaymentIntent created for `ride_id` (by its `metadata[ride_id]`), if any. Used
     /// when the provider may already have forgotten our idempotency key, so that a charge that
     /// happened but was never recorded is found instead of repeated.
@@ -240,56 +178,32 @@ impl StripeClient {
 }
 
 fn unavailable(error: reqwest::Error) -> ChargeError {
-    let reason = if error.is_timeout() {
-        "timed out"
-    } else if error.is_connect() {
-        "connection failed"
-    } else {
-        "request failed"
-    };
     ChargeError::Unavailable {
-        reason: reason.into(),
+        reason: transport_reason(&error).into(),
         source: Some(error),
     }
 }
 
 /// Classifies an error answer from its status and (Stripe-shaped, if readable) body.
 fn classify_body(status: u16, body: &[u8]) -> ChargeError {
-    let error = serde_json::from_slice::<ErrorEnvelope>(body)
-        .map(|envelope| envelope.error)
-        .ok();
-    classify(status, error)
+    classify(error_parts(status, body))
 }
 
-fn classify(status: u16, error: Option<StripeError>) -> ChargeError {
-    let (error_type, code, decline_code, message) = match error {
-        Some(error) => (
-            error.error_type,
-            error.code,
-            error.decline_code,
-            error.message.unwrap_or_default(),
-        ),
-        None => (
-            "unparseable_error".into(),
-            None,
-            None,
-            format!("HTTP {status} without a Stripe error body"),
-        ),
-    };
-    match status {
-        402 if error_type == "card_error" => ChargeError::Declined {
-            message,
-            code,
-            decline_code,
+fn classify(error: ErrorParts) -> ChargeError {
+    match error.status {
+        402 if error.error_type == "card_error" => ChargeError::Declined {
+            message: error.message,
+            code: error.code,
+            decline_code: error.decline_code,
         },
-        409 | 429 | 500..=599 => ChargeError::Unavailable {
-            reason: format!("HTTP {status} {error_type}"),
+        status if is_unavailable(status) => ChargeError::Unavailable {
+            reason: format!("HTTP {status} {}", error.error_type),
             source: None,
         },
-        _ => ChargeError::Rejected {
+        status => ChargeError::Rejected {
             status,
-            error_type,
-            message,
+            error_type: error.error_type,
+            message: error.message,
         },
     }
 }
@@ -298,29 +212,30 @@ fn classify(status: u16, error: Option<StripeError>) -> ChargeError {
 mod tests {
     use super::*;
 
-    fn stripe_error(error_type: &str) -> Option<StripeError> {
-        Some(StripeError {
+    fn stripe_error(status: u16, error_type: &str) -> ErrorParts {
+        ErrorParts {
+            status,
             error_type: error_type.into(),
             code: Some("card_declined".into()),
             decline_code: Some("generic_decline".into()),
-            message: Some("Your card was declined.".into()),
-        })
+            message: "Your card was declined.".into(),
+        }
     }
 
     #[test]
     fn classifies_as_stripe_documents() {
         assert!(matches!(
-            classify(402, stripe_error("card_error")),
+            classify(stripe_error(402, "card_error")),
             ChargeError::Declined { ref message, .. } if message == "Your card was declined."
         ));
         for status in [409, 429, 500, 502, 503] {
             assert!(matches!(
-                classify(status, stripe_error("api_error")),
+                classify(stripe_error(status, "api_error")),
                 ChargeError::Unavailable { .. }
             ));
         }
         assert!(matches!(
-            classify(503, None),
+            classify(error_parts(503, b"<html>")),
             ChargeError::Unavailable { .. }
         ));
         for (status, error_type) in [
@@ -330,7 +245,7 @@ mod tests {
             (402, "invalid_request_error"),
         ] {
             assert!(matches!(
-                classify(status, stripe_error(error_type)),
+                classify(stripe_error(status, error_type)),
                 ChargeError::Rejected { .. }
             ));
         }

@@ -1,0 +1,3 @@
+DROP INDEX rides_created_at;
+DROP TABLE reconciler_watermarks;
+DROP TABLE reconciliation_findings;

@@ -1,0 +1,244 @@
+//! What the reconciler asks the provider: the PaymentIntents created in a window of time (Stripe's
+//! list pagination: newest first, `created[gte]`/`created[lt]`, `starting_after`), one
+//! PaymentIntent by id, and refunds, made under an idempotency key and listed per PaymentIntent.
+
+use std::collections::BTreeMap;
+
+use serde::Deserialize;
+
+use crate::{StripeClient, error_parts, is_unavailable, transport_reason};
+
+/// Stripe's largest page.
+const PAGE_LIMIT: u8 = 100;
+
+/// An error of a ledger call. A charge has its own ([`crate::ChargeError`]): only there does a
+/// 402 mean a declined card.
+#[derive(Debug, thiserror::Error)]
+pub enum ProviderError {
+    #[error("the payment provider is unavailable: {reason}")]
+    Unavailable {
+        reason: String,
+        #[source]
+        source: Option<reqwest::Error>,
+    },
+    #[error(
+        "the payment provider refused the request (HTTP {status}, {error_type}, code {}): {message}",
+        code.as_deref().unwrap_or("none")
+    )]
+    Rejected {
+        status: u16,
+        error_type: String,
+        /// Stripe's error code (`resource_missing`, `charge_already_refunded`, …).
+        code: Option<String>,
+        message: String,
+    },
+}
+
+impl ProviderError {
+    /// Stripe's error code of a refusal.
+    pub fn code(&self) -> Option<&str> {
+        match self {
+            ProviderError::Unavailable { .. } => None,
+            ProviderError::Rejected { code, .. } => code.as_deref(),
+        }
+    }
+
+    fn unreadable(status: u16, error: &serde_json::Error) -> ProviderError {
+        ProviderError::Rejected {
+            status,
+            error_type: "unreadable_response".into(),
+            code: None,
+            message: error.to_string(),
+        }
+    }
+}
+
+fn unavailable(error: reqwest::Error) -> ProviderError {
+    ProviderError::Unavailable {
+        reason: transport_reason(&error).into(),
+        source: Some(error),
+    }
+}
+
+fn classify(status: u16, body: &[u8]) -> ProviderError {
+    let error = error_parts(status, body);
+    if is_unavailable(status) {
+        ProviderError::Unavailable {
+            reason: format!("HTTP {status} {}", error.error_type),
+            source: None,
+        }
+    } else {
+        ProviderError::Rejected {
+            status,
+            error_type: error.error_type,
+            code: error.code,
+            message: error.message,
+        }
+    }
+}
+
+/// A PaymentIntent as the reconciler reads it.
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+pub struct ListedIntent {
+    pub id: String,
+    pub status: String,
+    pub amount: i64,
+    pub currency: String,
+    /// Unix seconds.
+    pub created: i64,
+    #[serde(default)]
+    pub metadata: BTreeMap<String, String>,
+}
+
+/// `created[gte]` ≤ created < `created[lt]`, in Unix seconds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CreatedWindow {
+    pub from: i64,
+    pub until: i64,
+}
+
+/// A refund of (the rest of) a PaymentIntent's charge.
+#[derive(Clone, Debug)]
+pub struct RefundRequest {
+    pub payment_intent: String,
+    /// Stripe's `reason`: `duplicate`, `fraudulent` or `requested_by_customer`.
+    pub reason: &'static str,
+    pub metadata: Vec<(&'static str, String)>,
+    /// The same for every attempt at the same refund, so that it is made once.
+    pub idempotency_key: String,
+}
+
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+pub struct Refund {
+    pub id: String,
+    pub amount: i64,
+    pub currency: String,
+    pub payment_intent: String,
+    pub status: String,
+}
+
+#[derive(Deserialize)]
+struct Page<T> {
+    data: Vec<T>,
+    has_more: bool,
+}
+
+impl StripeClient {
+    /// Every PaymentIntent created in `window`, newest first, page by page (Stripe's cursor
+    /// pagination: each next page starts after the last id of the one before).
+    #[tracing::instrument(name = "stripe.list", skip_all, fields(
+        otel.kind = "client",
+        window.from = window.from,
+        window.until = window.until,
+        pages = tracing::field::Empty,
+    ))]
+    pub async fn list_payment_intents(
+        &self,
+        window: CreatedWindow,
+    ) -> Result<Vec<ListedIntent>, ProviderError> {
+        let mut intents: Vec<ListedIntent> = Vec::new();
+        let mut pages = 0_u64;
+        loop {
+            let mut query = vec![
+                ("limit", PAGE_LIMIT.to_string()),
+                ("created[gte]", window.from.to_string()),
+                ("created[lt]", window.until.to_string()),
+            ];
+            if let Some(last) = intents.last() {
+                query.push(("starting_after", last.id.clone()));
+            }
+            let page: Page<ListedIntent> = self.get_json("/v1/payment_intents", &query).await?;
+            pages += 1;
+            intents.extend(page.data);
+            // An empty page with has_more would loop forever; Stripe never sends one.
+            if !page.has_more || intents.is_empty() {
+                tracing::Span::current().record("pages", pages);
+                return Ok(intents);
+            }
+        }
+    }
+
+    /// One PaymentIntent; `None` when the provider has none by that id (`resource_missing`, or an
+    /// id that cannot be one).
+    #[tracing::instrument(name = "stripe.retrieve", skip_all, fields(otel.kind = "client"))]
+    pub async fn retrieve_payment_intent(
+        &self,
+        id: &str,
+    ) -> Result<Option<ListedIntent>, ProviderError> {
+        // The id goes into the path: one outside Stripe's id alphabet is not sent (it could name
+        // another route); no PaymentIntent has such an id.
+        if id.is_empty() || !id.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
+            return Ok(None);
+        }
+        let path = format!("/v1/payment_intents/{id}");
+        match self.get_json(&path, &[]).await {
+            Ok(intent) => Ok(Some(intent)),
+            Err(error) if error.code() == Some("resource_missing") => Ok(None),
+            Err(error) => Err(error),
+        }
+    }
+
+    /// Refunds what is left of a PaymentIntent's charge, under the request's idempotency key.
+    #[tracing::instrument(name = "stripe.refund", skip_all, fields(otel.kind = "client"))]
+    pub async fn refund(&self, request: &RefundRequest) -> Result<Refund, ProviderError> {
+        let mut form: Vec<(String, String)> = vec![
+            ("payment_intent".into(), request.payment_intent.clone()),
+            ("reason".into(), request.reason.into()),
+        ];
+        form.extend(
+            request
+                .metadata
+                .iter()
+                .map(|(key, value)| (format!("metadata[{key}]"), value.clone())),
+        );
+        let response = self
+            .http
+            .post(self.url("/v1/refunds"))
+            .bearer_auth(self.secret_key.expose())
+            .header("Idempotency-Key", &request.idempotency_key)
+            .form(&form)
+            .send()
+            .await
+            .map_err(unavailable)?;
+        read_json(response).await
+    }
+
+    /// The refunds of a PaymentIntent, newest first (its first page of 100: more refunds than
+    /// that of one charge is not something this service makes).
+    #[tracing::instrument(name = "stripe.list_refunds", skip_all, fields(otel.kind = "client"))]
+    pub async fn list_refunds(&self, payment_intent: &str) -> Result<Vec<Refund>, ProviderError> {
+        let query = [
+            ("limit", PAGE_LIMIT.to_string()),
+            ("payment_intent", payment_intent.to_owned()),
+        ];
+        let page: Page<Refund> = self.get_json("/v1/refunds", &query).await?;
+        Ok(page.data)
+    }
+
+    async fn get_json<T: serde::de::DeserializeOwned>(
+        &self,
+        path: &str,
+        query: &[(&str, String)],
+    ) -> Result<T, ProviderError> {
+        let response = self
+            .http
+            .get(self.url(path))
+            .bearer_auth(self.secret_key.expose())
+            .query(query)
+            .send()
+            .await
+            .map_err(unavailable)?;
+        read_json(response).await
+    }
+}
+
+async fn read_json<T: serde::de::DeserializeOwned>(
+    response: reqwest::Response,
+) -> Result<T, ProviderError> {
+    let status = response.status().as_u16();
+    let body = response.bytes().await.map_err(unavailable)?;
+    if !(200..300).contains(&status) {
+        return Err(classify(status, &body));
+    }
+    serde_json::from_slice(&body).map_err(|error| ProviderError::unreadable(status, &error))
+}

@@ -1,0 +1,189 @@
+//! The payment provider: the one home of Stripe's HTTP client and of the classification of its
+//! errors. The api-server charges through it (`charge`); the workers' reconciler lists
+//! PaymentIntents and refunds through it (`ledger`). Neither depends on the other.
+//!
+//! Errors are classified as Stripe documents them
+//! (<https://docs.stripe.com/error-handling>):
+//! - `card_error` (HTTP 402) on a charge: the card was declined. Final; the outcome is stored.
+//! - 429, 5xx, 409 (`idempotency_key_in_use`: the same key is still running at Stripe), timeouts
+//!   and connection errors: the provider is unavailable. The call may or may not have taken
+//!   effect; a retry with the same idempotency key settles it.
+//! - Anything else (`invalid_request_error`, `idempotency_error`, authentication errors): a bug,
+//!   a misconfiguration or a refusal (e.g. `charge_already_refunded`), never retried as is.
+//!
+//! The secret key is only ever sent as the bearer credential; it is a [`Secret`], which never
+//! prints.
+
+mod charge;
+mod ledger;
+
+use std::time::Duration;
+
+use serde::Deserialize;
+pub use telemetry::Secret;
+
+pub use charge::{ChargeError, ChargeRequest};
+pub use ledger::{CreatedWindow, ListedIntent, ProviderError, Refund, RefundRequest};
+
+/// Where and how to reach the provider (`STRIPE_API_BASE`, `STRIPE_SECRET_KEY`,
+/// `STRIPE_TIMEOUT_MS`, `STRIPE_IDEMPOTENCY_WINDOW_SECS`, read by each binary's configuration).
+#[derive(Clone, Debug)]
+pub struct StripeConfig {
+    pub api_base: String,
+    pub secret_key: Secret,
+    pub timeout: Duration,
+    /// How long the provider remembers an idempotency key (Stripe: 24 hours). A charge resumed
+    /// later than that is looked up before it is retried.
+    pub idempotency_window: Duration,
+}
+
+/// fake-stripe's default address: what a local run and the tests talk to.
+pub const DEFAULT_STRIPE_API_BASE: &str = "http://127.0.0.1:12111";
+/// Only meaningful against fake-stripe, which accepts any `sk_test_` key.
+pub const DEFAULT_STRIPE_SECRET_KEY: &str = "sk_test_rocket_rides_development";
+
+/// A provider variable that does not parse.
+#[derive(Debug, thiserror::Error)]
+#[error("{name} is not valid: {reason}")]
+pub struct InvalidVariable {
+    pub name: &'static str,
+    pub reason: String,
+}
+
+impl StripeConfig {
+    /// Reads `STRIPE_API_BASE`, `STRIPE_SECRET_KEY`, `STRIPE_TIMEOUT_MS` and
+    /// `STRIPE_IDEMPOTENCY_WINDOW_SECS` through `lookup` (empty counts as unset): the one reading
+    /// of these variables, for the api-server's and the workers' configuration alike.
+    pub fn from_lookup(
+        lookup: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<StripeConfig, InvalidVariable> {
+        let value = |name: &str| lookup(name).filter(|value| !value.is_empty());
+        let number = |name: &'static str, default: u64| match value(name) {
+            None => Ok(default),
+            Some(raw) => raw.trim().parse::<u64>().map_err(|error| InvalidVariable {
+                name,
+                reason: error.to_string(),
+            }),
+        };
+        Ok(StripeConfig {
+            api_base: value("STRIPE_API_BASE")
+                .unwrap_or_else(|| DEFAULT_STRIPE_API_BASE.to_owned())
+                .trim_end_matches('/')
+                .to_owned(),
+            secret_key: Secret::new(
+                value("STRIPE_SECRET_KEY").unwrap_or_else(|| DEFAULT_STRIPE_SECRET_KEY.to_owned()),
+            ),
+            timeout: Duration::from_millis(number("STRIPE_TIMEOUT_MS", 30_000)?),
+            idempotency_window: Duration::from_secs(number(
+                "STRIPE_IDEMPOTENCY_WINDOW_SECS",
+                86_400,
+            )?),
+        })
+    }
+}
+
+#[derive(Clone)]
+pub struct StripeClient {
+    http: reqwest::Client,
+    api_base: String,
+    secret_key: Secret,
+    idempotency_window: Duration,
+}
+
+/// The fields of a PaymentIntent this service reads.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+pub struct PaymentIntent {
+    pub id: String,
+    pub status: String,
+    pub amount: i64,
+    pub currency: String,
+}
+
+#[derive(Debug, Deserialize)]
+struct ErrorEnvelope {
+    error: StripeError,
+}
+
+#[derive(Debug, Deserialize)]
+struct StripeError {
+    #[serde(rename = "type")]
+    error_type: String,
+    #[serde(default)]
+    code: Option<String>,
+    #[serde(default)]
+    decline_code: Option<String>,
+    #[serde(default)]
+    message: Option<String>,
+}
+
+impl StripeClient {
+    pub fn new(config: &StripeConfig) -> Result<StripeClient, reqwest::Error> {
+        let http = reqwest::Client::builder()
+            .timeout(config.timeout)
+            .connect_timeout(config.timeout.min(Duration::from_secs(5)))
+            .user_agent(concat!("rocket-rides/", env!("CARGO_PKG_VERSION")))
+            .build()?;
+        Ok(StripeClient {
+            http,
+            api_base: config.api_base.clone(),
+            secret_key: config.secret_key.clone(),
+            idempotency_window: config.idempotency_window,
+        })
+    }
+
+    /// How long the provider remembers an idempotency key.
+    pub fn idempotency_window(&self) -> Duration {
+        self.idempotency_window
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.api_base)
+    }
+}
+
+/// What an error answer said, as far as it could be read.
+#[derive(Debug)]
+pub(crate) struct ErrorParts {
+    pub status: u16,
+    pub error_type: String,
+    pub code: Option<String>,
+    pub decline_code: Option<String>,
+    pub message: String,
+}
+
+/// Reads an error answer from its status and (Stripe-shaped, if readable) body.
+pub(crate) fn error_parts(status: u16, body: &[u8]) -> ErrorParts {
+    match serde_json::from_slice::<ErrorEnvelope>(body) {
+        Ok(envelope) => ErrorParts {
+            status,
+            error_type: envelope.error.error_type,
+            code: envelope.error.code,
+            decline_code: envelope.error.decline_code,
+            message: envelope.error.message.unwrap_or_default(),
+        },
+        Err(_) => ErrorParts {
+            status,
+            error_type: "unparseable_error".into(),
+            code: None,
+            decline_code: None,
+            message: format!("HTTP {status} without a Stripe error body"),
+        },
+    }
+}
+
+/// Whether an error answer means the provider is unavailable (retry later, same key) rather
+/// than a refusal.
+pub(crate) fn is_unavailable(status: u16) -> bool {
+    matches!(status, 409 | 429 | 500..=599)
+}
+
+/// Why a request got no answer.
+pub(crate) fn transport_reason(error: &reqwest::Error) -> &'static str {
+    if error.is_timeout() {
+        "timed out"
+    } else if error.is_connect() {
+        "connection failed"
+    } else {
+        "request failed"
+    }
+}

@@ -1,0 +1,243 @@
+//! The reconciler: compares the provider's PaymentIntents with the rides, window by window, and
+//! records every disagreement once in `reconciliation_findings` for a human (`workers admin
+//! findings …`). Retries cannot fix these: a charge that succeeded for a key that was reaped or
+//! given up unfinished, a ride recording a charge the provider does not have or did not take, an
+//! amount or currency that differs, a charge naming no ride.
+//!
+//! One pass, in one transaction that holds the watermark row's lock (so a second pass at the
+//! same time skips):
+//! 1. [`window`]: from the watermark less an overlap to now less the settle delay;
+//! 2. [`walk`]: the provider's PaymentIntents of the window (and those left pending), the rides
+//!    of the window and the rides and keys they name;
+//! 3. [`classify`]: every mismatch, and the charges not yet findings because their key is live;
+//! 4. [`record`]: each finding once; the watermark moves on, remembering the pending charges.
+//!
+//! Then, only with `--refund`, [`refund`] gives back each open refundable finding's charge.
+
+pub mod classify;
+pub mod record;
+pub mod refund;
+pub mod walk;
+pub mod window;
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use diesel::{ExpressionMethods, QueryDsl};
+use diesel_async::RunQueryDsl;
+use provider::StripeClient;
+use schema::{Pool, PoolError, schema::reconciliation_findings};
+use serde::Serialize;
+use tokio_util::sync::CancellationToken;
+
+use crate::{
+    admin::{AdminError, Mode},
+    backoff::Backoff,
+    config::ReconcilerConfig,
+    metrics,
+    shutdown::{self, Next, Passes},
+};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ReconcileError {
+    #[error("no database connection available")]
+    Pool(#[from] PoolError),
+    #[error("database error")]
+    Database(#[from] diesel::result::Error),
+    #[error("payment provider")]
+    Provider(#[from] provider::ProviderError),
+    #[error("cannot build the payment provider's client")]
+    Client(#[source] reqwest::Error),
+}
+
+/// What one pass did (`--once` prints it as one JSON line).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct ReconcileSummary {
+    /// Another pass held the watermark: this one did nothing.
+    pub skipped: bool,
+    pub window_from: Option<DateTime<Utc>>,
+    pub window_until: Option<DateTime<Utc>>,
+    /// Whether the window reached now less the settle delay (false: it was cut at
+    /// `RECONCILER_MAX_WINDOW_HOURS` and the loop goes on at once).
+    pub caught_up: bool,
+    /// PaymentIntents compared (the window's and those left pending before).
+    pub intents: u64,
+    /// Rides of the window that record a charge.
+    pub rides: u64,
+    /// PaymentIntents a ride records, in agreement.
+    pub matched: u64,
+    /// Unrecorded charges of live keys: not findings yet, looked at again next pass.
+    pub pending: u64,
+    /// PaymentIntents without our metadata (not ours to reconcile).
+    pub foreign: u64,
+    /// Mismatches seen by this pass, and how many of them were recorded for the first time.
+    pub findings: u64,
+    pub new_findings: u64,
+    /// With `--refund`: findings refunded, and ones whose refund was refused or failed.
+    pub refunded: u64,
+    pub refunds_failed: u64,
+}
+
+pub struct Reconciler {
+    pool: Pool,
+    stripe: StripeClient,
+    config: ReconcilerConfig,
+}
+
+impl Reconciler {
+    pub fn new(pool: Pool, config: ReconcilerConfig) -> Result<Reconciler, ReconcileError> {
+        let stripe = StripeClient::new(&config.stripe).map_err(ReconcileError::Client)?;
+        Ok(Reconciler {
+            pool,
+            stripe,
+            config,
+        })
+    }
+
+    pub fn stripe(&self) -> &StripeClient {
+        &self.stripe
+    }
+
+    /// One pass; with `refund`, then refunds the open refundable findings.
+    pub async fn run_once(&self, refund: bool) -> Result<ReconcileSummary, ReconcileError> {
+        let mut summary = self.compare().await?;
+        if refund {
+            self.refund_open(&mut summary).await?;
+        }
+        let mut conn = self.pool.get().await?;
+        metrics::observe_findings(&mut conn).await;
+        Ok(summary)
+    }
+
+    /// Steps 1 to 4 of a pass, in one transaction holding the watermark.
+    async fn compare(&self) -> Result<ReconcileSummary, ReconcileError> {
+        let mut conn = self.pool.get().await?;
+        window::ensure(&mut conn, &self.config).await?;
+        conn.build_transaction()
+            .read_committed()
+            .run(async |conn| {
+                let Some((mark, now)) = window::lock(conn).await? else {
+                    tracing::info!("another reconciler pass holds the watermark; skipping");
+                    return Ok(ReconcileSummary {
+                        skipped: true,
+                        ..ReconcileSummary::default()
+                    });
+                };
+                let window = window::window(&mark, now, &self.config);
+                let ledger = walk::walk(conn, &self.stripe, &window, &mark.pending).await?;
+                let classified = classify::classify(&ledger);
+                let new_findings = record::record(conn, &classified.findings).await?;
+                let pending: Vec<String> = classified
+                    .pending
+                    .iter()
+                    .map(|pending| pending.payment_intent_id.clone())
+                    .collect();
+                window::advance(conn, &mark, &window, pending).await?;
+                if new_findings > 0 {
+                    tracing::warn!(
+                        count = new_findings,
+                        "reconciler: new findings; see `workers admin findings list`"
+                    );
+                }
+                Ok(ReconcileSummary {
+                    skipped: false,
+                    window_from: Some(window.from),
+                    window_until: Some(window.until),
+                    caught_up: window.caught_up,
+                    intents: ledger.intents.len() as u64,
+                    rides: ledger.window_rides.len() as u64,
+                    matched: classified.matched,
+                    pending: classified.pending.len() as u64,
+                    foreign: classified.foreign,
+                    findings: classified.findings.len() as u64,
+                    new_findings,
+                    refunded: 0,
+                    refunds_failed: 0,
+                })
+            })
+            .await
+    }
+
+    /// Refunds every open finding of a refundable kind, each through the guarded procedure of
+    /// [`refund::refund_finding`] (which re-checks it under locks and may refuse).
+    async fn refund_open(&self, summary: &mut ReconcileSummary) -> Result<(), ReconcileError> {
+        let open: Vec<i64> = {
+            let mut conn = self.pool.get().await?;
+            reconciliation_findings::table
+                .filter(reconciliation_findings::resolved_at.is_null())
+                .filter(
+                    reconciliation_findings::kind.eq_any(
+                        schema::FindingKind::ALL
+                            .into_iter()
+                            .filter(|kind| kind.is_refundable())
+                            .collect::<Vec<_>>(),
+                    ),
+                )
+                .order(reconciliation_findings::id)
+                .select(reconciliation_findings::id)
+                .load(&mut conn)
+                .await?
+        };
+        for id in open {
+            match refund::refund_finding(&self.pool, &self.stripe, id, Mode::Apply).await {
+                Ok(_) => summary.refunded += 1,
+                Err(error) => {
+                    summary.refunds_failed += 1;
+                    tracing::warn!(
+                        finding_id = id,
+                        refused = matches!(error, AdminError::Refused(_)),
+                        error = %telemetry::error_chain(&error),
+                        "reconciler: refund not made"
+                    );
+                }
+            }
+        }
+        Ok(())
+    }
+
+    pub async fn run(&self, refund: bool, shutdown_token: CancellationToken) -> ReconcileSummary {
+        let interval = self.config.interval.max(Duration::from_secs(1));
+        let mut passes = ReconcilerPasses {
+            reconciler: self,
+            refund,
+            interval,
+            total: ReconcileSummary::default(),
+        };
+        let failing = Backoff::new(Duration::from_secs(5), interval);
+        shutdown::run_passes(&mut passes, &shutdown_token, failing).await;
+        passes.total
+    }
+}
+
+/// The reconciler's loop state: a pass, then the interval, or at once while catching up.
+struct ReconcilerPasses<'a> {
+    reconciler: &'a Reconciler,
+    refund: bool,
+    interval: Duration,
+    total: ReconcileSummary,
+}
+
+impl Passes for ReconcilerPasses<'_> {
+    type Error = ReconcileError;
+    const WORKER: &'static str = "reconciler";
+
+    async fn pass(&mut self) -> Result<Next, ReconcileError> {
+        let summary = self.reconciler.run_once(self.refund).await?;
+        let total = &mut self.total;
+        total.intents += summary.intents;
+        total.rides += summary.rides;
+        total.matched += summary.matched;
+        total.pending = summary.pending;
+        total.foreign += summary.foreign;
+        total.findings += summary.findings;
+        total.new_findings += summary.new_findings;
+        total.refunded += summary.refunded;
+        total.refunds_failed += summary.refunds_failed;
+        tracing::info!(?summary, "reconciler pass");
+        Ok(if !summary.skipped && !summary.caught_up {
+            Next::Now
+        } else {
+            Next::After(self.interval)
+        })
+    }
+}

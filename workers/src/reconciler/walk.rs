@@ -1,0 +1,141 @@
+//! The ledger walk: what the provider and the database say about one window, gathered into a
+//! [`Ledger`] for [`classify`](super::classify). The provider's side is every PaymentIntent created
+//! in the window (paged) plus the ones earlier passes left pending, looked up again by id; the
+//! database's side is the rides created in the window, the rides those PaymentIntents record or
+//! name, and the keys of both.
+
+use std::collections::{HashMap, HashSet};
+
+use diesel::{ExpressionMethods, QueryDsl, SelectableHelper};
+use diesel_async::{AsyncPgConnection, RunQueryDsl};
+use provider::{CreatedWindow, ListedIntent, StripeClient};
+use schema::{
+    RecoveryPoint,
+    schema::{idempotency_keys, rides},
+};
+
+use super::{
+    ReconcileError,
+    classify::{KeyFacts, Ledger, METADATA_KEY_ID, METADATA_RIDE_ID, RideFacts},
+    window::Window,
+};
+
+/// Gathers the window's ledger. `pending` are PaymentIntent ids earlier passes left pending.
+pub(super) async fn walk(
+    conn: &mut AsyncPgConnection,
+    stripe: &StripeClient,
+    window: &Window,
+    pending: &[String],
+) -> Result<Ledger, ReconcileError> {
+    let mut intents = stripe
+        .list_payment_intents(CreatedWindow {
+            from: window.from.timestamp(),
+            until: window.until.timestamp(),
+        })
+        .await?;
+    let listed: HashSet<String> = intents.iter().map(|intent| intent.id.clone()).collect();
+    for id in pending.iter().filter(|id| !listed.contains(*id)) {
+        // A pending charge the provider no longer has is nothing to reconcile any more.
+        if let Some(intent) = stripe.retrieve_payment_intent(id).await? {
+            intents.push(intent);
+        }
+    }
+    let window_rides: Vec<RideFacts> = rides::table
+        .filter(rides::created_at.ge(window.from))
+        .filter(rides::created_at.lt(window.until))
+        .filter(rides::stripe_charge_id.is_not_null())
+        .select(RideFacts::as_select())
+        .load(conn)
+        .await?;
+    let mut ledger = Ledger {
+        rides: related_rides(conn, &intents).await?,
+        intents,
+        window_rides,
+        ..Ledger::default()
+    };
+    for ride in &ledger.window_rides {
+        ledger.rides.insert(ride.id, ride.clone());
+    }
+    ledger.keys = keys(conn, &ledger).await?;
+    let known: HashSet<&str> = ledger.intents.iter().map(|i| i.id.as_str()).collect();
+    let unlisted: Vec<String> = ledger
+        .window_rides
+        .iter()
+        .filter_map(|ride| ride.stripe_charge_id.clone())
+        .filter(|id| !known.contains(id.as_str()))
+        .collect();
+    // Rides near the window's end whose charge was made after it (a retried charge), or a charge
+    // the provider does not have: asked one by one, there are few.
+    for id in unlisted {
+        let intent = stripe.retrieve_payment_intent(&id).await?;
+        ledger.looked_up.insert(id, intent);
+    }
+    Ok(ledger)
+}
+
+/// The rides that record one of `intents` or that their metadata names.
+async fn related_rides(
+    conn: &mut AsyncPgConnection,
+    intents: &[ListedIntent],
+) -> Result<HashMap<i64, RideFacts>, ReconcileError> {
+    let ids: Vec<&str> = intents.iter().map(|intent| intent.id.as_str()).collect();
+    let named: Vec<i64> = intents
+        .iter()
+        .filter_map(|intent| intent.metadata.get(METADATA_RIDE_ID)?.parse().ok())
+        .collect();
+    let recording: Vec<RideFacts> = rides::table
+        .filter(rides::stripe_charge_id.eq_any(&ids))
+        .select(RideFacts::as_select())
+        .load(conn)
+        .await?;
+    let named: Vec<RideFacts> = rides::table
+        .filter(rides::id.eq_any(&named))
+        .select(RideFacts::as_select())
+        .load(conn)
+        .await?;
+    Ok(recording
+        .into_iter()
+        .chain(named)
+        .map(|ride| (ride.id, ride))
+        .collect())
+}
+
+/// The keys (still existing) of the ledger's rides and of the intents' metadata.
+async fn keys(
+    conn: &mut AsyncPgConnection,
+    ledger: &Ledger,
+) -> Result<HashMap<i64, KeyFacts>, ReconcileError> {
+    let ids: Vec<i64> = ledger
+        .rides
+        .values()
+        .filter_map(|ride| ride.idempotency_key_id)
+        .chain(
+            ledger
+                .intents
+                .iter()
+                .filter_map(|intent| intent.metadata.get(METADATA_KEY_ID)?.parse().ok()),
+        )
+        .collect();
+    let rows: Vec<(i64, RecoveryPoint, Option<chrono::DateTime<chrono::Utc>>)> =
+        idempotency_keys::table
+            .filter(idempotency_keys::id.eq_any(&ids))
+            .select((
+                idempotency_keys::id,
+                idempotency_keys::recovery_point,
+                idempotency_keys::completer_gave_up_at,
+            ))
+            .load(conn)
+            .await?;
+    Ok(rows
+        .into_iter()
+        .map(|(id, recovery_point, gave_up_at)| {
+            (
+                id,
+                KeyFacts {
+                    recovery_point,
+                    completer_gave_up: gave_up_at.is_some(),
+                },
+            )
+        })
+        .collect())
+}

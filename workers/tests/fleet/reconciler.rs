@@ -1,0 +1,508 @@
+//! The reconciler against the real api-server, PostgreSQL and fake-stripe over HTTP: a clean
+//! ledger yields nothing, each mismatch kind is found and recorded once, pending charges wait for
+//! their key, a second pass at the same time skips, and a refund is made once however often it is
+//! asked for.
+
+use std::time::Duration;
+
+use api_server::testing::{GOOD_CARD, TestApp, TestUser, new_key, ride_request};
+use diesel::{ExpressionMethods, QueryDsl, SelectableHelper};
+use diesel_async::RunQueryDsl;
+use fake_stripe::FaultMode;
+use schema::{
+    FindingKind,
+    models::ReconciliationFinding,
+    schema::{reconciler_watermarks, reconciliation_findings},
+};
+use serde_json::Value;
+use workers::{
+    admin::{AdminError, Mode, findings},
+    config::ReconcilerConfig,
+    reconciler::{ReconcileSummary, Reconciler, refund::refund_finding},
+};
+
+fn config(app: &TestApp) -> ReconcilerConfig {
+    ReconcilerConfig {
+        stripe: provider::StripeConfig {
+            api_base: app.stripe.base_url(),
+            secret_key: provider::Secret::new("sk_test_harness"),
+            timeout: Duration::from_secs(5),
+            idempotency_window: Duration::from_secs(86_400),
+        },
+        settle_delay: Duration::ZERO,
+        overlap: Duration::from_secs(3600),
+        initial_lookback: Duration::from_secs(3600),
+        max_window: Duration::from_secs(86_400),
+        interval: Duration::from_secs(1),
+    }
+}
+
+fn reconciler(app: &TestApp) -> Reconciler {
+    Reconciler::new(app.pool.clone(), config(app)).unwrap()
+}
+
+/// A window ends at a whole second (the provider's `created` is in seconds): let the current one
+/// end, so that what the test just wrote is inside the next window.
+async fn pass(app: &TestApp, refund: bool) -> ReconcileSummary {
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    reconciler(app).run_once(refund).await.unwrap()
+}
+
+async fn findings_of(app: &TestApp) -> Vec<ReconciliationFinding> {
+    let mut conn = app.pool.get().await.unwrap();
+    reconciliation_findings::table
+        .select(ReconciliationFinding::as_select())
+        .order(reconciliation_findings::id)
+        .load(&mut conn)
+        .await
+        .unwrap()
+}
+
+async fn sql(app: &TestApp, statement: &str) {
+    let mut conn = app.pool.get().await.unwrap();
+    diesel::sql_query(statement)
+        .execute(&mut conn)
+        .await
+        .unwrap();
+}
+
+/// A ride charged and recorded through the real CreateRide; returns (ride id, charge id).
+async fn charged_ride(app: &TestApp, user: &TestUser) -> (i64, String) {
+    let ride = app
+        .create_ride(user, &new_key(), ride_request())
+        .await
+        .unwrap()
+        .into_inner()
+        .ride
+        .unwrap();
+    (ride.id, ride.charge_id)
+}
+
+/// A PaymentIntent made straight at the provider, as any caller with the key could.
+async fn charge_directly(app: &TestApp, extra: &[(&str, &str)]) -> Value {
+    let mut form = vec![
+        ("amount", "2000"),
+        ("currency", "usd"),
+        ("customer", "cus_direct"),
+        ("payment_method", "pm_card_visa"),
+        ("confirm", "true"),
+    ];
+    form.extend_from_slice(extra);
+    let response = reqwest::Client::new()
+        .post(format!("{}/v1/payment_intents", app.stripe.base_url()))
+        .bearer_auth("sk_test_harness")
+        .form(&form)
+        .send()
+        .await
+        .unwrap();
+    response.json().await.unwrap()
+}
+
+fn kinds(findings: &[ReconciliationFinding]) -> Vec<FindingKind> {
+    findings.iter().map(|finding| finding.kind).collect()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_clean_ledger_yields_no_finding() {
+    let app = TestApp::spawn().await;
+    let user = app.create_user(GOOD_CARD).await;
+    for _ in 0..3 {
+        charged_ride(&app, &user).await;
+    }
+    let declined = app.create_user(api_server::testing::DECLINED_CARD).await;
+    assert!(
+        app.create_ride(&declined, &new_key(), ride_request())
+            .await
+            .is_err()
+    );
+    // Someone else's charge on the same account: not ours to reconcile.
+    charge_directly(&app, &[("metadata[order]", "42")]).await;
+
+    let summary = pass(&app, false).await;
+    assert_eq!(summary.intents, 5, "{summary:?}");
+    assert_eq!(summary.rides, 3);
+    assert_eq!(summary.matched, 3);
+    assert_eq!(summary.foreign, 1);
+    assert_eq!((summary.findings, summary.pending), (0, 0));
+    assert!(summary.caught_up);
+    assert!(findings_of(&app).await.is_empty());
+
+    let again = pass(&app, false).await;
+    assert_eq!(again.findings, 0);
+    assert!(again.window_from < summary.window_until, "windows overlap");
+    assert!(
+        again.window_until > summary.window_until,
+        "the watermark moved on"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_charge_of_an_abandoned_key_is_pending_while_the_key_is_live_then_unrecorded() {
+    let app = TestApp::spawn().await;
+    let user = app.create_user(GOOD_CARD).await;
+    // Charge-then-drop: the provider charged, the api-server never heard; the key stays at
+    // ride_created for the completer.
+    app.stripe.inject_faults(FaultMode::ChargeThenDrop, 1);
+    assert!(
+        app.create_ride(&user, &new_key(), ride_request())
+            .await
+            .is_err()
+    );
+    let summary = pass(&app, false).await;
+    assert_eq!((summary.pending, summary.findings), (1, 0), "{summary:?}");
+
+    // The completer gives up on the key: nothing will record that charge any more.
+    sql(
+        &app,
+        "UPDATE idempotency_keys SET completer_gave_up_at = now()",
+    )
+    .await;
+    let summary = pass(&app, false).await;
+    assert_eq!((summary.pending, summary.findings), (0, 1), "{summary:?}");
+    let found = findings_of(&app).await;
+    assert_eq!(kinds(&found), [FindingKind::UnrecordedCharge]);
+    let rides = app.rides().await;
+    let finding = &found[0];
+    assert_eq!(finding.ride_id, Some(rides[0].id));
+    assert_eq!(finding.user_id, Some(user.id));
+    assert_eq!(
+        finding.payment_intent_id,
+        app.stripe.payment_intents()[0].id
+    );
+    assert_eq!(finding.provider_status.as_deref(), Some("succeeded"));
+    assert_eq!(
+        (finding.provider_amount, finding.ride_amount),
+        (Some(2000), Some(2000))
+    );
+    assert!(finding.resolved_at.is_none());
+
+    // Reaped instead (the key gone): still the same one finding, seen again.
+    sql(&app, "DELETE FROM idempotency_keys").await;
+    let summary = pass(&app, false).await;
+    assert_eq!((summary.findings, summary.new_findings), (1, 0));
+    let again = findings_of(&app).await;
+    assert_eq!(again.len(), 1, "recorded once");
+    assert!(again[0].last_seen_at > again[0].first_seen_at);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_charge_naming_no_ride_is_an_unknown_ride() {
+    let app = TestApp::spawn().await;
+    let pi = charge_directly(
+        &app,
+        &[("metadata[ride_id]", "987654"), ("metadata[user_id]", "3")],
+    )
+    .await;
+    let without_ride = charge_directly(&app, &[("metadata[idempotency_key_id]", "555")]).await;
+    let summary = pass(&app, false).await;
+    assert_eq!(summary.findings, 2, "{summary:?}");
+    let found = findings_of(&app).await;
+    assert_eq!(
+        kinds(&found),
+        [FindingKind::UnknownRide, FindingKind::UnknownRide]
+    );
+    let named = found
+        .iter()
+        .find(|finding| finding.payment_intent_id == pi["id"].as_str().unwrap())
+        .unwrap();
+    assert_eq!((named.ride_id, named.user_id), (Some(987_654), Some(3)));
+    assert_eq!(named.ride_amount, None);
+    let unnamed = found
+        .iter()
+        .find(|finding| finding.payment_intent_id == without_ride["id"].as_str().unwrap())
+        .unwrap();
+    assert_eq!(
+        (unnamed.ride_id, unnamed.idempotency_key_id),
+        (None, Some(555))
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_ride_recording_a_charge_the_provider_lacks_is_a_missing_charge() {
+    let app = TestApp::spawn().await;
+    let user = app.create_user(GOOD_CARD).await;
+    sql(
+        &app,
+        &format!(
+            "INSERT INTO rides (user_id, origin_lat, origin_lon, target_lat, target_lon, amount, \
+             currency, stripe_charge_id) VALUES ({}, 1, 2, 3, 4, 2000, 'usd', 'pi_never_made')",
+            user.id
+        ),
+    )
+    .await;
+    let summary = pass(&app, false).await;
+    assert_eq!((summary.rides, summary.findings), (1, 1), "{summary:?}");
+    let found = findings_of(&app).await;
+    assert_eq!(kinds(&found), [FindingKind::MissingCharge]);
+    assert_eq!(found[0].payment_intent_id, "pi_never_made");
+    assert_eq!(found[0].provider_status, None);
+    assert_eq!(found[0].ride_amount, Some(2000));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_ride_recording_an_unconfirmed_intent_is_a_charge_not_succeeded() {
+    let app = TestApp::spawn().await;
+    let user = app.create_user(GOOD_CARD).await;
+    let pi = charge_directly(&app, &[("confirm", "false")]).await;
+    let id = pi["id"].as_str().unwrap();
+    assert_eq!(pi["status"], "requires_confirmation");
+    sql(
+        &app,
+        &format!(
+            "INSERT INTO rides (user_id, origin_lat, origin_lon, target_lat, target_lon, amount, \
+             currency, stripe_charge_id) VALUES ({}, 1, 2, 3, 4, 2000, 'usd', '{id}')",
+            user.id
+        ),
+    )
+    .await;
+    pass(&app, false).await;
+    let found = findings_of(&app).await;
+    assert_eq!(kinds(&found), [FindingKind::ChargeNotSucceeded]);
+    assert_eq!(
+        found[0].provider_status.as_deref(),
+        Some("requires_confirmation")
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_ride_whose_amount_differs_from_its_charge_is_an_amount_mismatch() {
+    let app = TestApp::spawn().await;
+    let user = app.create_user(GOOD_CARD).await;
+    let (ride_id, charge_id) = charged_ride(&app, &user).await;
+    charged_ride(&app, &user).await;
+    sql(
+        &app,
+        &format!("UPDATE rides SET amount = 2500 WHERE id = {ride_id}"),
+    )
+    .await;
+    let summary = pass(&app, false).await;
+    assert_eq!((summary.matched, summary.findings), (1, 1), "{summary:?}");
+    let found = findings_of(&app).await;
+    assert_eq!(kinds(&found), [FindingKind::AmountMismatch]);
+    assert_eq!(found[0].payment_intent_id, charge_id);
+    assert_eq!(
+        (found[0].provider_amount, found[0].ride_amount),
+        (Some(2000), Some(2500))
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_ride_whose_currency_differs_from_its_charge_is_a_currency_mismatch() {
+    let app = TestApp::spawn().await;
+    let user = app.create_user(GOOD_CARD).await;
+    let (ride_id, _) = charged_ride(&app, &user).await;
+    sql(
+        &app,
+        &format!("UPDATE rides SET currency = 'eur' WHERE id = {ride_id}"),
+    )
+    .await;
+    pass(&app, false).await;
+    let found = findings_of(&app).await;
+    assert_eq!(kinds(&found), [FindingKind::CurrencyMismatch]);
+    assert_eq!(
+        (
+            found[0].provider_currency.as_deref(),
+            found[0].ride_currency.as_deref()
+        ),
+        (Some("usd"), Some("eur"))
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_refund_is_made_once_however_often_the_reconciler_runs_and_never_by_default() {
+    let app = TestApp::spawn().await;
+    charge_directly(&app, &[("metadata[ride_id]", "424242")]).await;
+    let summary = pass(&app, false).await;
+    assert_eq!((summary.findings, summary.refunded), (1, 0));
+    assert!(
+        app.stripe.refunds().is_empty(),
+        "no refund without --refund"
+    );
+    let finding_id = findings_of(&app).await[0].id;
+
+    // Dry run: the plan, nothing at the provider.
+    let stripe = provider::StripeClient::new(&config(&app).stripe).unwrap();
+    let plan = refund_finding(&app.pool, &stripe, finding_id, Mode::DryRun)
+        .await
+        .unwrap();
+    assert_eq!(plan.changes.len(), 2);
+    assert!(app.stripe.refunds().is_empty());
+
+    // Two refunding passes at once, then more, then the admin command.
+    let (one, other) = (reconciler(&app), reconciler(&app));
+    let (first, second) = tokio::join!(one.run_once(true), other.run_once(true));
+    let refunded = first.unwrap().refunded + second.unwrap().refunded;
+    assert_eq!(
+        refunded, 1,
+        "one of the two refunded, the other found it resolved"
+    );
+    for _ in 0..3 {
+        let summary = pass(&app, true).await;
+        assert_eq!(summary.refunded, 0, "{summary:?}");
+    }
+    let again = refund_finding(&app.pool, &stripe, finding_id, Mode::Apply).await;
+    assert!(matches!(again, Err(AdminError::Refused(_))), "{again:?}");
+
+    let refunds = app.stripe.refunds();
+    assert_eq!(refunds.len(), 1, "exactly one refund at the provider");
+    assert_eq!(refunds[0].amount, 2000);
+    let finding = &findings_of(&app).await[0];
+    assert_eq!(finding.refund_id.as_deref(), Some(refunds[0].id.as_str()));
+    assert!(finding.resolved_at.is_some());
+    assert!(
+        finding
+            .resolution
+            .as_deref()
+            .unwrap()
+            .contains(&refunds[0].id)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_refund_is_refused_for_a_recorded_ride_or_a_live_key() {
+    let app = TestApp::spawn().await;
+    let user = app.create_user(GOOD_CARD).await;
+    let (ride_id, _) = charged_ride(&app, &user).await;
+    sql(
+        &app,
+        &format!("UPDATE rides SET amount = 1 WHERE id = {ride_id}"),
+    )
+    .await;
+    app.stripe.inject_faults(FaultMode::ChargeThenDrop, 1);
+    assert!(
+        app.create_ride(&user, &new_key(), ride_request())
+            .await
+            .is_err()
+    );
+    sql(&app, "UPDATE idempotency_keys SET completer_gave_up_at = now() WHERE recovery_point <> 'finished'").await;
+    pass(&app, false).await;
+    let found = findings_of(&app).await;
+    let mut found_kinds = kinds(&found);
+    found_kinds.sort_by_key(|kind| kind.as_str());
+    assert_eq!(
+        found_kinds,
+        [FindingKind::AmountMismatch, FindingKind::UnrecordedCharge]
+    );
+    let stripe = provider::StripeClient::new(&config(&app).stripe).unwrap();
+    let mismatch = found
+        .iter()
+        .find(|finding| finding.kind == FindingKind::AmountMismatch)
+        .unwrap();
+    let refused = refund_finding(&app.pool, &stripe, mismatch.id, Mode::Apply).await;
+    assert!(
+        matches!(refused, Err(AdminError::Refused(_))),
+        "a ride stands for that charge"
+    );
+
+    // An operator hands the key back to the completer: it is live again, so no refund.
+    sql(
+        &app,
+        "UPDATE idempotency_keys SET completer_gave_up_at = NULL",
+    )
+    .await;
+    let unrecorded = found
+        .iter()
+        .find(|finding| finding.kind == FindingKind::UnrecordedCharge)
+        .unwrap();
+    let refused = refund_finding(&app.pool, &stripe, unrecorded.id, Mode::Apply).await;
+    assert!(
+        matches!(refused, Err(AdminError::Refused(_))),
+        "{refused:?}"
+    );
+    assert!(app.stripe.refunds().is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_second_pass_while_one_holds_the_watermark_skips() {
+    let app = TestApp::spawn().await;
+    charge_directly(&app, &[("metadata[ride_id]", "1")]).await;
+    let first = pass(&app, false).await;
+    assert!(!first.skipped);
+    let mut holder = app.db.connect().await;
+    holder
+        .build_transaction()
+        .run(async |conn| {
+            let _: Vec<String> = reconciler_watermarks::table
+                .select(reconciler_watermarks::name)
+                .for_update()
+                .load(conn)
+                .await?;
+            let summary = reconciler(&app).run_once(false).await.unwrap();
+            assert!(summary.skipped, "{summary:?}");
+            assert_eq!(summary.window_until, None);
+            Ok::<(), diesel::result::Error>(())
+        })
+        .await
+        .unwrap();
+    let after = pass(&app, false).await;
+    assert!(!after.skipped);
+    assert_eq!(findings_of(&app).await.len(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn findings_are_listed_shown_and_resolved_by_the_admin_commands() {
+    let app = TestApp::spawn().await;
+    charge_directly(&app, &[("metadata[ride_id]", "77")]).await;
+    pass(&app, false).await;
+    let list = findings::list(&app.pool, false, 10).await.unwrap();
+    assert_eq!(list.total, 1);
+    let id = list.findings[0].id;
+    assert!(list.render().contains("unknown_ride"));
+    let shown = findings::show(&app.pool, id).await.unwrap();
+    assert!(shown.refundable);
+    assert!(shown.render().contains("findings refund"));
+
+    let plan = findings::resolve(
+        &app.pool,
+        id,
+        "refunded by hand in the dashboard",
+        Mode::DryRun,
+    )
+    .await
+    .unwrap();
+    assert!(plan.render().contains("DRY RUN"));
+    assert!(
+        findings::show(&app.pool, id)
+            .await
+            .unwrap()
+            .finding
+            .resolved_at
+            .is_none()
+    );
+    findings::resolve(
+        &app.pool,
+        id,
+        "refunded by hand in the dashboard",
+        Mode::Apply,
+    )
+    .await
+    .unwrap();
+    let resolved = findings::show(&app.pool, id).await.unwrap().finding;
+    assert_eq!(
+        resolved.resolution.as_deref(),
+        Some("refunded by hand in the dashboard")
+    );
+    assert!(
+        findings::resolve(&app.pool, id, "again", Mode::Apply)
+            .await
+            .is_err()
+    );
+
+    // Seen again by a later pass: stays resolved, not recorded twice, not refunded.
+    let summary = pass(&app, true).await;
+    assert_eq!(
+        (summary.findings, summary.new_findings, summary.refunded),
+        (1, 0, 0)
+    );
+    assert_eq!(findings::list(&app.pool, false, 10).await.unwrap().total, 0);
+    assert_eq!(findings::list(&app.pool, true, 10).await.unwrap().total, 1);
+    assert!(app.stripe.refunds().is_empty());
+    let mut conn = app.pool.get().await.unwrap();
+    let open: i64 = reconciliation_findings::table
+        .filter(reconciliation_findings::resolved_at.is_null())
+        .count()
+        .get_result(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(open, 0);
+}
