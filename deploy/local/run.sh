@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Brings the whole system up on this machine: PostgreSQL and RabbitMQ (started or installed when
-# absent), migrations, fake-stripe, the api-server, the four workers (enqueuer, receipts,
-# completer, reaper) and a mail sink that writes each receipt to .run/mail/, plus a development
+# absent), migrations, fake-stripe, the api-server, the five workers (enqueuer, receipts,
+# completer, reaper, reconciler) and a mail sink that writes each receipt to .run/mail/, plus a development
 # user whose token and a ready-to-paste grpcurl command are printed. Ctrl-C stops everything it
 # started. Logs go to .run/logs/.
 #
@@ -91,7 +91,7 @@ start mail-sink "$bin/mail-sink" --listen "$SMTP_LISTEN" --dir "$MAIL_DIR" --htt
 wait_for_port "${SMTP_LISTEN%:*}" "${SMTP_LISTEN##*:}" mail-sink 30
 start api-server "$bin/api-server" serve
 wait_for_port "${GRPC_LISTEN_ADDR%:*}" "${GRPC_LISTEN_ADDR##*:}" api-server 30
-for worker in enqueuer receipts completer reaper; do
+for worker in enqueuer receipts completer reaper reconciler; do
   start "$worker" "$bin/workers" "$worker"
 done
 
@@ -109,7 +109,7 @@ cat <<MSG
 Rocket Rides is up.
   gRPC api-server   $GRPC_LISTEN_ADDR   (reflection and grpc.health.v1 enabled; $([ "$TLS" = 1 ] && echo "mutual TLS, certificates in $TLS_DIR" || echo "plaintext, TLS=1 for mutual TLS"))
   fake-stripe       $STRIPE_API_BASE    (payment intents: curl -H 'Authorization: Bearer $STRIPE_SECRET_KEY' $STRIPE_API_BASE/v1/payment_intents)
-  workers           enqueuer, receipts, completer, reaper → RabbitMQ on 127.0.0.1:5672
+  workers           enqueuer, receipts, completer, reaper, reconciler (never refunds) → RabbitMQ on 127.0.0.1:5672
   receipts          $MAIL_DIR/ (one .eml per mail, from the mail sink on $SMTP_LISTEN)
   logs              .run/logs/
 
