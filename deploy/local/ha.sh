@@ -268,6 +268,11 @@ cmd_kill_primary() {
       pid=$(head -n1 "$HA_DIR/pg$i/data/postmaster.pid" 2>/dev/null) || pid=
       if [ -n "$pid" ] && kill -KILL "$pid" 2>/dev/null; then
         log "SIGKILL of pg$i's postmaster (pid $pid)"
+        # Patroni answers from its cached role until its next loop: return only once the killed
+        # node no longer claims to be the primary, so that a `wait` after this measures the
+        # failover rather than passing at once.
+        local until=$((SECONDS + 30))
+        while rest "$port" /primary >/dev/null 2>&1 && [ $SECONDS -lt $until ]; do sleep 0.2; done
         echo "pg$i"
         return
       fi
