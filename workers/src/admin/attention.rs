@@ -120,19 +120,11 @@ pub async fn resolve(
     note: Option<&str>,
     mode: Mode,
 ) -> Result<ChangeReport, AdminError> {
-    if let Some(note) = note
-        && (note.trim().is_empty() || note.chars().count() > 2000)
-    {
-        return Err(AdminError::Invalid(
-            "--note must be 1 to 2000 characters".into(),
-        ));
+    if let Some(note) = note {
+        super::check_note(note)?;
     }
     let mut conn = pool.get().await?;
-    let mut transaction = conn.build_transaction().read_committed();
-    if !mode.applies() {
-        transaction = transaction.read_only();
-    }
-    let report = transaction
+    let report = super::change_transaction(&mut conn, mode)
         .run(async |conn| {
             bound_waits(conn).await?;
             let query = keys_needing_attention::table

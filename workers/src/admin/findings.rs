@@ -82,17 +82,9 @@ pub async fn resolve(
     note: &str,
     mode: Mode,
 ) -> Result<ChangeReport, AdminError> {
-    if note.trim().is_empty() || note.chars().count() > 2000 {
-        return Err(AdminError::Invalid(
-            "--note must be 1 to 2000 characters".into(),
-        ));
-    }
+    super::check_note(note)?;
     let mut conn = pool.get().await?;
-    let mut transaction = conn.build_transaction().read_committed();
-    if !mode.applies() {
-        transaction = transaction.read_only();
-    }
-    let report = transaction
+    let report = super::change_transaction(&mut conn, mode)
         .run(async |conn| {
             bound_waits(conn).await?;
             let finding = load(conn, id, mode).await?;

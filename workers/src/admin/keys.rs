@@ -451,11 +451,7 @@ pub async fn unlock(
     mode: Mode,
 ) -> Result<ChangeReport, AdminError> {
     let mut conn = pool.get().await?;
-    let mut transaction = conn.build_transaction().read_committed();
-    if !mode.applies() {
-        transaction = transaction.read_only();
-    }
-    let report = transaction
+    let report = super::change_transaction(&mut conn, mode)
         .run(async |conn| {
             bound_waits(conn).await?;
             let (key, now) = load_key(conn, key_id, mode).await?;
@@ -576,11 +572,7 @@ pub async fn finish(
     request.validate()?;
     let key_id = request.key_id;
     let mut conn = pool.get().await?;
-    let mut transaction = conn.build_transaction().read_committed();
-    if !mode.applies() {
-        transaction = transaction.read_only();
-    }
-    let report = transaction
+    let report = super::change_transaction(&mut conn, mode)
         .run(async |conn| {
             bound_waits(conn).await?;
             let (key, now) = load_key(conn, key_id, mode).await?;

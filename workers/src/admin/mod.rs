@@ -209,6 +209,30 @@ impl ChangeReport {
     }
 }
 
+/// The transaction a change runs in: READ COMMITTED, and read-only for a dry run, so that a
+/// dry run can take no lock and write nothing whatever its statements are.
+pub(crate) fn change_transaction(
+    conn: &mut AsyncPgConnection,
+    mode: Mode,
+) -> diesel_async::pg::TransactionBuilder<'_, AsyncPgConnection> {
+    let transaction = conn.build_transaction().read_committed();
+    if mode.applies() {
+        transaction
+    } else {
+        transaction.read_only()
+    }
+}
+
+/// An operator's resolution note: 1 to 2000 characters, not only blanks.
+pub(crate) fn check_note(note: &str) -> Result<(), AdminError> {
+    if note.trim().is_empty() || note.chars().count() > 2000 {
+        return Err(AdminError::Invalid(
+            "--note must be 1 to 2000 characters".into(),
+        ));
+    }
+    Ok(())
+}
+
 /// Starts the statements of an applying transaction: never wait long for a row lock (a stuck
 /// transaction must not hang the operator), never run long.
 pub(crate) async fn bound_waits(conn: &mut AsyncPgConnection) -> Result<(), AdminError> {

@@ -36,11 +36,7 @@ pub async fn refund_finding(
     mode: Mode,
 ) -> Result<ChangeReport, AdminError> {
     let mut conn = pool.get().await?;
-    let mut transaction = conn.build_transaction().read_committed();
-    if !mode.applies() {
-        transaction = transaction.read_only();
-    }
-    let report = transaction
+    let report = crate::admin::change_transaction(&mut conn, mode)
         .run(async |conn| {
             bound_waits(conn).await?;
             let finding = lock_refundable(conn, id, mode).await?;
