@@ -303,13 +303,20 @@ impl RidesClient {
         // `targets` is never empty (`with_targets` takes a first channel); `target` is below its
         // length.
         let rpc = self.targets[target].clone();
+        let sent = std::time::Instant::now();
         let answer = tokio::time::timeout(timeout, send(rpc, request))
             .instrument(span.clone())
             .await;
         let result = match answer {
             Ok(Ok(response)) => Ok(response),
-            // tonic enforces the `grpc-timeout` it sends as well, and may notice first.
-            Ok(Err(status)) if timed_out_here(&status) => Err(RidesError::AttemptTimedOut(timeout)),
+            // tonic enforces the `grpc-timeout` it sends as well, and may notice first; so does
+            // the server, which then answers CANCELLED "Timeout expired" at the same moment.
+            Ok(Err(status))
+                if timed_out_here(&status)
+                    || (status.code() == tonic::Code::Cancelled && sent.elapsed() >= timeout) =>
+            {
+                Err(RidesError::AttemptTimedOut(timeout))
+            }
             Ok(Err(status)) => Err(RidesError::from(status)),
             Err(_elapsed) => Err(RidesError::AttemptTimedOut(timeout)),
         };
