@@ -402,3 +402,67 @@ async fn a_connection_lost_mid_batch_fails_the_ride_phase_as_retryable_and_redoe
         "the keys that were at ride_created were charged and recorded once"
     );
 }
+
+/// Every phase's fence names the key's user as well as its id and token (the statements carry
+/// `user_id`, as a sharded database needs them to): a lease whose token is right but whose user
+/// is another's moves nothing, alone or inside a batch, and the batch's other keys move on.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_lease_naming_another_users_key_is_fenced_off_alone_and_in_a_batch() {
+    let batched = spawn_one_connection().await;
+    let alone =
+        TestApp::spawn_with(fake_stripe::Config::default(), &[("PHASE_BATCH_SIZE", "1")]).await;
+    for app in [&batched, &alone] {
+        let user = app.create_user(GOOD_CARD).await;
+        let stranger = app.create_user(GOOD_CARD).await;
+        let request = app.rides_request(&user, ride_params()).await;
+        for point in [
+            RecoveryPoint::Started,
+            RecoveryPoint::RideCreated,
+            RecoveryPoint::ChargeCreated,
+        ] {
+            let keyed = leases_at(app, &user, &request, 3, point).await;
+            let (keys, mut leases): (Vec<String>, Vec<Lease>) = keyed.into_iter().unzip();
+            let token = leases[1].token;
+            leases[1].user_id = stranger.id;
+            let rides_before = app.rides().await;
+            let jobs_before = app.staged_jobs().await.len();
+
+            let results = step_together(app, &mut leases, &request).await;
+
+            for (index, result) in results.iter().enumerate() {
+                if index == 1 {
+                    assert!(
+                        matches!(result, Err(CreateRideError::LockLost)),
+                        "at {point}: {result:?}"
+                    );
+                } else {
+                    assert!(result.is_ok(), "at {point}, lease {index}: {result:?}");
+                }
+            }
+            let row = app.key_row(&user, &keys[1]).await.unwrap();
+            assert_eq!(row.recovery_point, point, "the key did not move");
+            assert_eq!(
+                row.lock_token,
+                Some(token),
+                "and is still locked by its token"
+            );
+            let ride_of = |rides: &[Ride]| {
+                rides
+                    .iter()
+                    .find(|ride| ride.idempotency_key_id == Some(row.id))
+                    .cloned()
+            };
+            assert_eq!(
+                ride_of(&app.rides().await),
+                ride_of(&rides_before),
+                "at {point}: its ride was neither made nor charged"
+            );
+            let other_receipts = usize::from(point == RecoveryPoint::ChargeCreated) * 2;
+            assert_eq!(
+                app.staged_jobs().await.len() - jobs_before,
+                other_receipts,
+                "at {point}: no receipt for the fenced-off key"
+            );
+        }
+    }
+}

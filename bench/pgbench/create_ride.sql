@@ -33,22 +33,22 @@ SELECT caller.id AS caller_id, caller.created_at AS caller_created_at, caller.em
        found.id AS key_id, found.created_at, found.idempotency_key, found.last_run_at, found.locked_at, found.lock_token AS tok, found.request_method, found.request_path,
        found.request_params, found.response_code, found.response_body, found.recovery_point, found.user_id, found.inserted
   FROM caller, found \gset
-WITH fence AS (SELECT id FROM idempotency_keys WHERE id = :key_id AND lock_token = :tok FOR NO KEY UPDATE),
+WITH fence AS (SELECT id, user_id FROM idempotency_keys WHERE id = :key_id AND lock_token = :tok AND user_id = :uid FOR NO KEY UPDATE),
   ride AS (INSERT INTO rides (idempotency_key_id, origin_lat, origin_lon, target_lat, target_lon, amount, currency, user_id)
-    SELECT fence.id, 37.7749, -122.4194, 37.3382, -121.8863, 2000, 'usd', :uid FROM fence
+    SELECT fence.id, 37.7749, -122.4194, 37.3382, -121.8863, 2000, 'usd', fence.user_id FROM fence
     RETURNING id, created_at, idempotency_key_id, origin_lat, origin_lon, target_lat, target_lon, amount, currency, stripe_charge_id, user_id),
   audit AS (INSERT INTO audit_records (action, data, origin_ip, resource_id, resource_type, user_id)
     SELECT 'ride.created', '{"origin_lat": 37.7749, "origin_lon": -122.4194, "target_lat": 37.3382, "target_lon": -121.8863}'::jsonb, '127.0.0.1/32'::cidr, ride.id, 'ride', ride.user_id FROM ride)
 UPDATE idempotency_keys SET recovery_point = 'ride_created' FROM ride
-  WHERE idempotency_keys.id = :key_id AND idempotency_keys.lock_token = :tok
+  WHERE idempotency_keys.id = :key_id AND idempotency_keys.lock_token = :tok AND idempotency_keys.user_id = :uid
   RETURNING ride.id AS ride_id, ride.created_at AS ride_created_at, ride.idempotency_key_id, ride.origin_lat, ride.origin_lon, ride.target_lat, ride.target_lon, ride.amount, ride.currency, ride.stripe_charge_id, ride.user_id \gset
-WITH fence AS (SELECT id FROM idempotency_keys WHERE id = :key_id AND lock_token = :tok FOR NO KEY UPDATE),
+WITH fence AS (SELECT id, user_id FROM idempotency_keys WHERE id = :key_id AND lock_token = :tok AND user_id = :uid FOR NO KEY UPDATE),
   charged AS (UPDATE rides SET stripe_charge_id = 'pi_pgbench_' || :key_id || '_aaaaaaaaaa' FROM fence
-    WHERE rides.id = :ride_id AND rides.idempotency_key_id = fence.id RETURNING rides.id)
+    WHERE rides.id = :ride_id AND rides.user_id = fence.user_id AND rides.idempotency_key_id = fence.id RETURNING rides.id)
 UPDATE idempotency_keys SET recovery_point = 'charge_created' FROM charged
-  WHERE idempotency_keys.id = :key_id AND idempotency_keys.lock_token = :tok
+  WHERE idempotency_keys.id = :key_id AND idempotency_keys.lock_token = :tok AND idempotency_keys.user_id = :uid
   RETURNING idempotency_keys.id;
-WITH fence AS (SELECT id FROM idempotency_keys WHERE id = :key_id AND lock_token = :tok FOR NO KEY UPDATE),
+WITH fence AS (SELECT id, user_id FROM idempotency_keys WHERE id = :key_id AND lock_token = :tok AND user_id = :uid FOR NO KEY UPDATE),
   job AS (INSERT INTO staged_jobs (job_name, job_args, trace_context)
     SELECT 'send_ride_receipt',
            ('{"ride_id": ' || :ride_id || ', "user_id": ' || :uid || ', "amount": 2000, "currency": "usd", "charge_id": "pi_pgbench_' || :key_id || '_aaaaaaaaaa", "created_at": "2026-11-21T09:37:44.892483Z"}')::jsonb,
@@ -56,5 +56,5 @@ WITH fence AS (SELECT id FROM idempotency_keys WHERE id = :key_id AND lock_token
 UPDATE idempotency_keys SET recovery_point = 'finished', response_code = 0,
     response_body = ('{"outcome": "ride_created", "message": "Payment accepted. Your pilot is on their way!", "ride": {"id": ' || :ride_id || ', "origin_lat": 37.7749, "origin_lon": -122.4194, "target_lat": 37.3382, "target_lon": -121.8863, "charge_id": "pi_pgbench_' || :key_id || '_aaaaaaaaaa", "amount": 2000, "currency": "usd", "created_at": "2026-11-21T09:37:44.892483Z"}}')::jsonb,
     locked_at = NULL, lock_token = NULL
-  FROM job WHERE idempotency_keys.id = :key_id AND idempotency_keys.lock_token = :tok
+  FROM job WHERE idempotency_keys.id = :key_id AND idempotency_keys.lock_token = :tok AND idempotency_keys.user_id = :uid
   RETURNING idempotency_keys.id;

@@ -54,42 +54,50 @@ SELECT caller.req, caller.id AS caller_id, caller.created_at AS caller_created_a
        found.found_req, found.id AS key_id, found.created_at, found.idempotency_key, found.last_run_at, found.locked_at, found.lock_token AS tok, found.request_method,
        found.request_path, found.request_params, found.response_code, found.response_body, found.recovery_point, found.user_id, found.inserted
   FROM caller JOIN found ON found.found_req = caller.req \gset
-WITH input AS (SELECT * FROM unnest(('{' || :key_id || '}')::int8[], ('{' || :tok || '}')::uuid[], ARRAY[37.7749]::float8[], ARRAY[-122.4194]::float8[],
-      ARRAY[37.3382]::float8[], ARRAY[-121.8863]::float8[], ('{' || :uid || '}')::int8[],
+WITH input AS (SELECT * FROM unnest(('{' || :key_id || '}')::int8[], ('{' || :tok || '}')::uuid[], ('{' || :uid || '}')::int8[],
+      ARRAY[37.7749]::float8[], ARRAY[-122.4194]::float8[], ARRAY[37.3382]::float8[], ARRAY[-121.8863]::float8[],
       ARRAY['{"origin_lat": 37.7749, "origin_lon": -122.4194, "target_lat": 37.3382, "target_lon": -121.8863}'::jsonb]::jsonb[],
       ARRAY['127.0.0.1/32'::cidr]::cidr[])
-    AS i(key_id, token, origin_lat, origin_lon, target_lat, target_lon, user_id, data, origin_ip)),
+    AS i(key_id, token, user_id, origin_lat, origin_lon, target_lat, target_lon, data, origin_ip)),
   fence AS (SELECT input.* FROM (SELECT * FROM input ORDER BY key_id) input
-    CROSS JOIN LATERAL (SELECT FROM idempotency_keys WHERE idempotency_keys.id = input.key_id AND idempotency_keys.lock_token = input.token FOR NO KEY UPDATE) locked),
+    CROSS JOIN LATERAL (SELECT FROM idempotency_keys WHERE idempotency_keys.id = input.key_id AND idempotency_keys.lock_token = input.token
+      AND idempotency_keys.user_id = input.user_id FOR NO KEY UPDATE) locked),
   ride AS (INSERT INTO rides (idempotency_key_id, origin_lat, origin_lon, target_lat, target_lon, amount, currency, user_id)
     SELECT key_id, origin_lat, origin_lon, target_lat, target_lon, 2000, 'usd', user_id FROM fence ORDER BY key_id
     RETURNING id, created_at, idempotency_key_id, origin_lat, origin_lon, target_lat, target_lon, amount, currency, stripe_charge_id, user_id),
   audit AS (INSERT INTO audit_records (action, data, origin_ip, resource_id, resource_type, user_id)
     SELECT 'ride.created', fence.data, fence.origin_ip, ride.id, 'ride', ride.user_id FROM ride JOIN fence ON fence.key_id = ride.idempotency_key_id),
-  moved AS (UPDATE idempotency_keys SET recovery_point = 'ride_created'
-    WHERE idempotency_keys.id = ANY(ARRAY(SELECT idempotency_key_id FROM ride)) RETURNING idempotency_keys.id)
+  moved AS (UPDATE idempotency_keys SET recovery_point = 'ride_created' FROM ride
+    WHERE idempotency_keys.id = ANY(ARRAY(SELECT idempotency_key_id FROM ride)) AND idempotency_keys.id = ride.idempotency_key_id
+      AND idempotency_keys.user_id = ride.user_id RETURNING idempotency_keys.id)
 SELECT ride.id AS ride_id, ride.created_at AS ride_created_at, ride.idempotency_key_id, ride.origin_lat, ride.origin_lon, ride.target_lat, ride.target_lon, ride.amount, ride.currency, ride.stripe_charge_id, ride.user_id
   FROM ride JOIN moved ON moved.id = ride.idempotency_key_id \gset
-WITH input AS (SELECT * FROM unnest(('{' || :key_id || '}')::int8[], ('{' || :tok || '}')::uuid[], ('{pi_pgbench_' || :key_id || '_aaaaaaaaaa}')::text[], ('{' || :ride_id || '}')::int8[])
-    AS i(key_id, token, charge_id, ride_id)),
+WITH input AS (SELECT * FROM unnest(('{' || :key_id || '}')::int8[], ('{' || :tok || '}')::uuid[], ('{' || :uid || '}')::int8[],
+      ('{pi_pgbench_' || :key_id || '_aaaaaaaaaa}')::text[], ('{' || :ride_id || '}')::int8[])
+    AS i(key_id, token, user_id, charge_id, ride_id)),
   fence AS (SELECT input.* FROM (SELECT * FROM input ORDER BY key_id) input
-    CROSS JOIN LATERAL (SELECT FROM idempotency_keys WHERE idempotency_keys.id = input.key_id AND idempotency_keys.lock_token = input.token FOR NO KEY UPDATE) locked),
+    CROSS JOIN LATERAL (SELECT FROM idempotency_keys WHERE idempotency_keys.id = input.key_id AND idempotency_keys.lock_token = input.token
+      AND idempotency_keys.user_id = input.user_id FOR NO KEY UPDATE) locked),
   charged AS (UPDATE rides SET stripe_charge_id = fence.charge_id FROM fence
-    WHERE rides.id = ANY(ARRAY(SELECT ride_id FROM fence)) AND rides.id = fence.ride_id AND rides.idempotency_key_id = fence.key_id
-    RETURNING rides.idempotency_key_id)
-UPDATE idempotency_keys SET recovery_point = 'charge_created'
-  WHERE idempotency_keys.id = ANY(ARRAY(SELECT idempotency_key_id FROM charged))
+    WHERE rides.id = ANY(ARRAY(SELECT ride_id FROM fence)) AND rides.id = fence.ride_id AND rides.user_id = fence.user_id
+      AND rides.idempotency_key_id = fence.key_id
+    RETURNING rides.idempotency_key_id, rides.user_id)
+UPDATE idempotency_keys SET recovery_point = 'charge_created' FROM charged
+  WHERE idempotency_keys.id = ANY(ARRAY(SELECT idempotency_key_id FROM charged)) AND idempotency_keys.id = charged.idempotency_key_id
+    AND idempotency_keys.user_id = charged.user_id
   RETURNING idempotency_keys.id;
-WITH input AS (SELECT * FROM unnest(('{' || :key_id || '}')::int8[], ('{' || :tok || '}')::uuid[],
+WITH input AS (SELECT * FROM unnest(('{' || :key_id || '}')::int8[], ('{' || :tok || '}')::uuid[], ('{' || :uid || '}')::int8[],
       ARRAY[('{"ride_id": ' || :ride_id || ', "user_id": ' || :uid || ', "amount": 2000, "currency": "usd", "charge_id": "pi_pgbench_' || :key_id || '_aaaaaaaaaa", "created_at": "2026-11-21T09:37:44.892483Z"}')::jsonb]::jsonb[],
       ARRAY['{}'::jsonb]::jsonb[], ARRAY[0]::int4[],
       ARRAY[('{"outcome": "ride_created", "message": "Payment accepted. Your pilot is on their way!", "ride": {"id": ' || :ride_id || ', "origin_lat": 37.7749, "origin_lon": -122.4194, "target_lat": 37.3382, "target_lon": -121.8863, "charge_id": "pi_pgbench_' || :key_id || '_aaaaaaaaaa", "amount": 2000, "currency": "usd", "created_at": "2026-11-21T09:37:44.892483Z"}}')::jsonb]::jsonb[])
-    AS i(key_id, token, job_args, trace_context, response_code, response_body)),
+    AS i(key_id, token, user_id, job_args, trace_context, response_code, response_body)),
   fence AS (SELECT input.* FROM (SELECT * FROM input ORDER BY key_id) input
-    CROSS JOIN LATERAL (SELECT FROM idempotency_keys WHERE idempotency_keys.id = input.key_id AND idempotency_keys.lock_token = input.token FOR NO KEY UPDATE) locked),
+    CROSS JOIN LATERAL (SELECT FROM idempotency_keys WHERE idempotency_keys.id = input.key_id AND idempotency_keys.lock_token = input.token
+      AND idempotency_keys.user_id = input.user_id FOR NO KEY UPDATE) locked),
   job AS (INSERT INTO staged_jobs (job_name, job_args, trace_context)
     SELECT 'send_ride_receipt', job_args, trace_context FROM fence ORDER BY key_id)
 UPDATE idempotency_keys SET recovery_point = 'finished', response_code = fence.response_code, response_body = fence.response_body,
     locked_at = NULL, lock_token = NULL
   FROM fence WHERE idempotency_keys.id = ANY(ARRAY(SELECT key_id FROM fence)) AND idempotency_keys.id = fence.key_id
+    AND idempotency_keys.user_id = fence.user_id
   RETURNING idempotency_keys.id;

@@ -39,8 +39,9 @@ pub fn chrono_duration(duration: Duration) -> chrono::Duration {
 }
 
 /// The fence every statement that moves a key on starts with, as a CTE named `fence` (binds: `$1`
-/// the key id, `$2` the holder's lock token). It locks the key row and yields it only while the
-/// token is the holder's; each of the statement's writes selects from it (directly or through a
+/// the key id, `$2` the holder's lock token, `$3` the key's user id, so that the statement names
+/// its shard and a key of another user is never moved). It locks the key row and yields it only
+/// while the token is the holder's; each of the statement's writes selects from it (directly or through a
 /// write that does), so a holder whose lock was taken over writes nothing and its statement
 /// returns no row. The row lock is taken before any write and held until the statement commits,
 /// so two attempts on one key still move it one after the other. A concurrent takeover makes the
@@ -49,29 +50,30 @@ pub fn chrono_duration(duration: Duration) -> chrono::Duration {
 #[macro_export]
 macro_rules! fence {
     () => {
-        "fence AS (SELECT id FROM idempotency_keys WHERE id = $1 AND lock_token = $2 \
-         FOR NO KEY UPDATE)"
+        "fence AS (SELECT id, user_id FROM idempotency_keys \
+         WHERE id = $1 AND lock_token = $2 AND user_id = $3 FOR NO KEY UPDATE)"
     };
 }
 
 /// [`fence!`] for a batch of requests: the CTEs every batched phase starts with, `input` (the
-/// arrays `$1` key ids and `$2` lock tokens, then `$unnest`, one row per request, with the column
-/// names `$columns` gives after `key_id, token`) and `fence`, which locks each request's key row
-/// in key id order (so two batches never wait for each other in a cycle) and yields the request
-/// only while the key still carries its token, re-checked on the newest row version as the
-/// one-request fence is.
+/// arrays `$1` key ids, `$2` lock tokens and `$3` user ids, then `$unnest`, one row per request,
+/// with the column names `$columns` gives after `key_id, token, user_id`) and `fence`, which
+/// locks each request's key row in key id order (so two batches never wait for each other in a
+/// cycle) and yields the request only while the key is still that user's and carries its token,
+/// re-checked on the newest row version as the one-request fence is.
 #[macro_export]
 macro_rules! batch_fence {
     ($unnest:literal, $columns:literal) => {
         concat!(
-            "WITH input AS (SELECT * FROM unnest($1::int8[], $2::uuid[], ",
+            "WITH input AS (SELECT * FROM unnest($1::int8[], $2::uuid[], $3::int8[], ",
             $unnest,
-            ") AS i(key_id, token, ",
+            ") AS i(key_id, token, user_id, ",
             $columns,
             ")), fence AS (SELECT input.* FROM (SELECT * FROM input ORDER BY key_id) input \
              CROSS JOIN LATERAL (SELECT FROM idempotency_keys \
              WHERE idempotency_keys.id = input.key_id \
-             AND idempotency_keys.lock_token = input.token FOR NO KEY UPDATE) locked)"
+             AND idempotency_keys.lock_token = input.token \
+             AND idempotency_keys.user_id = input.user_id FOR NO KEY UPDATE) locked)"
         )
     };
 }
@@ -115,10 +117,10 @@ impl KeyMoved {
     }
 }
 
-/// Finishes a key (`$1`) with a stored outcome (`$3` code, `$4` body) and nothing else, fenced
-/// by its holder's lock token (`$2`): the api-server's phase that reaches a final outcome without
-/// other writes (a declined card), and `workers admin key finish` after it has taken the lock
-/// over. Returns [`KeyMoved`], or no row if the token is no longer the key's.
+/// Finishes a key (`$1`, of user `$3`) with a stored outcome (`$4` code, `$5` body) and nothing
+/// else, fenced by its holder's lock token (`$2`): the api-server's phase that reaches a final
+/// outcome without other writes (a declined card), and `workers admin key finish` after it has
+/// taken the lock over. Returns [`KeyMoved`], or no row if the token is no longer the key's.
 pub struct FinishKey;
 
 impl Statement for FinishKey {
@@ -126,9 +128,9 @@ impl Statement for FinishKey {
         "WITH ",
         fence!(),
         " ",
-        finish_key!("$3", "$4"),
+        finish_key!("$4", "$5"),
         " FROM fence WHERE idempotency_keys.id = fence.id AND idempotency_keys.lock_token = $2 \
-         RETURNING idempotency_keys.id"
+         AND idempotency_keys.user_id = fence.user_id RETURNING idempotency_keys.id"
     );
 }
 

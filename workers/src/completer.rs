@@ -217,20 +217,20 @@ impl Completer {
             match attempt {
                 Attempt::Completed => {
                     summary.completed += 1;
-                    self.settle(key.id, Settle::Done).await?;
+                    self.settle(key, Settle::Done).await?;
                 }
                 Attempt::Declined => {
                     summary.declined += 1;
-                    self.settle(key.id, Settle::Done).await?;
+                    self.settle(key, Settle::Done).await?;
                 }
                 Attempt::InUse => {
                     summary.skipped_in_use += 1;
-                    self.settle(key.id, Settle::Release).await?;
+                    self.settle(key, Settle::Release).await?;
                 }
                 Attempt::StillFailing(error) => {
                     let attempts = key.completer_attempts.saturating_add(1);
                     if attempts >= self.config.max_attempts {
-                        if self.give_up(key.id, &error).await? {
+                        if self.give_up(key, &error).await? {
                             summary.gave_up += 1;
                         }
                     } else {
@@ -240,13 +240,13 @@ impl Completer {
                             u32::try_from(attempts - 1).unwrap_or(0),
                             self.config.backoff_max,
                         );
-                        self.settle(key.id, Settle::RetryIn(delay)).await?;
+                        self.settle(key, Settle::RetryIn(delay)).await?;
                     }
                 }
                 Attempt::CredentialRefused(code) => {
                     // Every key would fail the same way: stop the pass without spending any
                     // key's attempts. The remaining claims lapse with their lease.
-                    self.settle(key.id, Settle::Release).await?;
+                    self.settle(key, Settle::Release).await?;
                     return Err(CompleteError::Credential(code));
                 }
             }
@@ -286,29 +286,31 @@ impl Completer {
         classify(&result)
     }
 
-    async fn settle(&self, key_id: i64, settle: Settle) -> Result<(), CompleteError> {
+    async fn settle(&self, key: &ClaimedKey, settle: Settle) -> Result<(), CompleteError> {
         let mut conn = self.pool.get().await?;
-        // Each variant binds the same two parameters so that one statement shape serves all.
+        // Each variant binds the same three parameters so that one statement shape serves all.
         let (sql, delay) = match settle {
             Settle::Done => (
                 "UPDATE idempotency_keys SET completer_attempts = completer_attempts + 1, \
-                 completer_next_attempt_at = NULL WHERE id = $1 AND $2 >= 0",
+                 completer_next_attempt_at = NULL WHERE id = $1 AND user_id = $3 AND $2 >= 0",
                 Duration::ZERO,
             ),
             Settle::Release => (
                 "UPDATE idempotency_keys SET completer_next_attempt_at = NULL \
-                 WHERE id = $1 AND $2 >= 0",
+                 WHERE id = $1 AND user_id = $3 AND $2 >= 0",
                 Duration::ZERO,
             ),
             Settle::RetryIn(delay) => (
                 "UPDATE idempotency_keys SET completer_attempts = completer_attempts + 1, \
-                 completer_next_attempt_at = now() + make_interval(secs => $2) WHERE id = $1",
+                 completer_next_attempt_at = now() + make_interval(secs => $2) \
+                 WHERE id = $1 AND user_id = $3",
                 delay,
             ),
         };
         diesel::sql_query(sql)
-            .bind::<BigInt, _>(key_id)
+            .bind::<BigInt, _>(key.id)
             .bind::<Double, _>(delay.as_secs_f64())
+            .bind::<BigInt, _>(key.user_id)
             .execute(&mut conn)
             .await?;
         Ok(())
@@ -316,14 +318,17 @@ impl Completer {
 
     /// Marks the key as given up and records it for a human, in one transaction. False if the
     /// key finished or vanished meanwhile (nothing to hand over).
-    async fn give_up(&self, key_id: i64, error: &str) -> Result<bool, CompleteError> {
+    async fn give_up(&self, key: &ClaimedKey, error: &str) -> Result<bool, CompleteError> {
         let mut conn = self.pool.get().await?;
         let error: String = error.chars().take(2000).collect();
         let given_up = conn
-            .transaction(async |conn| give_up_in(conn, key_id, &error).await)
+            .transaction(async |conn| give_up_in(conn, key, &error).await)
             .await?;
         if given_up {
-            tracing::error!(key_id, "completer gave up on a key; recorded for a human");
+            tracing::error!(
+                key_id = key.id,
+                "completer gave up on a key; recorded for a human"
+            );
         }
         Ok(given_up)
     }
@@ -340,15 +345,17 @@ enum Settle {
 
 async fn give_up_in(
     conn: &mut AsyncPgConnection,
-    key_id: i64,
+    key: &ClaimedKey,
     error: &str,
 ) -> Result<bool, diesel::result::Error> {
     let updated = diesel::sql_query(
         "UPDATE idempotency_keys SET completer_attempts = completer_attempts + 1, \
          completer_gave_up_at = now(), completer_next_attempt_at = NULL \
-         WHERE id = $1 AND recovery_point <> 'finished' AND completer_gave_up_at IS NULL",
+         WHERE id = $1 AND user_id = $2 AND recovery_point <> 'finished' \
+         AND completer_gave_up_at IS NULL",
     )
-    .bind::<BigInt, _>(key_id)
+    .bind::<BigInt, _>(key.id)
+    .bind::<BigInt, _>(key.user_id)
     .execute(conn)
     .await?;
     if updated == 0 {
@@ -358,9 +365,10 @@ async fn give_up_in(
         "INSERT INTO keys_needing_attention (reason, idempotency_key_id, user_id, \
          idempotency_key, recovery_point, request_params, last_error) \
          SELECT 'completer_gave_up', id, user_id, idempotency_key, recovery_point, \
-         request_params, $2 FROM idempotency_keys WHERE id = $1",
+         request_params, $3 FROM idempotency_keys WHERE id = $1 AND user_id = $2",
     )
-    .bind::<BigInt, _>(key_id)
+    .bind::<BigInt, _>(key.id)
+    .bind::<BigInt, _>(key.user_id)
     .bind::<Text, _>(error)
     .execute(conn)
     .await?;

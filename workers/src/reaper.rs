@@ -77,7 +77,8 @@ WITH doomed AS (
     WHERE recovery_point <> 'finished'
     RETURNING 1
 ), deleted AS (
-    DELETE FROM idempotency_keys k USING doomed d WHERE k.id = d.id RETURNING 1
+    DELETE FROM idempotency_keys k USING doomed d
+    WHERE k.id = d.id AND k.user_id = d.user_id RETURNING 1
 )
 SELECT (SELECT count(*) FROM deleted) AS deleted, (SELECT count(*) FROM recorded) AS recorded";
 

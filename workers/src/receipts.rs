@@ -493,8 +493,8 @@ impl ReceiptWorker {
         let ride = rides::table
             .inner_join(users::table)
             .filter(rides::id.eq(message.ride_id))
+            .filter(rides::user_id.eq(message.user_id))
             .select((
-                rides::user_id,
                 rides::amount,
                 rides::currency,
                 rides::stripe_charge_id,
@@ -503,7 +503,6 @@ impl ReceiptWorker {
             ))
             .first::<(
                 i64,
-                i64,
                 String,
                 Option<String>,
                 chrono::DateTime<chrono::Utc>,
@@ -511,18 +510,12 @@ impl ReceiptWorker {
             )>(&mut conn)
             .await
             .optional()?;
-        let Some((user_id, amount, currency, charge_id, created_at, email)) = ride else {
+        let Some((amount, currency, charge_id, created_at, email)) = ride else {
             return Ok(Err(Disposition::DeadLetter(format!(
-                "unknown ride {}",
-                message.ride_id
-            ))));
-        };
-        if user_id != message.user_id {
-            return Ok(Err(Disposition::DeadLetter(format!(
-                "ride {} does not belong to user {}",
+                "unknown ride {} of user {}",
                 message.ride_id, message.user_id
             ))));
-        }
+        };
         Ok(Ok(Receipt {
             ride_id: message.ride_id,
             to: email,

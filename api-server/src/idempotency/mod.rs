@@ -59,11 +59,13 @@ pub struct Lease {
     pub recovery_point: RecoveryPoint,
 }
 
-/// Which key a batched phase's item moves on and the token its fence checks: the part of a
-/// [`Lease`] that goes into a batch (`contract::batch_fence!`'s `$1` and `$2` arrays).
+/// Which key a batched phase's item moves on, whose it is and the token its fence checks: the
+/// part of a [`Lease`] that goes into a batch (`contract::batch_fence!`'s `$1`, `$2` and `$3`
+/// arrays).
 #[derive(Clone, Copy, Debug)]
 pub struct Fence {
     pub key_id: i64,
+    pub user_id: i64,
     pub token: Uuid,
 }
 
@@ -71,14 +73,32 @@ impl Lease {
     pub fn fence(&self) -> Fence {
         Fence {
             key_id: self.key_id,
+            user_id: self.user_id,
             token: self.token,
         }
     }
 }
 
-impl Fence {
-    /// The `$1` key ids and `$2` lock tokens of a batch statement, one element per item.
-    pub fn arrays(fences: impl Iterator<Item = Fence>) -> (Vec<i64>, Vec<Uuid>) {
-        fences.map(|fence| (fence.key_id, fence.token)).unzip()
+/// The `$1` key ids, `$2` lock tokens and `$3` user ids of a batch statement, one element per
+/// item.
+pub struct FenceArrays {
+    pub key_ids: Vec<i64>,
+    pub tokens: Vec<Uuid>,
+    pub user_ids: Vec<i64>,
+}
+
+impl FenceArrays {
+    pub fn of(fences: impl Iterator<Item = Fence>) -> Self {
+        let mut arrays = FenceArrays {
+            key_ids: Vec::new(),
+            tokens: Vec::new(),
+            user_ids: Vec::new(),
+        };
+        for fence in fences {
+            arrays.key_ids.push(fence.key_id);
+            arrays.tokens.push(fence.token);
+            arrays.user_ids.push(fence.user_id);
+        }
+        arrays
     }
 }

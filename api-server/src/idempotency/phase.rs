@@ -119,6 +119,7 @@ pub async fn finish(
         prepared::<FinishKey, _>(|q| {
             q.bind::<BigInt, _>(lease.key_id)
                 .bind::<sql_types::Uuid, _>(lease.token)
+                .bind::<BigInt, _>(lease.user_id)
                 .bind::<Integer, _>(response.code)
                 .bind::<Jsonb, _>(&response.body)
         })
@@ -137,6 +138,7 @@ pub async fn release(pool: &Pool, policy: RetryPolicy, lease: &Lease) -> Result<
         let mut conn = pool.get().await.map_err(StoreError::Unavailable)?;
         let updated = diesel::update(idempotency_keys::table)
             .filter(idempotency_keys::id.eq(lease.key_id))
+            .filter(idempotency_keys::user_id.eq(lease.user_id))
             .filter(idempotency_keys::lock_token.eq(lease.token))
             .set((
                 idempotency_keys::locked_at.eq(None::<DateTime<Utc>>),

@@ -32,7 +32,7 @@ use scoped_futures::ScopedFutureExt;
 use super::{RideParams, RideRequest, Rides};
 use crate::{
     config::Price,
-    idempotency::{self, BatchStatement, Fence, Lease},
+    idempotency::{self, BatchStatement, Fence, FenceArrays, Lease},
 };
 
 impl Rides {
@@ -47,7 +47,6 @@ impl Rides {
         let data = serde_json::to_value(params).unwrap_or_default();
         let new_ride = || NewRide {
             fence: lease.fence(),
-            user_id: lease.user_id,
             params,
             data: data.clone(),
             origin_ip,
@@ -70,13 +69,13 @@ impl Rides {
             prepared::<CreateRideRecord, _>(|q| {
                 q.bind::<BigInt, _>(lease.key_id)
                     .bind::<sql_types::Uuid, _>(lease.token)
+                    .bind::<BigInt, _>(lease.user_id)
                     .bind::<Double, _>(params.origin_lat)
                     .bind::<Double, _>(params.origin_lon)
                     .bind::<Double, _>(params.target_lat)
                     .bind::<Double, _>(params.target_lon)
                     .bind::<BigInt, _>(price.amount)
                     .bind::<Text, _>(price.currency.as_str())
-                    .bind::<BigInt, _>(lease.user_id)
                     .bind::<Jsonb, _>(data)
                     .bind::<Cidr, _>(origin_ip)
             })
@@ -99,14 +98,15 @@ impl Statement for CreateRideRecord {
         contract::fence!(),
         ", ride AS (INSERT INTO rides (idempotency_key_id, origin_lat, origin_lon, target_lat, \
          target_lon, amount, currency, user_id) \
-         SELECT fence.id, $3, $4, $5, $6, $7, $8, $9 FROM fence \
+         SELECT fence.id, $4, $5, $6, $7, $8, $9, fence.user_id FROM fence \
          RETURNING id, created_at, idempotency_key_id, origin_lat, origin_lon, target_lat, \
          target_lon, amount, currency, stripe_charge_id, user_id), \
          audit AS (INSERT INTO audit_records (action, data, origin_ip, resource_id, \
          resource_type, user_id) \
          SELECT 'ride.created', $10, $11, ride.id, 'ride', ride.user_id FROM ride) \
          UPDATE idempotency_keys SET recovery_point = 'ride_created' FROM ride \
-         WHERE idempotency_keys.id = $1 AND idempotency_keys.lock_token = $2 RETURNING ride.*"
+         WHERE idempotency_keys.id = $1 AND idempotency_keys.lock_token = $2 \
+         AND idempotency_keys.user_id = $3 RETURNING ride.*"
     );
 }
 
@@ -118,7 +118,6 @@ pub struct CreateRideRecords {
 /// One request's part of [`CreateRideRecords`].
 pub struct NewRide {
     pub fence: Fence,
-    pub user_id: i64,
     pub params: RideParams,
     /// The audit record's data.
     pub data: serde_json::Value,
@@ -141,22 +140,21 @@ impl BatchStatement for CreateRideRecords {
         items: &[NewRide],
     ) -> Result<Vec<Option<Ride>>, DieselError> {
         let column = |f: fn(&NewRide) -> f64| items.iter().map(f).collect::<Vec<f64>>();
-        let (key_ids, tokens) = Fence::arrays(items.iter().map(|item| item.fence));
+        let fences = FenceArrays::of(items.iter().map(|item| item.fence));
         let origin_lats = column(|item| item.params.origin_lat);
         let origin_lons = column(|item| item.params.origin_lon);
         let target_lats = column(|item| item.params.target_lat);
         let target_lons = column(|item| item.params.target_lon);
-        let user_ids: Vec<i64> = items.iter().map(|item| item.user_id).collect();
         let data: Vec<&serde_json::Value> = items.iter().map(|item| &item.data).collect();
         let origin_ips: Vec<IpNet> = items.iter().map(|item| item.origin_ip).collect();
         let rides = prepared::<CreateRideRecordBatch, _>(|q| {
-            q.bind::<Array<BigInt>, _>(&key_ids)
-                .bind::<Array<sql_types::Uuid>, _>(&tokens)
+            q.bind::<Array<BigInt>, _>(&fences.key_ids)
+                .bind::<Array<sql_types::Uuid>, _>(&fences.tokens)
+                .bind::<Array<BigInt>, _>(&fences.user_ids)
                 .bind::<Array<Double>, _>(&origin_lats)
                 .bind::<Array<Double>, _>(&origin_lons)
                 .bind::<Array<Double>, _>(&target_lats)
                 .bind::<Array<Double>, _>(&target_lons)
-                .bind::<Array<BigInt>, _>(&user_ids)
                 .bind::<Array<Jsonb>, _>(&data)
                 .bind::<Array<Cidr>, _>(&origin_ips)
                 .bind::<BigInt, _>(self.price.amount)
@@ -180,9 +178,8 @@ struct CreateRideRecordBatch;
 impl Statement for CreateRideRecordBatch {
     const SQL: &'static str = concat!(
         contract::batch_fence!(
-            "$3::float8[], $4::float8[], $5::float8[], $6::float8[], $7::int8[], $8::jsonb[], \
-             $9::cidr[]",
-            "origin_lat, origin_lon, target_lat, target_lon, user_id, data, origin_ip"
+            "$4::float8[], $5::float8[], $6::float8[], $7::float8[], $8::jsonb[], $9::cidr[]",
+            "origin_lat, origin_lon, target_lat, target_lon, data, origin_ip"
         ),
         ", ride AS (INSERT INTO rides (idempotency_key_id, origin_lat, origin_lon, target_lat, \
          target_lon, amount, currency, user_id) \
@@ -194,9 +191,10 @@ impl Statement for CreateRideRecordBatch {
          resource_type, user_id) \
          SELECT 'ride.created', fence.data, fence.origin_ip, ride.id, 'ride', ride.user_id \
          FROM ride JOIN fence ON fence.key_id = ride.idempotency_key_id), \
-         moved AS (UPDATE idempotency_keys SET recovery_point = 'ride_created' \
+         moved AS (UPDATE idempotency_keys SET recovery_point = 'ride_created' FROM ride \
          WHERE idempotency_keys.id = ANY(ARRAY(SELECT idempotency_key_id FROM ride)) \
-         RETURNING idempotency_keys.id) \
+         AND idempotency_keys.id = ride.idempotency_key_id \
+         AND idempotency_keys.user_id = ride.user_id RETURNING idempotency_keys.id) \
          SELECT ride.* FROM ride JOIN moved ON moved.id = ride.idempotency_key_id"
     );
 }

@@ -399,16 +399,17 @@ impl Rides {
     ) -> Result<Ride, CreateRideError> {
         match ride {
             Some(ride) => Ok(ride),
-            None => self.ride_for_key(lease.key_id).await,
+            None => self.ride_for_key(lease).await,
         }
     }
 
-    async fn ride_for_key(&self, key_id: i64) -> Result<Ride, CreateRideError> {
+    async fn ride_for_key(&self, lease: &Lease) -> Result<Ride, CreateRideError> {
         let mut conn = self.pool.get().await.map_err(|error| {
             CreateRideError::DatabaseUnavailable(StoreError::Unavailable(error))
         })?;
         rides::table
-            .filter(rides::idempotency_key_id.eq(key_id))
+            .filter(rides::idempotency_key_id.eq(lease.key_id))
+            .filter(rides::user_id.eq(lease.user_id))
             .select(Ride::as_select())
             .first(&mut conn)
             .await

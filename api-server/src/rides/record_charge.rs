@@ -25,7 +25,7 @@ use telemetry::attr;
 
 use super::{CreateRideError, RideRequest, Rides};
 use crate::{
-    idempotency::{self, BatchStatement, Fence, Lease},
+    idempotency::{self, BatchStatement, Fence, FenceArrays, Lease},
     metrics::metrics,
     payments::{ChargeError, ChargeRequest},
 };
@@ -128,6 +128,7 @@ impl Rides {
                 prepared::<RecordCharge, _>(|q| {
                     q.bind::<BigInt, _>(lease.key_id)
                         .bind::<sql_types::Uuid, _>(lease.token)
+                        .bind::<BigInt, _>(lease.user_id)
                         .bind::<Text, _>(intent_id)
                         .bind::<BigInt, _>(ride_id)
                 })
@@ -170,11 +171,12 @@ impl Statement for RecordCharge {
     const SQL: &'static str = concat!(
         "WITH ",
         contract::fence!(),
-        ", charged AS (UPDATE rides SET stripe_charge_id = $3 FROM fence \
-         WHERE rides.id = $4 AND rides.idempotency_key_id = fence.id RETURNING rides.id) \
+        ", charged AS (UPDATE rides SET stripe_charge_id = $4 FROM fence \
+         WHERE rides.id = $5 AND rides.user_id = fence.user_id \
+         AND rides.idempotency_key_id = fence.id RETURNING rides.id) \
          UPDATE idempotency_keys SET recovery_point = 'charge_created' FROM charged \
          WHERE idempotency_keys.id = $1 AND idempotency_keys.lock_token = $2 \
-         RETURNING idempotency_keys.id"
+         AND idempotency_keys.user_id = $3 RETURNING idempotency_keys.id"
     );
 }
 
@@ -202,12 +204,13 @@ impl BatchStatement for RecordCharges {
         conn: &mut AsyncPgConnection,
         items: &[ChargeMade],
     ) -> Result<Vec<Option<()>>, DieselError> {
-        let (key_ids, tokens) = Fence::arrays(items.iter().map(|item| item.fence));
+        let fences = FenceArrays::of(items.iter().map(|item| item.fence));
         let charge_ids: Vec<&str> = items.iter().map(|item| item.charge_id.as_str()).collect();
         let ride_ids: Vec<i64> = items.iter().map(|item| item.ride_id).collect();
         let moved = prepared::<RecordChargeBatch, _>(|q| {
-            q.bind::<Array<BigInt>, _>(&key_ids)
-                .bind::<Array<sql_types::Uuid>, _>(&tokens)
+            q.bind::<Array<BigInt>, _>(&fences.key_ids)
+                .bind::<Array<sql_types::Uuid>, _>(&fences.tokens)
+                .bind::<Array<BigInt>, _>(&fences.user_ids)
                 .bind::<Array<Text>, _>(&charge_ids)
                 .bind::<Array<BigInt>, _>(&ride_ids)
         })
@@ -221,13 +224,16 @@ struct RecordChargeBatch;
 
 impl Statement for RecordChargeBatch {
     const SQL: &'static str = concat!(
-        contract::batch_fence!("$3::text[], $4::int8[]", "charge_id, ride_id"),
+        contract::batch_fence!("$4::text[], $5::int8[]", "charge_id, ride_id"),
         ", charged AS (UPDATE rides SET stripe_charge_id = fence.charge_id FROM fence \
          WHERE rides.id = ANY(ARRAY(SELECT ride_id FROM fence)) \
-         AND rides.id = fence.ride_id AND rides.idempotency_key_id = fence.key_id \
-         RETURNING rides.idempotency_key_id) \
-         UPDATE idempotency_keys SET recovery_point = 'charge_created' \
+         AND rides.id = fence.ride_id AND rides.user_id = fence.user_id \
+         AND rides.idempotency_key_id = fence.key_id \
+         RETURNING rides.idempotency_key_id, rides.user_id) \
+         UPDATE idempotency_keys SET recovery_point = 'charge_created' FROM charged \
          WHERE idempotency_keys.id = ANY(ARRAY(SELECT idempotency_key_id FROM charged)) \
+         AND idempotency_keys.id = charged.idempotency_key_id \
+         AND idempotency_keys.user_id = charged.user_id \
          RETURNING idempotency_keys.id"
     );
 }

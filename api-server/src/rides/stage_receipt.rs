@@ -19,7 +19,7 @@ use schema::{
 use scoped_futures::ScopedFutureExt;
 
 use super::Rides;
-use crate::idempotency::{self, BatchStatement, Fence, Lease};
+use crate::idempotency::{self, BatchStatement, Fence, FenceArrays, Lease};
 
 impl Rides {
     /// Phase `charge_created`: the receipt job and the stored response, then finished.
@@ -47,6 +47,7 @@ impl Rides {
                 prepared::<StageReceipt, _>(|q| {
                     q.bind::<BigInt, _>(lease.key_id)
                         .bind::<sql_types::Uuid, _>(lease.token)
+                        .bind::<BigInt, _>(lease.user_id)
                         .bind::<Text, _>(ReceiptJob::JOB_NAME)
                         .bind::<Jsonb, _>(job_args)
                         .bind::<Jsonb, _>(trace_context)
@@ -74,10 +75,10 @@ impl Statement for StageReceipt {
         "WITH ",
         contract::fence!(),
         ", job AS (INSERT INTO staged_jobs (job_name, job_args, trace_context) \
-         SELECT $3, $4, $5 FROM fence RETURNING id) ",
-        contract::finish_key!("$6", "$7"),
+         SELECT $4, $5, $6 FROM fence RETURNING id) ",
+        contract::finish_key!("$7", "$8"),
         " FROM job WHERE idempotency_keys.id = $1 AND idempotency_keys.lock_token = $2 \
-         RETURNING idempotency_keys.id"
+         AND idempotency_keys.user_id = $3 RETURNING idempotency_keys.id"
     );
 }
 
@@ -107,7 +108,7 @@ impl BatchStatement for StageReceipts {
         conn: &mut AsyncPgConnection,
         items: &[ReceiptDue],
     ) -> Result<Vec<Option<()>>, DieselError> {
-        let (key_ids, tokens) = Fence::arrays(items.iter().map(|item| item.fence));
+        let fences = FenceArrays::of(items.iter().map(|item| item.fence));
         let job_args: Vec<&serde_json::Value> = items.iter().map(|item| &item.job_args).collect();
         let trace_contexts: Vec<&serde_json::Value> =
             items.iter().map(|item| &item.trace_context).collect();
@@ -115,8 +116,9 @@ impl BatchStatement for StageReceipts {
         let bodies: Vec<&serde_json::Value> =
             items.iter().map(|item| &item.response_body).collect();
         let moved = prepared::<StageReceiptBatch, _>(|q| {
-            q.bind::<Array<BigInt>, _>(&key_ids)
-                .bind::<Array<sql_types::Uuid>, _>(&tokens)
+            q.bind::<Array<BigInt>, _>(&fences.key_ids)
+                .bind::<Array<sql_types::Uuid>, _>(&fences.tokens)
+                .bind::<Array<BigInt>, _>(&fences.user_ids)
                 .bind::<Array<Jsonb>, _>(&job_args)
                 .bind::<Array<Jsonb>, _>(&trace_contexts)
                 .bind::<Array<Integer>, _>(&codes)
@@ -134,15 +136,16 @@ struct StageReceiptBatch;
 impl Statement for StageReceiptBatch {
     const SQL: &'static str = concat!(
         contract::batch_fence!(
-            "$3::jsonb[], $4::jsonb[], $5::int4[], $6::jsonb[]",
+            "$4::jsonb[], $5::jsonb[], $6::int4[], $7::jsonb[]",
             "job_args, trace_context, response_code, response_body"
         ),
         // A data-modifying CTE runs to completion whether or not anything reads it, and the
         // statement commits both writes or neither.
         ", job AS (INSERT INTO staged_jobs (job_name, job_args, trace_context) \
-         SELECT $7, job_args, trace_context FROM fence ORDER BY key_id) ",
+         SELECT $8, job_args, trace_context FROM fence ORDER BY key_id) ",
         contract::finish_key!("fence.response_code", "fence.response_body"),
         " FROM fence WHERE idempotency_keys.id = ANY(ARRAY(SELECT key_id FROM fence)) \
-         AND idempotency_keys.id = fence.key_id RETURNING idempotency_keys.id"
+         AND idempotency_keys.id = fence.key_id AND idempotency_keys.user_id = fence.user_id \
+         RETURNING idempotency_keys.id"
     );
 }

@@ -52,17 +52,24 @@ pub(crate) async fn with_key_state(
     rows: Vec<KeyNeedingAttention>,
 ) -> Result<Vec<AttentionRow>, AdminError> {
     let ids: Vec<i64> = rows.iter().map(|row| row.idempotency_key_id).collect();
-    let points: HashMap<i64, RecoveryPoint> = idempotency_keys::table
+    let user_ids: Vec<i64> = rows.iter().map(|row| row.user_id).collect();
+    let points: HashMap<(i64, i64), RecoveryPoint> = idempotency_keys::table
         .filter(idempotency_keys::id.eq_any(&ids))
-        .select((idempotency_keys::id, idempotency_keys::recovery_point))
-        .load::<(i64, RecoveryPoint)>(conn)
+        .filter(idempotency_keys::user_id.eq_any(&user_ids))
+        .select((
+            idempotency_keys::id,
+            idempotency_keys::user_id,
+            idempotency_keys::recovery_point,
+        ))
+        .load::<(i64, i64, RecoveryPoint)>(conn)
         .await?
         .into_iter()
+        .map(|(id, user_id, point)| ((id, user_id), point))
         .collect();
     Ok(rows
         .into_iter()
         .map(|row| AttentionRow {
-            key_recovery_point_now: points.get(&row.idempotency_key_id).copied(),
+            key_recovery_point_now: points.get(&(row.idempotency_key_id, row.user_id)).copied(),
             id: row.id,
             recorded_at: row.recorded_at,
             reason: row.reason,
@@ -149,6 +156,7 @@ pub async fn resolve(
             let mut report = ChangeReport::new("keys resolve", mode, id);
             let key_now: Option<RecoveryPoint> = idempotency_keys::table
                 .find(row.idempotency_key_id)
+                .filter(idempotency_keys::user_id.eq(row.user_id))
                 .select(idempotency_keys::recovery_point)
                 .first(conn)
                 .await
@@ -182,6 +190,7 @@ pub async fn resolve(
                 let resolved_at: Option<DateTime<Utc>> = diesel::update(
                     keys_needing_attention::table
                         .find(id)
+                        .filter(keys_needing_attention::user_id.eq(row.user_id))
                         .filter(keys_needing_attention::resolved_at.is_null()),
                 )
                 .set(keys_needing_attention::resolved_at.eq(diesel::dsl::now))

@@ -175,7 +175,8 @@ pub async fn show(
                     .filter(idempotency_keys::idempotency_key.eq(key.as_str())),
             };
             let found: Option<(KeyState, DateTime<Utc>)> = query.first(conn).await.optional()?;
-            let attention = attention_rows(conn, selector).await?;
+            let key_user = found.as_ref().map(|(key, _)| key.user_id);
+            let attention = attention_rows(conn, selector, key_user).await?;
             let Some((key, now)) = found else {
                 if attention.is_empty() {
                     return Err(not_found(selector));
@@ -194,7 +195,7 @@ pub async fn show(
                 .await
                 .optional()?
                 .map(|email| redact::email(&email));
-            let ride = ride_for_key(conn, key.id, false).await?;
+            let ride = ride_for_key(conn, &key, false).await?;
             let ride = match ride {
                 Some(ride) => Some(ride_details(conn, ride).await?),
                 None => None,
@@ -277,9 +278,12 @@ fn key_details(
     }
 }
 
+/// The attention rows about the selected key; `key_user` is the key's user when the key still
+/// exists (a reaped key's rows are found by its id alone).
 async fn attention_rows(
     conn: &mut AsyncPgConnection,
     selector: &KeySelector,
+    key_user: Option<i64>,
 ) -> Result<Vec<AttentionRow>, AdminError> {
     let query = keys_needing_attention::table
         .select(KeyNeedingAttention::as_select())
@@ -289,7 +293,12 @@ async fn attention_rows(
         ))
         .into_boxed();
     let query = match selector {
-        KeySelector::Id(id) => query.filter(keys_needing_attention::idempotency_key_id.eq(*id)),
+        KeySelector::Id(id) => match key_user {
+            Some(user_id) => query
+                .filter(keys_needing_attention::idempotency_key_id.eq(*id))
+                .filter(keys_needing_attention::user_id.eq(user_id)),
+            None => query.filter(keys_needing_attention::idempotency_key_id.eq(*id)),
+        },
         KeySelector::UserKey { user_id, key } => query
             .filter(keys_needing_attention::user_id.eq(*user_id))
             .filter(keys_needing_attention::idempotency_key.eq(key.as_str())),
@@ -300,11 +309,12 @@ async fn attention_rows(
 
 async fn ride_for_key(
     conn: &mut AsyncPgConnection,
-    key_id: i64,
+    key: &KeyState,
     lock: bool,
 ) -> Result<Option<Ride>, AdminError> {
     let query = rides::table
-        .filter(rides::idempotency_key_id.eq(key_id))
+        .filter(rides::idempotency_key_id.eq(key.id))
+        .filter(rides::user_id.eq(key.user_id))
         .select(Ride::as_select());
     let ride = if lock {
         query.for_update().first(conn).await.optional()?
@@ -487,6 +497,7 @@ pub async fn unlock(
             }
             if mode.applies() {
                 let updated = diesel::update(idempotency_keys::table.find(key_id))
+                    .filter(idempotency_keys::user_id.eq(key.user_id))
                     .filter(idempotency_keys::recovery_point.ne(RecoveryPoint::Finished))
                     .filter(idempotency_keys::locked_at.is_not_null())
                     .set((
@@ -587,7 +598,7 @@ pub async fn finish(
             if let Some(warning) = check_lock(&key, now, settings, request.force, "finish it")? {
                 report.warnings.push(warning);
             }
-            let ride = ride_for_key(conn, key_id, mode.applies()).await?;
+            let ride = ride_for_key(conn, &key, mode.applies()).await?;
             let outcome = match request.outcome {
                 FinishOutcome::Declined => plan_declined(&key, ride.as_ref(), request)?,
                 FinishOutcome::Succeeded => {
@@ -619,6 +630,7 @@ pub async fn finish(
             lock_changes(&mut report, &key);
             let open: Vec<i64> = keys_needing_attention::table
                 .filter(keys_needing_attention::idempotency_key_id.eq(key_id))
+                .filter(keys_needing_attention::user_id.eq(key.user_id))
                 .filter(keys_needing_attention::resolved_at.is_null())
                 .order(keys_needing_attention::id)
                 .select(keys_needing_attention::id)
@@ -638,11 +650,12 @@ pub async fn finish(
                 render::outcome(&outcome)
             ));
             if mode.applies() {
-                finish_as_the_api_server_does(conn, key_id, &stored).await?;
+                finish_as_the_api_server_does(conn, &key, &stored).await?;
                 if !open.is_empty() {
                     diesel::update(
                         keys_needing_attention::table
                             .filter(keys_needing_attention::id.eq_any(&open))
+                            .filter(keys_needing_attention::user_id.eq(key.user_id))
                             .filter(keys_needing_attention::resolved_at.is_null()),
                     )
                     .set(keys_needing_attention::resolved_at.eq(diesel::dsl::now))
@@ -729,6 +742,7 @@ async fn plan_succeeded(
             ));
             if mode.applies() {
                 let updated = diesel::update(rides::table.find(ride.id))
+                    .filter(rides::user_id.eq(ride.user_id))
                     .filter(rides::stripe_charge_id.is_null())
                     .set(rides::stripe_charge_id.eq(&given))
                     .execute(conn)
@@ -805,11 +819,13 @@ async fn plan_succeeded(
 /// a declined charge is finished with.
 async fn finish_as_the_api_server_does(
     conn: &mut AsyncPgConnection,
-    key_id: i64,
+    key: &KeyState,
     stored: &StoredResponse,
 ) -> Result<(), AdminError> {
+    let key_id = key.id;
     let token = Uuid::new_v4();
     let taken_over = diesel::update(idempotency_keys::table.find(key_id))
+        .filter(idempotency_keys::user_id.eq(key.user_id))
         .filter(idempotency_keys::recovery_point.ne(RecoveryPoint::Finished))
         .set((
             idempotency_keys::locked_at.eq(diesel::dsl::now),
@@ -821,6 +837,7 @@ async fn finish_as_the_api_server_does(
     let finished = prepared::<FinishKey, _>(|q| {
         q.bind::<BigInt, _>(key_id)
             .bind::<sql_types::Uuid, _>(token)
+            .bind::<BigInt, _>(key.user_id)
             .bind::<Integer, _>(stored.code)
             .bind::<Jsonb, _>(&stored.body)
     })

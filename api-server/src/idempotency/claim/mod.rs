@@ -466,6 +466,7 @@ async fn lock_existing(
         Decision::InUse
     } else {
         diesel::update(idempotency_keys::table.find(row.id))
+            .filter(idempotency_keys::user_id.eq(user_id))
             .set((
                 idempotency_keys::locked_at.eq(diesel::dsl::now),
                 idempotency_keys::lock_token.eq(token),
