@@ -5,7 +5,7 @@
 # runs the pgbench ceiling and the load generator per scenario, prints the table and writes it to
 # a file, then kills its processes, drops its database and deletes its RabbitMQ queues.
 #
-#   bench/run.sh [all | new | replay | latency | receipts | enqueuer | new-1 | new-8 | new-32 | new-64 ...]
+#   bench/run.sh [all | new | replay | latency | receipts | enqueuer | batched-ceiling | new-1 | new-8 | new-32 | new-64 ...]
 #
 # Environment: DURATION (s per loadgen run, default 15), PG_DURATION (s per pgbench run, default
 # 15), ENQUEUER_JOBS (default 100000), RECEIPT_JOBS (receipts mailed in the receipts scenario,
@@ -19,11 +19,14 @@
 # ceiling, service, ceiling, ... and is judged on the median of its n ratios, each to the mean of
 # the ceilings either side: a single pgbench window on a shared machine moves a ratio by ±0.15),
 # WARMUP_SECS (unrecorded pgbench load on the fresh database before any measured window,
-# default 10; 0 skips it).
+# default 10; 0 skips it), BATCHED_GRID (the batched ceiling's pgbench runs, clients x rides per
+# statement, default "2x16 2x32 2x64 4x16 4x32 4x64", empty skips it; run with any new-* or
+# latency scenario, or alone as the scenario batched-ceiling).
 # API_SERVER_BIN (the api-server binary to measure, default target/release/api-server: for A/B
 # runs of another build), ENQUEUER_BIN (the workers binary the enqueuer scenario drains with,
 # default target/release/workers; an older build works against the newer schema, so the same
-# database serves both sides). Traffic goes to 127.0.0.1 only.
+# database serves both sides), LOADGEN_BIN (the load generator, default target/release/loadgen:
+# for A/B runs of the client side). Traffic goes to 127.0.0.1 only.
 set -euo pipefail
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO_ROOT"
@@ -35,6 +38,7 @@ ENQUEUER_JOBS=${ENQUEUER_JOBS:-100000}
 RECEIPT_JOBS=${RECEIPT_JOBS:-5000}
 RUNTIME_THREADS=${RUNTIME_THREADS:-1}
 ROUNDS=${ROUNDS:-1}
+BATCHED_GRID=${BATCHED_GRID-2x16 2x32 2x64 4x16 4x32 4x64}
 WARMUP_SECS=${WARMUP_SECS:-10}
 PG_URL=${PG_URL:-postgres://postgres@127.0.0.1:5432}
 export AMQP_URL=${AMQP_URL:-amqp://guest:guest@127.0.0.1:5672/%2f}
@@ -98,6 +102,7 @@ BIN="$REPO_ROOT/target/release"
 # A/B comparisons: another build's api-server against the same stack and database.
 API_SERVER_BIN=${API_SERVER_BIN:-$BIN/api-server}
 ENQUEUER_BIN=${ENQUEUER_BIN:-$BIN/workers}
+LOADGEN_BIN=${LOADGEN_BIN:-$BIN/loadgen}
 
 cleanup() {
   trap - INT TERM EXIT
@@ -137,13 +142,16 @@ start_stack() { # provider latency ms, pool size
 
 log "scratch database $DB"
 "$BIN/api-server" migrate >"$OUT/logs/migrate.log" 2>&1
-USER_BASE=$(psql_db -At -v users=100 -v keys_per_user=50 -f bench/pgbench/setup.sql | tail -n1)
+PG_USERS=100
+USER_BASE=$(psql_db -At -v users=$PG_USERS -v keys_per_user=50 -f bench/pgbench/setup.sql | tail -n1)
 [ -n "$USER_BASE" ] || die "pgbench fixtures failed"
-run_pgbench() { # script clients seconds log
+run_pgbench() { # script clients seconds log [pgbench options...]
+  local script=$1 clients=$2 seconds=$3 logf=$4
+  shift 4
   # The same plan cache mode as the api-server's pool (schema::PlanCache::Generic).
-  PGOPTIONS="-c plan_cache_mode=force_generic_plan" timeout $(($3 + 120)) pgbench -n -M prepared -c "$2" -j 2 -T "$3" \
-    -f "$1" -D user_base="$USER_BASE" -D keys_per_user=50 "$DATABASE_URL" >"$4" 2>&1 ||
-    { cat "$4" >&2; die "pgbench $1 failed"; }
+  PGOPTIONS="-c plan_cache_mode=force_generic_plan" timeout $((seconds + 120)) pgbench -n -M prepared -c "$clients" -j 2 \
+    -T "$seconds" -f "$script" -D user_base="$USER_BASE" -D users=$PG_USERS -D keys_per_user=50 "$@" "$DATABASE_URL" \
+    >"$logf" 2>&1 || { cat "$logf" >&2; die "pgbench $script failed"; }
 }
 
 # The first pgbench window on a fresh database ran 20-35 % below the later ones (runs 10 and 11:
@@ -163,12 +171,37 @@ pgbench_ceiling() { # scenario script clients
   log "pgbench $scenario $(basename "$script") c=$clients: $(grep '^tps' "$logf") (load $load)"
 }
 
+# The batched ceiling (docs/performance.md): create_ride_batched.sql, each phase written for B
+# rides in one statement as the batching api-server writes it, over BATCHED_GRID (clients x B);
+# the table divides every scenario of fresh keys by its best rides/s. Run whenever such a scenario
+# is, so that both ceilings come from the same run.
+batched_ceiling() {
+  local cell clients batch logf load
+  for cell in $BATCHED_GRID; do
+    clients=${cell%x*} batch=${cell#*x}
+    logf="$OUT/logs/pgbench-batched-ceiling-c$clients-b$batch.log"
+    load=$(la)
+    run_pgbench bench/pgbench/create_ride_batched.sql "$clients" "$PG_DURATION" "$logf" -D batch="$batch"
+    load="$load -> $(la)"
+    "$BIN/bench-report" pgbench batched-ceiling create_ride_batched.sql "$clients" "$logf" "$load" "$batch" >>"$RESULTS"
+    log "pgbench batched ceiling c=$clients B=$batch: $(grep '^tps' "$logf") x $batch rides (load $load)"
+  done
+}
+fresh_keys_wanted() {
+  local clients
+  for clients in 1 8 32 64; do wants "new-$clients" && return 0; done
+  wants latency250-500
+}
+if wants batched-ceiling || fresh_keys_wanted; then
+  batched_ceiling
+fi
+
 loadgen() { # scenario args...
   local scenario=$1; shift
   log "loadgen $scenario $* (load $(la))"
   local cpu=()
   [ -z "${PIDS[fake-stripe]:-}" ] || cpu+=(--cpu-pid "fake-stripe=${PIDS[fake-stripe]}")
-  TOKIO_WORKER_THREADS=$RUNTIME_THREADS "$BIN/loadgen" --target "http://$GRPC_ADDR" --stripe-base "http://$STRIPE_ADDR" \
+  TOKIO_WORKER_THREADS=$RUNTIME_THREADS "$LOADGEN_BIN" --target "http://$GRPC_ADDR" --stripe-base "http://$STRIPE_ADDR" \
     --database-url "$DATABASE_URL" --scenario "$scenario" --provider-latency-ms "$STACK_LATENCY" \
     --server-pid "${PIDS[api-server]}" "${cpu[@]}" --json-out "$RESULTS" "$@" \
     2>&1 | tee "$OUT/logs/loadgen-$scenario.log" || log "loadgen $scenario: check FAILED or run failed"
