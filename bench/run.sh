@@ -14,8 +14,8 @@
 # the api-server and of loadgen, default 1: on 2 cores shared with PostgreSQL a second thread
 # per process mostly adds wake-ups and steals), BENCH_SMTP_ADDR (the mail sink, default
 # 127.0.0.1:2625), BENCH_OUT (output directory, default
-# target/bench/<run id>), PERF=1 (profile the api-server during new-32, replay-32 and latency250-500 with perf,
-# cpu-clock), ROUNDS (service windows per scenario, default 1; with n > 1 each scenario runs
+# target/bench/<run id>), PERF=1 (profile the api-server during new-32, new-64, replay-32 and
+# latency250-500 with perf, cpu-clock), ROUNDS (service windows per scenario, default 1; with n > 1 each scenario runs
 # ceiling, service, ceiling, ... and is judged on the median of its n ratios, each to the mean of
 # the ceilings either side: a single pgbench window on a shared machine moves a ratio by ±0.15),
 # WARMUP_SECS (unrecorded pgbench load on the fresh database before any measured window,
@@ -54,6 +54,9 @@ STRIPE_ADDR=127.0.0.1:12211
 SMTP_ADDR=${BENCH_SMTP_ADDR:-127.0.0.1:2625}
 export AMQP_TOPOLOGY_PREFIX="bench-$RUN_ID"
 export METRICS_LISTEN_ADDR=off
+# The api-server's own metrics endpoint, read by loadgen at each end of a measured window for the
+# batch fill per statement (the workers keep theirs off).
+API_METRICS_ADDR=127.0.0.1:25153
 export RUST_LOG=${RUST_LOG:-warn}
 export STRIPE_SECRET_KEY=sk_test_rocket_rides_development
 export STRIPE_API_BASE="http://$STRIPE_ADDR"
@@ -135,7 +138,8 @@ start_stack() { # provider latency ms, pool size
   stop api-server; stop fake-stripe
   TOKIO_WORKER_THREADS=$RUNTIME_THREADS start fake-stripe "$BIN/fake-stripe" --listen "$STRIPE_ADDR" --latency-ms "$1"
   wait_for_port "$STRIPE_ADDR" fake-stripe
-  DATABASE_POOL_SIZE=$2 TOKIO_WORKER_THREADS=$RUNTIME_THREADS start api-server "$API_SERVER_BIN" serve
+  METRICS_LISTEN_ADDR=$API_METRICS_ADDR DATABASE_POOL_SIZE=$2 TOKIO_WORKER_THREADS=$RUNTIME_THREADS \
+    start api-server "$API_SERVER_BIN" serve
   wait_for_port "$GRPC_ADDR" api-server
   STACK_LATENCY=$1
 }
@@ -201,6 +205,8 @@ loadgen() { # scenario args...
   log "loadgen $scenario $* (load $(la))"
   local cpu=()
   [ -z "${PIDS[fake-stripe]:-}" ] || cpu+=(--cpu-pid "fake-stripe=${PIDS[fake-stripe]}")
+  # An older LOADGEN_BIN (A/B) may predate --metrics-url.
+  ! "$LOADGEN_BIN" --help | grep -q -- --metrics-url || cpu+=(--metrics-url "http://$API_METRICS_ADDR/metrics")
   TOKIO_WORKER_THREADS=$RUNTIME_THREADS "$LOADGEN_BIN" --target "http://$GRPC_ADDR" --stripe-base "http://$STRIPE_ADDR" \
     --database-url "$DATABASE_URL" --scenario "$scenario" --provider-latency-ms "$STACK_LATENCY" \
     --server-pid "${PIDS[api-server]}" "${cpu[@]}" --json-out "$RESULTS" "$@" \
@@ -217,7 +223,7 @@ fi
 perf_pid=
 perf_start() { # scenario
   perf_pid=
-  case "$1" in new-32 | replay-32 | latency250-500) ;; *) return 0 ;; esac
+  case "$1" in new-32 | new-64 | replay-32 | latency250-500) ;; *) return 0 ;; esac
   [ "${PERF:-0}" = 1 ] && command -v perf >/dev/null || return 0
   (sleep 2; timeout $((DURATION + 30)) perf record -q -e cpu-clock -F 499 -g -p "${PIDS[api-server]}" \
     -o "$OUT/perf-api-server-$1.data" -- sleep $((DURATION - 2)) >/dev/null 2>&1) &

@@ -15,6 +15,7 @@ pub mod latency;
 pub mod procfs;
 pub mod ratio;
 pub mod report;
+pub mod server_counters;
 
 /// Parses the transactions per second from pgbench's output: the line
 /// `tps = 1234.567890 (without initial connection time)` (PostgreSQL 14+), or the

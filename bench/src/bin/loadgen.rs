@@ -13,7 +13,9 @@
 //! expect `RESOURCE_EXHAUSTED` answers.
 //!
 //! While the load runs it samples the scratch database's `pg_stat_activity` (what the server's
-//! connections wait on), the api-server's VmRSS, and the CPU time of the processes involved. At
+//! connections wait on), the api-server's VmRSS, and the CPU time of the processes involved; over
+//! the measured window it counts the database's commits and, with `--metrics-url`, how full the
+//! api-server's batched statements ran (`bench::server_counters`). At
 //! the end it checks the database (rides, charged rides, finished keys, staged jobs) and the
 //! provider's ledger (`GET /v1/payment_intents?customer=…`) against the number of keys that
 //! succeeded, and prints PASS or FAIL. Users are created through `api_server::auth::create_user`
@@ -33,6 +35,7 @@ use anyhow::{Context, bail};
 use bench::{
     latency::Latencies,
     procfs::{cpu_ticks, load_average, machine_ticks, pids_named, vm_rss_kb},
+    server_counters::{self, BatchTotals},
 };
 use clap::Parser;
 use diesel::{
@@ -114,6 +117,10 @@ struct Args {
     /// More processes whose CPU time is measured, as NAME=PID (e.g. fake-stripe=1234).
     #[arg(long)]
     cpu_pid: Vec<String>,
+    /// The api-server's Prometheus endpoint (`http://…/metrics`): its batch-size histogram is
+    /// read at the start and the end of the measured window for the batch fill per statement.
+    #[arg(long)]
+    metrics_url: Option<String>,
     /// Append the JSON summary as one line to this file.
     #[arg(long)]
     json_out: Option<PathBuf>,
@@ -306,9 +313,11 @@ async fn main() -> anyhow::Result<()> {
     // warm-up, so a list taken before it missed most of them.
     let cpu_start = tokio::spawn({
         let url = args.database_url.clone();
+        let metrics_url = args.metrics_url.clone();
         let mut cpu_groups = cpu_groups;
         async move {
             tokio::time::sleep_until(measure_from.into()).await;
+            let counters = ServerCounters::read(&url, metrics_url.as_deref()).await;
             let backends = database_backends(&url).await.unwrap_or_default();
             cpu_groups.push(("postgres (this db's backends)".to_owned(), backends));
             cpu_groups.push((
@@ -316,7 +325,7 @@ async fn main() -> anyhow::Result<()> {
                 pids_named("postgres"),
             ));
             let cpu_before: Vec<u64> = cpu_groups.iter().map(|(_, pids)| cpu_ticks(pids)).collect();
-            (cpu_groups, cpu_before, machine_ticks())
+            (cpu_groups, cpu_before, machine_ticks(), counters)
         }
     });
     let mut seeded = seeded.into_iter();
@@ -376,9 +385,11 @@ async fn main() -> anyhow::Result<()> {
     }
     let elapsed = Instant::now().saturating_duration_since(measure_from.min(Instant::now()));
     stop.store(true, Ordering::SeqCst);
-    let (cpu_groups, cpu_before, machine_before) = cpu_start.await?;
+    let (cpu_groups, cpu_before, machine_before, counters_before) = cpu_start.await?;
     let cpu_after: Vec<u64> = cpu_groups.iter().map(|(_, pids)| cpu_ticks(pids)).collect();
     let machine_after = machine_ticks();
+    let counters_after =
+        ServerCounters::read(&args.database_url, args.metrics_url.as_deref()).await;
     let wait_samples = waits.await?.unwrap_or_else(|error| {
         eprintln!("wait-event sampling failed: {error:#}");
         (0, BTreeMap::new())
@@ -410,6 +421,18 @@ async fn main() -> anyhow::Result<()> {
         }
         _ => None,
     };
+    // Per request of the window: CPU in each process group, and the database's commits.
+    let per_request =
+        |value: f64| (total.measured_done > 0).then(|| value * secs / total.measured_done as f64);
+    let cpu_ms_per_request: BTreeMap<String, f64> = cpu
+        .iter()
+        .filter_map(|(name, cores)| Some((name.clone(), per_request(cores * 1000.0)?)))
+        .collect();
+    let commits_per_request = match (counters_before.commits, counters_after.commits) {
+        (Some(before), Some(after)) => per_request((after - before) as f64 / secs),
+        _ => None,
+    };
+    let batch_fill = server_counters::batch_fill(&counters_before.batches, &counters_after.batches);
     let (samples, waits) = wait_samples;
     let waits_avg: BTreeMap<String, f64> = waits
         .iter()
@@ -445,10 +468,22 @@ async fn main() -> anyhow::Result<()> {
     );
     println!("CPU (cores busy on average over the run; 2 cores total):");
     for (name, cores) in &cpu {
-        println!("  {name:<32} {cores:.2}");
+        let per = cpu_ms_per_request
+            .get(name)
+            .map_or_else(String::new, |ms| format!("  ({ms:.3} ms per request)"));
+        println!("  {name:<32} {cores:.2}{per}");
     }
     if let Some(busy) = machine_busy {
         println!("  machine total busy fraction     {busy:.2}");
+    }
+    if let Some(commits) = commits_per_request {
+        println!("database commits per request (pg_stat_database, this database): {commits:.2}");
+    }
+    if !batch_fill.is_empty() {
+        println!("batch fill (requests per batched statement, mean over the window):");
+        for (statement, fill) in &batch_fill {
+            println!("  {statement:<32} {fill:.2}");
+        }
     }
     println!(
         "pg_stat_activity of this database, non-idle backends per sample ({samples} samples):"
@@ -496,6 +531,9 @@ async fn main() -> anyhow::Result<()> {
         "check_pass": check_pass,
         "check": check.map(|c| c.1),
         "cpu_cores": cpu,
+        "cpu_ms_per_request": cpu_ms_per_request,
+        "commits_per_request": commits_per_request,
+        "batch_fill": batch_fill,
         "machine_busy": machine_busy,
         "pg_waits_avg_backends": waits_avg,
         "server_rss_peak_kb": rss.map(|r| r.0),
@@ -628,6 +666,63 @@ struct WaitRow {
     what: String,
     #[diesel(sql_type = BigInt)]
     n: i64,
+}
+
+/// The server-side counters read at each end of the measured window.
+struct ServerCounters {
+    /// `pg_stat_database.xact_commit` of the database (its statistics lag by up to a second,
+    /// a few percent of a 15 s window).
+    commits: Option<i64>,
+    batches: BTreeMap<String, BatchTotals>,
+}
+
+impl ServerCounters {
+    async fn read(database_url: &str, metrics_url: Option<&str>) -> Self {
+        let commits = match database_commits(database_url).await {
+            Ok(commits) => Some(commits),
+            Err(error) => {
+                eprintln!("reading pg_stat_database failed: {error:#}");
+                None
+            }
+        };
+        let batches = match metrics_url {
+            Some(url) => match scrape(url).await {
+                Ok(text) => server_counters::batch_totals(&text),
+                Err(error) => {
+                    eprintln!("reading {url} failed: {error:#}");
+                    BTreeMap::new()
+                }
+            },
+            None => BTreeMap::new(),
+        };
+        ServerCounters { commits, batches }
+    }
+}
+
+#[derive(QueryableByName)]
+struct CommitsRow {
+    #[diesel(sql_type = BigInt)]
+    commits: i64,
+}
+
+async fn database_commits(url: &str) -> anyhow::Result<i64> {
+    let mut conn = schema::connect(url).await?;
+    let row: CommitsRow = diesel::sql_query(
+        "SELECT xact_commit AS commits FROM pg_stat_database WHERE datname = current_database()",
+    )
+    .get_result(&mut conn)
+    .await?;
+    Ok(row.commits)
+}
+
+async fn scrape(url: &str) -> anyhow::Result<String> {
+    let response = reqwest::Client::new()
+        .get(url)
+        .timeout(Duration::from_secs(5))
+        .send()
+        .await?
+        .error_for_status()?;
+    Ok(response.text().await?)
 }
 
 #[derive(QueryableByName)]
