@@ -50,6 +50,10 @@ pub async fn serve(
 ) -> Result<(), ServeError> {
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_serving::<RideServiceServer<RideApi>>().await;
+    // Set once and never changed: see LIVENESS_SERVICE.
+    health
+        .set_service_status(LIVENESS_SERVICE, ServingStatus::Serving)
+        .await;
     let reflection = || {
         tonic_reflection::server::Builder::configure()
             .register_encoded_file_descriptor_set(proto::FILE_DESCRIPTOR_SET)
@@ -153,6 +157,14 @@ fn ignore_hangup() -> tokio::task::JoinHandle<()> {
     })
 }
 
+/// The health service name a liveness probe asks for. It answers SERVING for as long as the
+/// process answers gRPC at all, whatever the database does: `""` and `rides.v1.RideService` follow
+/// the database, and a liveness probe on them would restart every api-server during a database
+/// failover, each restart then backing off past the outage's end.
+pub const LIVENESS_SERVICE: &str = "liveness";
+
+/// Sets what readiness and load balancers read (`""` and the ride service); never the liveness
+/// service.
 async fn set_health(health: &tonic_health::server::HealthReporter, status: ServingStatus) {
     health
         .set_service_status("rides.v1.RideService", status)

@@ -14,9 +14,13 @@ use tonic_health::pb::{
 };
 
 async fn health(channel: tonic::transport::Channel) -> ServingStatus {
+    health_of(channel, "rides.v1.RideService").await
+}
+
+async fn health_of(channel: tonic::transport::Channel, service: &str) -> ServingStatus {
     let status = HealthClient::new(channel)
         .check(HealthCheckRequest {
-            service: "rides.v1.RideService".into(),
+            service: service.into(),
         })
         .await
         .unwrap()
@@ -58,6 +62,15 @@ async fn health_is_not_serving_while_the_database_is_unreachable() {
     assert_eq!(
         wait_for_health(&channel, ServingStatus::NotServing).await,
         ServingStatus::NotServing
+    );
+    assert_eq!(
+        health_of(channel.clone(), "").await,
+        ServingStatus::NotServing
+    );
+    // The process itself is fine: a liveness probe must not restart it for the database's sake.
+    assert_eq!(
+        health_of(channel.clone(), api_server::server::LIVENESS_SERVICE).await,
+        ServingStatus::Serving
     );
     // And a call says why, with a hint to retry. (A token of the right shape: any other is
     // refused without the database.)
