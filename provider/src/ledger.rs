@@ -115,6 +115,10 @@ pub struct Refund {
     pub currency: String,
     pub payment_intent: String,
     pub status: String,
+    /// What the refunder attached (ours carry `finding_id`): how a refund is told apart from one
+    /// someone else made of the same charge.
+    #[serde(default)]
+    pub metadata: BTreeMap<String, String>,
 }
 
 #[derive(Deserialize)]
@@ -149,9 +153,11 @@ impl StripeClient {
             }
             let page: Page<ListedIntent> = self.get_json("/v1/payment_intents", &query).await?;
             pages += 1;
+            // An empty page with has_more would ask for the same page forever; Stripe never
+            // sends one.
+            let last_page = !page.has_more || page.data.is_empty();
             intents.extend(page.data);
-            // An empty page with has_more would loop forever; Stripe never sends one.
-            if !page.has_more || intents.is_empty() {
+            if last_page {
                 tracing::Span::current().record("pages", pages);
                 return Ok(intents);
             }
@@ -203,16 +209,27 @@ impl StripeClient {
         read_json(response).await
     }
 
-    /// The refunds of a PaymentIntent, newest first (its first page of 100: more refunds than
-    /// that of one charge is not something this service makes).
+    /// Every refund of a PaymentIntent, newest first, page by page.
     #[tracing::instrument(name = "stripe.list_refunds", skip_all, fields(otel.kind = "client"))]
     pub async fn list_refunds(&self, payment_intent: &str) -> Result<Vec<Refund>, ProviderError> {
-        let query = [
-            ("limit", PAGE_LIMIT.to_string()),
-            ("payment_intent", payment_intent.to_owned()),
-        ];
-        let page: Page<Refund> = self.get_json("/v1/refunds", &query).await?;
-        Ok(page.data)
+        let mut refunds: Vec<Refund> = Vec::new();
+        loop {
+            let mut query = vec![
+                ("limit", PAGE_LIMIT.to_string()),
+                ("payment_intent", payment_intent.to_owned()),
+            ];
+            if let Some(last) = refunds.last() {
+                query.push(("starting_after", last.id.clone()));
+            }
+            let page: Page<Refund> = self.get_json("/v1/refunds", &query).await?;
+            // An empty page with has_more would ask for the same page forever; Stripe never
+            // sends one.
+            let last_page = !page.has_more || page.data.is_empty();
+            refunds.extend(page.data);
+            if last_page {
+                return Ok(refunds);
+            }
+        }
     }
 
     async fn get_json<T: serde::de::DeserializeOwned>(

@@ -120,3 +120,35 @@ async fn a_refund_is_made_once_per_key_and_a_second_one_is_refused_as_already_re
     assert_eq!(refused.code(), Some("charge_already_refunded"), "{refused}");
     assert_eq!(fs.refunds().len(), 1);
 }
+
+#[tokio::test]
+async fn every_refund_of_a_payment_intent_is_listed_across_pages_with_its_metadata() {
+    let fs = FakeStripe::spawn(Config::default()).await.unwrap();
+    let stripe = client(&fs);
+    let id = charge(&fs, 1).await;
+    // 130 partial refunds of 1 cent (two pages of 100), each naming its number.
+    for n in 0..130 {
+        let response = reqwest::Client::new()
+            .post(format!("{}/v1/refunds", fs.base_url()))
+            .bearer_auth(KEY)
+            .header("Idempotency-Key", format!("partial-{n}"))
+            .form(&[
+                ("payment_intent", id.clone()),
+                ("amount", "1".to_owned()),
+                ("metadata[n]", n.to_string()),
+            ])
+            .send()
+            .await
+            .unwrap();
+        assert!(response.status().is_success());
+    }
+
+    let refunds = stripe.list_refunds(&id).await.unwrap();
+    assert_eq!(refunds.len(), 130);
+    let mut numbers: Vec<u32> = refunds
+        .iter()
+        .map(|refund| refund.metadata["n"].parse().unwrap())
+        .collect();
+    numbers.sort_unstable();
+    assert_eq!(numbers, (0..130).collect::<Vec<_>>(), "each refund once");
+}

@@ -7,8 +7,9 @@
 //! concurrent run or a retry after a lost answer gets the first refund back from the provider. The
 //! finding row is locked for the whole call, so two refunders of one finding take turns, and the
 //! second finds it resolved. Should the provider have forgotten the key (24 hours at Stripe), a
-//! second refund would be refused as `charge_already_refunded`; the refund already made is then
-//! looked up and recorded instead.
+//! second refund would be refused as `charge_already_refunded`; the refund already made (the one
+//! whose metadata names this finding) is then looked up and recorded instead. A charge refunded by
+//! anyone else stays an open finding with the provider's refusal, for a person to resolve.
 //!
 //! Before refunding, the preconditions are re-checked under row locks: the ride (if any) still
 //! does not record the charge, and its key is not live (a key an operator handed back to the
@@ -201,10 +202,16 @@ async fn make_refund(
     match stripe.refund(&request).await {
         Ok(refund) => Ok(refund),
         Err(error) if error.code() == Some("charge_already_refunded") => {
-            // Our key expired at the provider after an earlier refund whose recording was lost.
+            // Our key expired at the provider after an earlier refund whose recording was lost,
+            // or someone else refunded the charge: only a refund carrying this finding's id is
+            // ours to record; anyone else's leaves the finding open for a person to resolve.
+            let finding_id = finding.id.to_string();
             let refunds = stripe.list_refunds(&finding.payment_intent_id).await?;
-            let ours = refunds.iter().find(|refund| refund.status == "succeeded");
-            ours.cloned().ok_or(AdminError::Provider(error))
+            let ours = refunds.into_iter().find(|refund| {
+                refund.status == "succeeded"
+                    && refund.metadata.get("finding_id") == Some(&finding_id)
+            });
+            ours.ok_or(AdminError::Provider(error))
         }
         Err(error) => Err(AdminError::Provider(error)),
     }

@@ -358,6 +358,91 @@ async fn a_refund_is_made_once_however_often_the_reconciler_runs_and_never_by_de
     );
 }
 
+/// A full refund of `payment_intent` made straight at the provider under `idempotency_key`.
+async fn refund_directly(
+    app: &TestApp,
+    payment_intent: &str,
+    idempotency_key: &str,
+    extra: &[(&str, &str)],
+) {
+    let mut form = vec![("payment_intent", payment_intent)];
+    form.extend_from_slice(extra);
+    let response = reqwest::Client::new()
+        .post(format!("{}/v1/refunds", app.stripe.base_url()))
+        .bearer_auth("sk_test_harness")
+        .header("Idempotency-Key", idempotency_key)
+        .form(&form)
+        .send()
+        .await
+        .unwrap();
+    assert!(
+        response.status().is_success(),
+        "{}",
+        response.text().await.unwrap()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_already_refunded_charge_is_recorded_only_if_the_refund_names_the_finding() {
+    let app = TestApp::spawn().await;
+    let ours = charge_directly(&app, &[("metadata[ride_id]", "515151")]).await;
+    let theirs = charge_directly(&app, &[("metadata[ride_id]", "525252")]).await;
+    pass(&app, false).await;
+    let found = findings_of(&app).await;
+    assert_eq!(found.len(), 2);
+    let finding_of = |intent: &Value| {
+        found
+            .iter()
+            .find(|finding| finding.payment_intent_id == intent["id"].as_str().unwrap())
+            .unwrap()
+            .clone()
+    };
+    let (our_finding, their_finding) = (finding_of(&ours), finding_of(&theirs));
+    // Our earlier refund, whose recording was lost and whose key the provider has since forgotten
+    // (another key stands for the forgotten one), and a refund someone else made by hand.
+    let our_id = our_finding.id.to_string();
+    refund_directly(
+        &app,
+        &our_finding.payment_intent_id,
+        "a-key-the-provider-forgot",
+        &[("metadata[finding_id]", &our_id)],
+    )
+    .await;
+    refund_directly(
+        &app,
+        &their_finding.payment_intent_id,
+        "dashboard-refund",
+        &[],
+    )
+    .await;
+
+    let stripe = provider::StripeClient::new(&config(&app).stripe).unwrap();
+    refund_finding(&app.pool, &stripe, our_finding.id, Mode::Apply)
+        .await
+        .unwrap();
+    let refused = refund_finding(&app.pool, &stripe, their_finding.id, Mode::Apply).await;
+    assert!(
+        matches!(&refused, Err(AdminError::Provider(error)) if error.code() == Some("charge_already_refunded")),
+        "{refused:?}"
+    );
+
+    assert_eq!(app.stripe.refunds().len(), 2, "no refund was made twice");
+    let after = findings_of(&app).await;
+    let ours_after = after.iter().find(|f| f.id == our_finding.id).unwrap();
+    let refund_id = &app
+        .stripe
+        .refunds()
+        .into_iter()
+        .find(|refund| refund.payment_intent == our_finding.payment_intent_id)
+        .unwrap()
+        .id;
+    assert_eq!(ours_after.refund_id.as_deref(), Some(refund_id.as_str()));
+    assert!(ours_after.resolved_at.is_some());
+    let theirs_after = after.iter().find(|f| f.id == their_finding.id).unwrap();
+    assert_eq!(theirs_after.refund_id, None);
+    assert!(theirs_after.resolved_at.is_none(), "left open for a person");
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_refund_is_refused_for_a_recorded_ride_or_a_live_key() {
     let app = TestApp::spawn().await;
