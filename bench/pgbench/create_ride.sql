@@ -17,13 +17,14 @@
 -- must exist with api_token_digest = sha256('pgbench-token-' || id).
 \set uid :user_base + :client_id
 \set k random(1, 999999999999999)
-WITH caller AS (SELECT id, created_at, email, stripe_customer_id, stripe_payment_method_id, api_token_digest
+WITH unflushed AS (SELECT set_config('synchronous_commit', 'off', true) AS setting),
+  caller AS (SELECT id, created_at, email, stripe_customer_id, stripe_payment_method_id, api_token_digest
     FROM users WHERE api_token_digest = sha256(convert_to('pgbench-token-' || :uid, 'UTF8'))),
   existing AS (SELECT id, created_at, idempotency_key, last_run_at, locked_at, lock_token, request_method, request_path, request_params, response_code, response_body, recovery_point, user_id
     FROM idempotency_keys WHERE user_id = (SELECT id FROM caller) AND idempotency_key = 'pgbench-ride-key-' || :client_id || '-' || :k),
   inserted AS (INSERT INTO idempotency_keys (user_id, idempotency_key, lock_token, request_method, request_path, request_params, recovery_point, locked_at)
     SELECT caller.id, 'pgbench-ride-key-' || :client_id || '-' || :k, gen_random_uuid(), 'POST', '/rides.v1.RideService/CreateRide',
-           '{"origin_lat": 37.7749, "origin_lon": -122.4194, "target_lat": 37.3382, "target_lon": -121.8863}'::jsonb, 'started', now() FROM caller
+           '{"origin_lat": 37.7749, "origin_lon": -122.4194, "target_lat": 37.3382, "target_lon": -121.8863}'::jsonb, 'started', now() FROM caller CROSS JOIN unflushed
     WHERE NOT EXISTS (SELECT FROM existing)
     ON CONFLICT (user_id, idempotency_key) DO NOTHING
     RETURNING id, created_at, idempotency_key, last_run_at, locked_at, lock_token, request_method, request_path, request_params, response_code, response_body, recovery_point, user_id),
@@ -43,7 +44,8 @@ UPDATE idempotency_keys SET recovery_point = 'ride_created' FROM ride
   WHERE idempotency_keys.id = :key_id AND idempotency_keys.lock_token = :tok AND idempotency_keys.user_id = :uid
   RETURNING ride.id AS ride_id, ride.created_at AS ride_created_at, ride.idempotency_key_id, ride.origin_lat, ride.origin_lon, ride.target_lat, ride.target_lon, ride.amount, ride.currency, ride.stripe_charge_id, ride.user_id \gset
 WITH fence AS (SELECT id, user_id FROM idempotency_keys WHERE id = :key_id AND lock_token = :tok AND user_id = :uid FOR NO KEY UPDATE),
-  charged AS (UPDATE rides SET stripe_charge_id = 'pi_pgbench_' || :key_id || '_aaaaaaaaaa' FROM fence
+  unflushed AS (SELECT set_config('synchronous_commit', 'off', true) AS setting),
+  charged AS (UPDATE rides SET stripe_charge_id = 'pi_pgbench_' || :key_id || '_aaaaaaaaaa' FROM fence CROSS JOIN unflushed
     WHERE rides.id = :ride_id AND rides.user_id = fence.user_id AND rides.idempotency_key_id = fence.id RETURNING rides.id)
 UPDATE idempotency_keys SET recovery_point = 'charge_created' FROM charged
   WHERE idempotency_keys.id = :key_id AND idempotency_keys.lock_token = :tok AND idempotency_keys.user_id = :uid

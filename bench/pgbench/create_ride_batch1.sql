@@ -30,7 +30,8 @@
 -- must exist with api_token_digest = sha256('pgbench-token-' || id).
 \set uid :user_base + :client_id
 \set k random(1, 999999999999999)
-WITH input AS (SELECT * FROM unnest(ARRAY[sha256(convert_to('pgbench-token-' || :uid, 'UTF8'))]::bytea[],
+WITH unflushed AS (SELECT set_config('synchronous_commit', 'off', true) AS setting),
+  input AS (SELECT * FROM unnest(ARRAY[sha256(convert_to('pgbench-token-' || :uid, 'UTF8'))]::bytea[],
       ('{pgbench-ride-key-' || :client_id || '-' || :k || '}')::text[], ARRAY[gen_random_uuid()]::uuid[], ARRAY['POST']::text[],
       ARRAY['/rides.v1.RideService/CreateRide']::text[],
       ARRAY['{"origin_lat": 37.7749, "origin_lon": -122.4194, "target_lat": 37.3382, "target_lon": -121.8863}'::jsonb]::jsonb[])
@@ -43,7 +44,7 @@ WITH input AS (SELECT * FROM unnest(ARRAY[sha256(convert_to('pgbench-token-' || 
       FROM idempotency_keys WHERE user_id = caller.id AND idempotency_key = caller.req_key LIMIT 1) k),
   inserted AS (INSERT INTO idempotency_keys (user_id, idempotency_key, lock_token, request_method, request_path, request_params, recovery_point, locked_at)
     SELECT caller.id, input.key, input.token, input.method, input.path, input.params, 'started', now()
-      FROM caller JOIN input ON input.token = caller.req
+      FROM caller JOIN input ON input.token = caller.req CROSS JOIN unflushed
     WHERE NOT EXISTS (SELECT FROM existing WHERE existing.found_req = caller.req)
     ORDER BY caller.id, input.key
     ON CONFLICT (user_id, idempotency_key) DO NOTHING
@@ -78,7 +79,8 @@ WITH input AS (SELECT * FROM unnest(('{' || :key_id || '}')::int8[], ('{' || :to
   fence AS (SELECT input.* FROM (SELECT * FROM input ORDER BY key_id) input
     CROSS JOIN LATERAL (SELECT FROM idempotency_keys WHERE idempotency_keys.id = input.key_id AND idempotency_keys.lock_token = input.token
       AND idempotency_keys.user_id = input.user_id FOR NO KEY UPDATE) locked),
-  charged AS (UPDATE rides SET stripe_charge_id = fence.charge_id FROM fence
+  unflushed AS (SELECT set_config('synchronous_commit', 'off', true) AS setting),
+  charged AS (UPDATE rides SET stripe_charge_id = fence.charge_id FROM fence CROSS JOIN unflushed
     WHERE rides.id = ANY(ARRAY(SELECT ride_id FROM fence)) AND rides.id = fence.ride_id AND rides.user_id = fence.user_id
       AND rides.idempotency_key_id = fence.key_id
     RETURNING rides.idempotency_key_id, rides.user_id)

@@ -21,7 +21,8 @@
 -- api_token_digest = sha256('pgbench-token-' || id) (bench/pgbench/setup.sql).
 \set k random(1, 999999999999999)
 \set first :client_id * :batch
-WITH input AS (SELECT * FROM unnest(
+WITH unflushed AS (SELECT set_config('synchronous_commit', 'off', true) AS setting),
+  input AS (SELECT * FROM unnest(
       ARRAY(SELECT sha256(convert_to('pgbench-token-' || (:user_base::int8 + (:first::int8 + g) % :users::int8), 'UTF8'))
             FROM generate_series(1, :batch::int) g)::bytea[],
       ARRAY(SELECT 'pgbench-ride-key-' || :client_id || '-' || :k || '-' || g FROM generate_series(1, :batch::int) g)::text[],
@@ -39,7 +40,7 @@ WITH input AS (SELECT * FROM unnest(
       FROM idempotency_keys WHERE user_id = caller.id AND idempotency_key = caller.req_key LIMIT 1) k),
   inserted AS (INSERT INTO idempotency_keys (user_id, idempotency_key, lock_token, request_method, request_path, request_params, recovery_point, locked_at)
     SELECT caller.id, input.key, input.token, input.method, input.path, input.params, 'started', now()
-      FROM caller JOIN input ON input.token = caller.req
+      FROM caller JOIN input ON input.token = caller.req CROSS JOIN unflushed
     WHERE NOT EXISTS (SELECT FROM existing WHERE existing.found_req = caller.req)
     ORDER BY caller.id, input.key
     ON CONFLICT (user_id, idempotency_key) DO NOTHING
@@ -74,7 +75,8 @@ WITH input AS (SELECT * FROM unnest(:key_ids::int8[], :toks::uuid[], :uids::int8
   fence AS (SELECT input.* FROM (SELECT * FROM input ORDER BY key_id) input
     CROSS JOIN LATERAL (SELECT FROM idempotency_keys WHERE idempotency_keys.id = input.key_id AND idempotency_keys.lock_token = input.token
       AND idempotency_keys.user_id = input.user_id FOR NO KEY UPDATE) locked),
-  charged AS (UPDATE rides SET stripe_charge_id = fence.charge_id FROM fence
+  unflushed AS (SELECT set_config('synchronous_commit', 'off', true) AS setting),
+  charged AS (UPDATE rides SET stripe_charge_id = fence.charge_id FROM fence CROSS JOIN unflushed
     WHERE rides.id = ANY(ARRAY(SELECT ride_id FROM fence)) AND rides.id = fence.ride_id AND rides.user_id = fence.user_id
       AND rides.idempotency_key_id = fence.key_id
     RETURNING rides.idempotency_key_id, rides.user_id)

@@ -38,6 +38,35 @@ pub fn chrono_duration(duration: Duration) -> chrono::Duration {
     chrono::Duration::from_std(duration).unwrap_or(chrono::Duration::MAX)
 }
 
+/// A CTE named `unflushed` that lets the statement's commit return before its WAL is flushed
+/// (`synchronous_commit` off for this transaction only). A statement uses it by joining it into
+/// its write (`… CROSS JOIN unflushed`), so that any row it writes went through the setting.
+///
+/// Which commits may do without the flush follows from what comes after them. A commit must be
+/// durable (flushed, and with a synchronous standby, on the standby) before anything outside the
+/// database acts on it: the provider charge, or an answer to a caller. Every commit of a key is
+/// followed, before either happens, by the next phase's flushed commit, which flushes all WAL
+/// written before it. So:
+///
+/// | commit | next outside effect | flushed? |
+/// | --- | --- | --- |
+/// | the claim (key inserted at `started`) | none before `ride_created` commits | no: lost in a crash, the retry claims a new key and nothing was charged |
+/// | `started` → `ride_created` | the charge, keyed by the key's id | **yes** |
+/// | `ride_created` → `charge_created` | none before `finished` commits | no: lost in a crash, the key is back at `ride_created` and the retry's charge replays at the provider under the same key |
+/// | → `finished` (receipt staged, outcome stored; or a decline) | the answer | **yes** |
+///
+/// A crash of PostgreSQL (not of the api-server: a committed transaction's WAL is flushed within
+/// `wal_writer_delay` as long as PostgreSQL runs) can therefore only take a key back to a
+/// recovery point it had already passed, or take away a key that nothing had used yet, which is
+/// what a retry recovers from by design. The campaign proves it: its PostgreSQL restarts are
+/// crashes (`pg_ctl stop -m immediate`), and `proof --ha` SIGKILLs the primary.
+#[macro_export]
+macro_rules! unflushed {
+    () => {
+        "unflushed AS (SELECT set_config('synchronous_commit', 'off', true) AS setting)"
+    };
+}
+
 /// The fence every statement that moves a key on starts with, as a CTE named `fence` (binds: `$1`
 /// the key id, `$2` the holder's lock token, `$3` the key's user id, so that the statement names
 /// its shard and a key of another user is never moved). It locks the key row and yields it only

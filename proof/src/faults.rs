@@ -99,8 +99,8 @@ impl Faults {
             plan.duration,
             rng(5),
         );
-        // Fault: PostgreSQL fast shutdown and restart under load; RabbitMQ stop and start during
-        // drains and consumption.
+        // Fault: PostgreSQL crash (immediate shutdown) or fast shutdown, alternately, and restart
+        // under load; RabbitMQ stop and start during drains and consumption.
         let restarter = |kind: ServerKind, mean: f64, salt: u64| {
             tokio::spawn(restart_at_random(
                 Arc::clone(services),
@@ -258,9 +258,20 @@ async fn restart_at_random(
         return Ok(());
     }
     let mut first = true;
+    let mut restarts = 0_u32;
     while sleep_unless_stopped(&stop, rare_fault_delay(&mut rng, &mut first, traffic, mean)).await {
-        services.stop_server(kind).await?;
-        faults.add(kind.label(), 1);
+        // Every other PostgreSQL restart, the first included, is a crash: the commits the
+        // api-server makes without waiting for the WAL flush (`contract::unflushed!`) are then
+        // lost, not just cut, and every invariant must still hold.
+        let crash = matches!(kind, ServerKind::Postgres) && restarts.is_multiple_of(2);
+        restarts += 1;
+        services.stop_server(kind, crash).await?;
+        let label = if crash {
+            ServerKind::POSTGRES_CRASH_LABEL
+        } else {
+            kind.label()
+        };
+        faults.add(label, 1);
         tokio::time::sleep(Duration::from_millis(rng.random_range(kind.downtime_ms()))).await;
         services.start_server(kind).await?;
     }

@@ -149,13 +149,24 @@ impl Postgres {
 
     /// Fast shutdown: open transactions are rolled back, every session is cut.
     pub async fn stop_fast(&self) -> anyhow::Result<()> {
+        self.stop("fast").await
+    }
+
+    /// A crash: immediate shutdown, every process quits without writing out what it holds, so
+    /// WAL not yet flushed (commits made without waiting for the flush) is lost, and the restart
+    /// runs crash recovery.
+    pub async fn crash(&self) -> anyhow::Result<()> {
+        self.stop("immediate").await
+    }
+
+    async fn stop(&self, mode: &str) -> anyhow::Result<()> {
         run(
             &self.bin.join("pg_ctl"),
             &[
                 "-D",
                 &self.data.display().to_string(),
                 "-m",
-                "fast",
+                mode,
                 "-w",
                 "-t",
                 "60",
@@ -366,6 +377,10 @@ impl ServerKind {
         }
     }
 
+    /// The fault's name when PostgreSQL is crashed rather than stopped.
+    pub(crate) const POSTGRES_CRASH_LABEL: &'static str =
+        "restart/postgresql (crash: immediate shutdown)";
+
     /// How long the server stays down, in milliseconds.
     pub(crate) fn downtime_ms(self) -> std::ops::Range<u64> {
         match self {
@@ -392,9 +407,11 @@ impl Services {
         }
     }
 
-    /// Fast shutdown for PostgreSQL, a whole-node stop for RabbitMQ; nothing for a shared server.
-    pub(crate) async fn stop_server(&self, kind: ServerKind) -> anyhow::Result<()> {
+    /// Fast shutdown for PostgreSQL, or with `crash` an immediate one; a whole-node stop for
+    /// RabbitMQ; nothing for a shared server.
+    pub(crate) async fn stop_server(&self, kind: ServerKind, crash: bool) -> anyhow::Result<()> {
         match (kind, &self.pg, &self.rabbit) {
+            (ServerKind::Postgres, Some(pg), _) if crash => pg.crash().await,
             (ServerKind::Postgres, Some(pg), _) => pg.stop_fast().await,
             (ServerKind::Rabbit, _, Some(rabbit)) => rabbit.stop().await,
             _ => Ok(()),

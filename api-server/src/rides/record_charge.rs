@@ -164,14 +164,19 @@ pub(super) enum Charged {
 }
 
 /// The charge's atomic phase as one statement: the PaymentIntent id on the key's ride and the
-/// recovery point `charge_created`.
+/// recovery point `charge_created`. Its commit is not waited for (`contract::unflushed!`): lost in
+/// a crash of PostgreSQL, the key is back at `ride_created` and the retry's charge is replayed by
+/// the provider under the same key; the receipt phase's flushed commit makes it durable before the
+/// caller is answered.
 struct RecordCharge;
 
 impl Statement for RecordCharge {
     const SQL: &'static str = concat!(
         "WITH ",
         contract::fence!(),
-        ", charged AS (UPDATE rides SET stripe_charge_id = $4 FROM fence \
+        ", ",
+        contract::unflushed!(),
+        ", charged AS (UPDATE rides SET stripe_charge_id = $4 FROM fence CROSS JOIN unflushed \
          WHERE rides.id = $5 AND rides.user_id = fence.user_id \
          AND rides.idempotency_key_id = fence.id RETURNING rides.id) \
          UPDATE idempotency_keys SET recovery_point = 'charge_created' FROM charged \
@@ -225,7 +230,10 @@ struct RecordChargeBatch;
 impl Statement for RecordChargeBatch {
     const SQL: &'static str = concat!(
         contract::batch_fence!("$4::text[], $5::int8[]", "charge_id, ride_id"),
-        ", charged AS (UPDATE rides SET stripe_charge_id = fence.charge_id FROM fence \
+        ", ",
+        contract::unflushed!(),
+        ", charged AS (UPDATE rides SET stripe_charge_id = fence.charge_id \
+         FROM fence CROSS JOIN unflushed \
          WHERE rides.id = ANY(ARRAY(SELECT ride_id FROM fence)) \
          AND rides.id = fence.ride_id AND rides.user_id = fence.user_id \
          AND rides.idempotency_key_id = fence.key_id \
@@ -236,4 +244,19 @@ impl Statement for RecordChargeBatch {
          AND idempotency_keys.user_id = charged.user_id \
          RETURNING idempotency_keys.id"
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Recording the charge need not wait for the flush: the receipt phase's commit does
+    /// (`contract::unflushed!`'s table).
+    #[test]
+    fn the_charge_is_recorded_without_waiting_for_the_flush() {
+        for sql in [RecordCharge::SQL, RecordChargeBatch::SQL] {
+            assert!(sql.contains(contract::unflushed!()), "{sql}");
+            assert!(sql.contains("CROSS JOIN unflushed"), "{sql}");
+        }
+    }
 }

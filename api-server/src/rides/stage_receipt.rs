@@ -149,3 +149,21 @@ impl Statement for StageReceiptBatch {
          RETURNING idempotency_keys.id"
     );
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `finished` must be durable before the caller is answered (`contract::unflushed!`'s table),
+    /// and so must a decline, finished by `FinishKey`.
+    #[test]
+    fn the_outcome_is_flushed_before_the_answer() {
+        for sql in [
+            StageReceipt::SQL,
+            StageReceiptBatch::SQL,
+            contract::key::FinishKey::SQL,
+        ] {
+            assert!(!sql.contains("synchronous_commit"), "{sql}");
+        }
+    }
+}

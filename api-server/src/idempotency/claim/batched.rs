@@ -139,11 +139,14 @@ struct BatchRow {
 /// and for a new key only to the claim whose lock token the inserted row carries. The lookups
 /// are `LATERAL … LIMIT 1` so that the plan, which is generic once prepared and cannot know how
 /// many claims a batch holds, stays one index probe per claim instead of hashing whole tables.
+/// Its commit is not waited for, as the one-claim statement's (`contract::unflushed!`).
 struct ClaimBatchByToken;
 
 impl Statement for ClaimBatchByToken {
     const SQL: &'static str = concat!(
-        "WITH input AS (SELECT * FROM unnest($1::bytea[], $2::text[], $3::uuid[], $4::text[], \
+        "WITH ",
+        contract::unflushed!(),
+        ", input AS (SELECT * FROM unnest($1::bytea[], $2::text[], $3::uuid[], $4::text[], \
          $5::text[], $6::jsonb[]) AS i(digest, key, token, method, path, params)), \
          caller AS (SELECT input.token AS req, input.key AS req_key, u.* FROM input \
          CROSS JOIN LATERAL (SELECT id, created_at, email, stripe_customer_id, \
@@ -157,7 +160,7 @@ impl Statement for ClaimBatchByToken {
          inserted AS (INSERT INTO idempotency_keys (user_id, idempotency_key, lock_token, \
          request_method, request_path, request_params, recovery_point, locked_at) \
          SELECT caller.id, input.key, input.token, input.method, input.path, input.params, \
-         'started', now() FROM caller JOIN input ON input.token = caller.req \
+         'started', now() FROM caller JOIN input ON input.token = caller.req CROSS JOIN unflushed \
          WHERE NOT EXISTS (SELECT FROM existing WHERE existing.found_req = caller.req) \
          ORDER BY caller.id, input.key \
          ON CONFLICT (user_id, idempotency_key) DO NOTHING RETURNING ",
@@ -171,4 +174,23 @@ impl Statement for ClaimBatchByToken {
          caller.email, caller.stripe_customer_id, caller.stripe_payment_method_id, \
          caller.api_token_digest, found.* FROM caller JOIN found ON found.found_req = caller.req"
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A claim's key need not be flushed: nothing outside the database acts on a key at `started`
+    /// (`contract::unflushed!`'s table).
+    #[test]
+    fn claims_do_not_wait_for_the_flush() {
+        for sql in [
+            ClaimBatchByToken::SQL,
+            super::super::ClaimByToken::SQL,
+            super::super::ClaimById::SQL,
+        ] {
+            assert!(sql.contains(contract::unflushed!()), "{sql}");
+            assert!(sql.contains("CROSS JOIN unflushed"), "{sql}");
+        }
+    }
 }

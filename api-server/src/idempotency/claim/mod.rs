@@ -233,11 +233,15 @@ pub(super) use key_columns;
 /// inserted, locked by a fresh token. `ON CONFLICT DO NOTHING` waits for a concurrent inserter of
 /// the same key and then yields to it; that key is newer than this statement's snapshot, so no
 /// row comes back and the claim looks again. A key that exists inserts nothing, so a replay
-/// writes nothing and burns no sequence value; no user, no row and nothing written.
+/// writes nothing and burns no sequence value; no user, no row and nothing written. The inserted
+/// key's commit is not waited for (`contract::unflushed!`: nothing outside the database acts on a
+/// key at `started`).
 macro_rules! claim_sql {
     ($caller:literal) => {
         concat!(
-            "WITH caller AS (SELECT id, created_at, email, stripe_customer_id, \
+            "WITH ",
+            contract::unflushed!(),
+            ", caller AS (SELECT id, created_at, email, stripe_customer_id, \
              stripe_payment_method_id, api_token_digest FROM users WHERE ",
             $caller,
             "), existing AS (SELECT ",
@@ -246,8 +250,8 @@ macro_rules! claim_sql {
              AND idempotency_key = $2), \
              inserted AS (INSERT INTO idempotency_keys (user_id, idempotency_key, lock_token, \
              request_method, request_path, request_params, recovery_point, locked_at) \
-             SELECT caller.id, $2, $3, $4, $5, $6, 'started', now() FROM caller \
-             WHERE NOT EXISTS (SELECT FROM existing) \
+             SELECT caller.id, $2, $3, $4, $5, $6, 'started', now() \
+             FROM caller CROSS JOIN unflushed WHERE NOT EXISTS (SELECT FROM existing) \
              ON CONFLICT (user_id, idempotency_key) DO NOTHING RETURNING ",
             key_columns!(),
             "), found AS (SELECT ",
