@@ -52,15 +52,16 @@ pub struct Batching {
 }
 
 impl Default for Batching {
-    /// Two batches in flight rather than four: at 32 clients replaying, larger batches cost
-    /// PostgreSQL 0.61 instead of 0.73 cores and served 8 % more replays (11,349–11,808/s
-    /// against 9,986–10,988/s), with no change for new keys or at 500 clients
-    /// (`docs/performance.md`, session 4). Measured for claims; the write phases use the same
-    /// defaults, measured only against no batching (run 13).
+    /// One batch in flight per statement: while it runs, the next one fills. Fewer, fuller
+    /// statements won over more concurrent ones at every step measured: four in flight served
+    /// fewer replays than two (session 4), and once the claim and the charge's phase stopped
+    /// waiting for the WAL flush, one in flight served 2,124–2,168 new rides/s at 64 clients
+    /// against 1,811–1,870 with two and 1,203–1,383 with three or four, at 0.37–0.45 ms of
+    /// database CPU per ride instead of 0.51–0.59 (`docs/performance.md`, run 20).
     fn default() -> Self {
         Batching {
             max_size: 32,
-            in_flight: 2,
+            in_flight: 1,
         }
     }
 }
