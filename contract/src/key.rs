@@ -58,8 +58,8 @@ pub fn chrono_duration(duration: Duration) -> chrono::Duration {
 /// A crash of PostgreSQL (not of the api-server: a committed transaction's WAL is flushed within
 /// `wal_writer_delay` as long as PostgreSQL runs) can therefore only take a key back to a
 /// recovery point it had already passed, or take away a key that nothing had used yet, which is
-/// what a retry recovers from by design. The campaign proves it: its PostgreSQL restarts are
-/// crashes (`pg_ctl stop -m immediate`), and `proof --ha` SIGKILLs the primary.
+/// what a retry recovers from by design. The campaign proves it: half of its PostgreSQL restarts
+/// are crashes (`pg_ctl stop -m immediate`), and `proof --ha` SIGKILLs the primary.
 #[macro_export]
 macro_rules! unflushed {
     () => {
