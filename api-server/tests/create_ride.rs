@@ -938,3 +938,64 @@ async fn shutdown_lets_an_in_flight_request_finish() {
     assert_eq!(key_row.recovery_point, RecoveryPoint::Finished);
     assert!(key_row.locked_at.is_none());
 }
+
+/// The campaign's PostgreSQL crash found this: the charge's record commits without waiting for the
+/// flush, so a crash can take it away while the attempt that made it goes on. Its next phase must
+/// then write nothing (no receipt, no outcome for a ride whose charge is not recorded), and the
+/// retry must resume at `ride_created` and record the first charge, which the provider replays.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_phase_after_a_commit_that_a_crash_took_away_writes_nothing() {
+    use diesel_async::RunQueryDsl;
+
+    let app = TestApp::spawn().await;
+    let user = app.create_user(GOOD_CARD).await;
+    let key = new_key();
+    let params = ride_params();
+    let request = app.rides_request(&user, params).await;
+    let mut lease = app.claim(&user, &key, &params).await;
+    let mut ride = None;
+    app.rides
+        .step_with(&mut lease, &request, &mut ride)
+        .await
+        .unwrap();
+    app.rides
+        .step_with(&mut lease, &request, &mut ride)
+        .await
+        .unwrap();
+    assert_eq!(lease.recovery_point, RecoveryPoint::ChargeCreated);
+    let charge_id = ride.as_ref().unwrap().stripe_charge_id.clone().unwrap();
+
+    // What the database holds after a crash lost the record: the ride's phase, flushed, only.
+    let mut conn = app.pool.get().await.unwrap();
+    diesel::sql_query("UPDATE rides SET stripe_charge_id = NULL WHERE idempotency_key_id = $1")
+        .bind::<diesel::sql_types::BigInt, _>(lease.key_id)
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    diesel::sql_query("UPDATE idempotency_keys SET recovery_point = 'ride_created' WHERE id = $1")
+        .bind::<diesel::sql_types::BigInt, _>(lease.key_id)
+        .execute(&mut conn)
+        .await
+        .unwrap();
+
+    let step = app.rides.step_with(&mut lease, &request, &mut ride).await;
+    assert!(
+        matches!(step, Err(api_server::rides::CreateRideError::LockLost)),
+        "{step:?}"
+    );
+    assert!(app.staged_jobs().await.is_empty(), "no receipt staged");
+    let row = app.key_row(&user, &key).await.unwrap();
+    assert_eq!(row.recovery_point, RecoveryPoint::RideCreated);
+    assert_eq!(row.response_body, None);
+
+    // The retry (once the attempt's lock is gone) resumes at ride_created: one charge in all.
+    app.expire_lock(lease.key_id).await;
+    let response = app.create_ride(&user, &key, ride_request()).await.unwrap();
+    assert_eq!(response.into_inner().ride.unwrap().charge_id, charge_id);
+    assert_eq!(app.stripe.succeeded_charges(), 1);
+    assert_eq!(
+        app.rides().await[0].stripe_charge_id.as_deref(),
+        Some(charge_id.as_str())
+    );
+    assert_eq!(app.staged_jobs().await.len(), 1);
+}

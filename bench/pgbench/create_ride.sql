@@ -34,7 +34,7 @@ SELECT caller.id AS caller_id, caller.created_at AS caller_created_at, caller.em
        found.id AS key_id, found.created_at, found.idempotency_key, found.last_run_at, found.locked_at, found.lock_token AS tok, found.request_method, found.request_path,
        found.request_params, found.response_code, found.response_body, found.recovery_point, found.user_id, found.inserted
   FROM caller, found \gset
-WITH fence AS (SELECT id, user_id FROM idempotency_keys WHERE id = :key_id AND lock_token = :tok AND user_id = :uid FOR NO KEY UPDATE),
+WITH fence AS (SELECT id, user_id FROM idempotency_keys WHERE id = :key_id AND lock_token = :tok AND user_id = :uid AND recovery_point = 'started' FOR NO KEY UPDATE),
   ride AS (INSERT INTO rides (idempotency_key_id, origin_lat, origin_lon, target_lat, target_lon, amount, currency, user_id)
     SELECT fence.id, 37.7749, -122.4194, 37.3382, -121.8863, 2000, 'usd', fence.user_id FROM fence
     RETURNING id, created_at, idempotency_key_id, origin_lat, origin_lon, target_lat, target_lon, amount, currency, stripe_charge_id, user_id),
@@ -43,14 +43,14 @@ WITH fence AS (SELECT id, user_id FROM idempotency_keys WHERE id = :key_id AND l
 UPDATE idempotency_keys SET recovery_point = 'ride_created' FROM ride
   WHERE idempotency_keys.id = :key_id AND idempotency_keys.lock_token = :tok AND idempotency_keys.user_id = :uid
   RETURNING ride.id AS ride_id, ride.created_at AS ride_created_at, ride.idempotency_key_id, ride.origin_lat, ride.origin_lon, ride.target_lat, ride.target_lon, ride.amount, ride.currency, ride.stripe_charge_id, ride.user_id \gset
-WITH fence AS (SELECT id, user_id FROM idempotency_keys WHERE id = :key_id AND lock_token = :tok AND user_id = :uid FOR NO KEY UPDATE),
+WITH fence AS (SELECT id, user_id FROM idempotency_keys WHERE id = :key_id AND lock_token = :tok AND user_id = :uid AND recovery_point = 'ride_created' FOR NO KEY UPDATE),
   unflushed AS (SELECT set_config('synchronous_commit', 'off', true) AS setting),
   charged AS (UPDATE rides SET stripe_charge_id = 'pi_pgbench_' || :key_id || '_aaaaaaaaaa' FROM fence CROSS JOIN unflushed
     WHERE rides.id = :ride_id AND rides.user_id = fence.user_id AND rides.idempotency_key_id = fence.id RETURNING rides.id)
 UPDATE idempotency_keys SET recovery_point = 'charge_created' FROM charged
   WHERE idempotency_keys.id = :key_id AND idempotency_keys.lock_token = :tok AND idempotency_keys.user_id = :uid
   RETURNING idempotency_keys.id;
-WITH fence AS (SELECT id, user_id FROM idempotency_keys WHERE id = :key_id AND lock_token = :tok AND user_id = :uid FOR NO KEY UPDATE),
+WITH fence AS (SELECT id, user_id FROM idempotency_keys WHERE id = :key_id AND lock_token = :tok AND user_id = :uid AND recovery_point = 'charge_created' FOR NO KEY UPDATE),
   job AS (INSERT INTO staged_jobs (job_name, job_args, trace_context)
     SELECT 'send_ride_receipt',
            ('{"ride_id": ' || :ride_id || ', "user_id": ' || :uid || ', "amount": 2000, "currency": "usd", "charge_id": "pi_pgbench_' || :key_id || '_aaaaaaaaaa", "created_at": "2026-11-21T09:37:44.892483Z"}')::jsonb,

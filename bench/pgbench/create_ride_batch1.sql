@@ -62,7 +62,7 @@ WITH input AS (SELECT * FROM unnest(('{' || :key_id || '}')::int8[], ('{' || :to
     AS i(key_id, token, user_id, origin_lat, origin_lon, target_lat, target_lon, data, origin_ip)),
   fence AS (SELECT input.* FROM (SELECT * FROM input ORDER BY key_id) input
     CROSS JOIN LATERAL (SELECT FROM idempotency_keys WHERE idempotency_keys.id = input.key_id AND idempotency_keys.lock_token = input.token
-      AND idempotency_keys.user_id = input.user_id FOR NO KEY UPDATE) locked),
+      AND idempotency_keys.user_id = input.user_id AND idempotency_keys.recovery_point = 'started' FOR NO KEY UPDATE) locked),
   ride AS (INSERT INTO rides (idempotency_key_id, origin_lat, origin_lon, target_lat, target_lon, amount, currency, user_id)
     SELECT key_id, origin_lat, origin_lon, target_lat, target_lon, 2000, 'usd', user_id FROM fence ORDER BY key_id
     RETURNING id, created_at, idempotency_key_id, origin_lat, origin_lon, target_lat, target_lon, amount, currency, stripe_charge_id, user_id),
@@ -78,7 +78,7 @@ WITH input AS (SELECT * FROM unnest(('{' || :key_id || '}')::int8[], ('{' || :to
     AS i(key_id, token, user_id, charge_id, ride_id)),
   fence AS (SELECT input.* FROM (SELECT * FROM input ORDER BY key_id) input
     CROSS JOIN LATERAL (SELECT FROM idempotency_keys WHERE idempotency_keys.id = input.key_id AND idempotency_keys.lock_token = input.token
-      AND idempotency_keys.user_id = input.user_id FOR NO KEY UPDATE) locked),
+      AND idempotency_keys.user_id = input.user_id AND idempotency_keys.recovery_point = 'ride_created' FOR NO KEY UPDATE) locked),
   unflushed AS (SELECT set_config('synchronous_commit', 'off', true) AS setting),
   charged AS (UPDATE rides SET stripe_charge_id = fence.charge_id FROM fence CROSS JOIN unflushed
     WHERE rides.id = ANY(ARRAY(SELECT ride_id FROM fence)) AND rides.id = fence.ride_id AND rides.user_id = fence.user_id
@@ -95,7 +95,7 @@ WITH input AS (SELECT * FROM unnest(('{' || :key_id || '}')::int8[], ('{' || :to
     AS i(key_id, token, user_id, job_args, trace_context, response_code, response_body)),
   fence AS (SELECT input.* FROM (SELECT * FROM input ORDER BY key_id) input
     CROSS JOIN LATERAL (SELECT FROM idempotency_keys WHERE idempotency_keys.id = input.key_id AND idempotency_keys.lock_token = input.token
-      AND idempotency_keys.user_id = input.user_id FOR NO KEY UPDATE) locked),
+      AND idempotency_keys.user_id = input.user_id AND idempotency_keys.recovery_point = 'charge_created' FOR NO KEY UPDATE) locked),
   job AS (INSERT INTO staged_jobs (job_name, job_args, trace_context)
     SELECT 'send_ride_receipt', job_args, trace_context FROM fence ORDER BY key_id)
 UPDATE idempotency_keys SET recovery_point = 'finished', response_code = fence.response_code, response_body = fence.response_body,

@@ -76,11 +76,26 @@ macro_rules! unflushed {
 /// so two attempts on one key still move it one after the other. A concurrent takeover makes the
 /// lock wait for it and then re-check the token on the newest row version (READ COMMITTED's
 /// re-check of locked rows), so it is never missed.
+///
+/// A phase names the recovery point it moves the key on from (`fence!("charge_created")`), and the
+/// fence yields the key only while it is still there: the holder's idea of where the key stands
+/// can be ahead of the database's after a PostgreSQL crash took an unflushed commit away
+/// ([`unflushed!`]), and a phase run from there would write on a state it never saw (a receipt and
+/// an outcome for a ride whose charge is not recorded). `fence!()` checks no recovery point, for
+/// finishing a key from wherever it stands (a decline, `workers admin key finish`).
 #[macro_export]
 macro_rules! fence {
     () => {
         "fence AS (SELECT id, user_id FROM idempotency_keys \
          WHERE id = $1 AND lock_token = $2 AND user_id = $3 FOR NO KEY UPDATE)"
+    };
+    ($point:literal) => {
+        concat!(
+            "fence AS (SELECT id, user_id FROM idempotency_keys \
+             WHERE id = $1 AND lock_token = $2 AND user_id = $3 AND recovery_point = '",
+            $point,
+            "' FOR NO KEY UPDATE)"
+        )
     };
 }
 
@@ -88,11 +103,12 @@ macro_rules! fence {
 /// arrays `$1` key ids, `$2` lock tokens and `$3` user ids, then `$unnest`, one row per request,
 /// with the column names `$columns` gives after `key_id, token, user_id`) and `fence`, which
 /// locks each request's key row in key id order (so two batches never wait for each other in a
-/// cycle) and yields the request only while the key is still that user's and carries its token,
+/// cycle) and yields the request only while the key is still that user's, carries its token and
+/// stands at `$point` (the recovery point the phase moves it on from, as [`fence!`] says why),
 /// re-checked on the newest row version as the one-request fence is.
 #[macro_export]
 macro_rules! batch_fence {
-    ($unnest:literal, $columns:literal) => {
+    ($point:literal, $unnest:literal, $columns:literal) => {
         concat!(
             "WITH input AS (SELECT * FROM unnest($1::int8[], $2::uuid[], $3::int8[], ",
             $unnest,
@@ -102,7 +118,10 @@ macro_rules! batch_fence {
              CROSS JOIN LATERAL (SELECT FROM idempotency_keys \
              WHERE idempotency_keys.id = input.key_id \
              AND idempotency_keys.lock_token = input.token \
-             AND idempotency_keys.user_id = input.user_id FOR NO KEY UPDATE) locked)"
+             AND idempotency_keys.user_id = input.user_id \
+             AND idempotency_keys.recovery_point = '",
+            $point,
+            "' FOR NO KEY UPDATE) locked)"
         )
     };
 }

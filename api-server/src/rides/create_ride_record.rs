@@ -95,7 +95,7 @@ struct CreateRideRecord;
 impl Statement for CreateRideRecord {
     const SQL: &'static str = concat!(
         "WITH ",
-        contract::fence!(),
+        contract::fence!("started"),
         ", ride AS (INSERT INTO rides (idempotency_key_id, origin_lat, origin_lon, target_lat, \
          target_lon, amount, currency, user_id) \
          SELECT fence.id, $4, $5, $6, $7, $8, $9, fence.user_id FROM fence \
@@ -178,6 +178,7 @@ struct CreateRideRecordBatch;
 impl Statement for CreateRideRecordBatch {
     const SQL: &'static str = concat!(
         contract::batch_fence!(
+            "started",
             "$4::float8[], $5::float8[], $6::float8[], $7::float8[], $8::jsonb[], $9::cidr[]",
             "origin_lat, origin_lon, target_lat, target_lon, data, origin_ip"
         ),

@@ -289,8 +289,10 @@ impl Rides {
             }
         }
         .await;
-        if let Err(error) = &result
-            && !matches!(error, CreateRideError::LockLost)
+        // Unlocked after a fenced-off phase too: a fence also fails while this attempt still
+        // holds the lock, when the key is not where this attempt left it (a PostgreSQL crash took
+        // an unflushed commit away). Releasing a lease that was taken over changes nothing.
+        if result.is_err()
             && let Err(release_error) = idempotency::release(&self.pool, self.retry, lease).await
         {
             // The lock expires by itself; a retry just waits for it.

@@ -173,7 +173,7 @@ struct RecordCharge;
 impl Statement for RecordCharge {
     const SQL: &'static str = concat!(
         "WITH ",
-        contract::fence!(),
+        contract::fence!("ride_created"),
         ", ",
         contract::unflushed!(),
         ", charged AS (UPDATE rides SET stripe_charge_id = $4 FROM fence CROSS JOIN unflushed \
@@ -229,7 +229,11 @@ struct RecordChargeBatch;
 
 impl Statement for RecordChargeBatch {
     const SQL: &'static str = concat!(
-        contract::batch_fence!("$4::text[], $5::int8[]", "charge_id, ride_id"),
+        contract::batch_fence!(
+            "ride_created",
+            "$4::text[], $5::int8[]",
+            "charge_id, ride_id"
+        ),
         ", ",
         contract::unflushed!(),
         ", charged AS (UPDATE rides SET stripe_charge_id = fence.charge_id \

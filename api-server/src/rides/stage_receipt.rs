@@ -73,7 +73,7 @@ struct StageReceipt;
 impl Statement for StageReceipt {
     const SQL: &'static str = concat!(
         "WITH ",
-        contract::fence!(),
+        contract::fence!("charge_created"),
         ", job AS (INSERT INTO staged_jobs (job_name, job_args, trace_context) \
          SELECT $4, $5, $6 FROM fence RETURNING id) ",
         contract::finish_key!("$7", "$8"),
@@ -136,6 +136,7 @@ struct StageReceiptBatch;
 impl Statement for StageReceiptBatch {
     const SQL: &'static str = concat!(
         contract::batch_fence!(
+            "charge_created",
             "$4::jsonb[], $5::jsonb[], $6::int4[], $7::jsonb[]",
             "job_args, trace_context, response_code, response_body"
         ),
