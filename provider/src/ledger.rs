@@ -140,28 +140,17 @@ impl StripeClient {
         &self,
         window: CreatedWindow,
     ) -> Result<Vec<ListedIntent>, ProviderError> {
-        let mut intents: Vec<ListedIntent> = Vec::new();
-        let mut pages = 0_u64;
-        loop {
-            let mut query = vec![
-                ("limit", PAGE_LIMIT.to_string()),
-                ("created[gte]", window.from.to_string()),
-                ("created[lt]", window.until.to_string()),
-            ];
-            if let Some(last) = intents.last() {
-                query.push(("starting_after", last.id.clone()));
-            }
-            let page: Page<ListedIntent> = self.get_json("/v1/payment_intents", &query).await?;
-            pages += 1;
-            // An empty page with has_more would ask for the same page forever; Stripe never
-            // sends one.
-            let last_page = !page.has_more || page.data.is_empty();
-            intents.extend(page.data);
-            if last_page {
-                tracing::Span::current().record("pages", pages);
-                return Ok(intents);
-            }
-        }
+        let query = [
+            ("created[gte]", window.from.to_string()),
+            ("created[lt]", window.until.to_string()),
+        ];
+        let (intents, pages) = self
+            .list_all("/v1/payment_intents", &query, |intent: &ListedIntent| {
+                &intent.id
+            })
+            .await?;
+        tracing::Span::current().record("pages", pages);
+        Ok(intents)
     }
 
     /// One PaymentIntent; `None` when the provider has none by that id (`resource_missing`, or an
@@ -212,22 +201,38 @@ impl StripeClient {
     /// Every refund of a PaymentIntent, newest first, page by page.
     #[tracing::instrument(name = "stripe.list_refunds", skip_all, fields(otel.kind = "client"))]
     pub async fn list_refunds(&self, payment_intent: &str) -> Result<Vec<Refund>, ProviderError> {
-        let mut refunds: Vec<Refund> = Vec::new();
+        let query = [("payment_intent", payment_intent.to_owned())];
+        let (refunds, _) = self
+            .list_all("/v1/refunds", &query, |refund: &Refund| &refund.id)
+            .await?;
+        Ok(refunds)
+    }
+
+    /// Every item of a list endpoint for `query`, in the provider's order, and how many pages
+    /// that took (Stripe's cursor pagination: each next page starts after the last id of the one
+    /// before).
+    async fn list_all<T: serde::de::DeserializeOwned>(
+        &self,
+        path: &str,
+        query: &[(&str, String)],
+        id: fn(&T) -> &String,
+    ) -> Result<(Vec<T>, u64), ProviderError> {
+        let mut items: Vec<T> = Vec::new();
+        let mut pages = 0_u64;
         loop {
-            let mut query = vec![
-                ("limit", PAGE_LIMIT.to_string()),
-                ("payment_intent", payment_intent.to_owned()),
-            ];
-            if let Some(last) = refunds.last() {
-                query.push(("starting_after", last.id.clone()));
+            let mut page_query = query.to_vec();
+            page_query.push(("limit", PAGE_LIMIT.to_string()));
+            if let Some(last) = items.last() {
+                page_query.push(("starting_after", id(last).clone()));
             }
-            let page: Page<Refund> = self.get_json("/v1/refunds", &query).await?;
+            let page: Page<T> = self.get_json(path, &page_query).await?;
+            pages += 1;
             // An empty page with has_more would ask for the same page forever; Stripe never
             // sends one.
             let last_page = !page.has_more || page.data.is_empty();
-            refunds.extend(page.data);
+            items.extend(page.data);
             if last_page {
-                return Ok(refunds);
+                return Ok((items, pages));
             }
         }
     }
