@@ -19,10 +19,14 @@
 /// Every crash point, in the order a CreateRide passes them. `<phase>.before_commit` fires once the
 /// phase's work is decided, immediately before its one statement is sent (a crash there leaves
 /// nothing of the phase in the database); `.after_commit` fires once the statement (its own
-/// implicit transaction) has committed and before the caller learns of it.
+/// implicit transaction) has committed and before the caller learns of it. A fresh key's claim
+/// commits phase `started` with the key (`crate::idempotency::FirstRide`), so for it
+/// `started.before_commit` fires before the claim's statement and `claim.after_commit` and
+/// `started.after_commit` after it, one after the other; a key left at `started` passes the phase's
+/// own points around its own statement.
 pub const CRASH_POINTS: &[&str] = &[
-    "claim.after_commit",
     "started.before_commit",
+    "claim.after_commit",
     "started.after_commit",
     "charge.before_call",
     "charge.after_success",

@@ -253,14 +253,16 @@ impl TestApp {
         );
     }
 
-    /// Claims a key the way a request's first step does, leaving it locked by the returned lease:
-    /// an attempt that is running, or that died holding the lock.
+    /// Claims a key the way a request's first step does, but without a first ride, so that the key
+    /// is at `started` and every phase can be run by hand; it is left locked by the returned
+    /// lease: an attempt that is running, or that died holding the lock.
     pub async fn claim(&self, user: &TestUser, key: &str, params: &RideParams) -> Lease {
         let (_, claimed) = idempotency::claim(
             self.rides.claim_batcher(),
             Caller::OnBehalfOf(user.id),
             &IdempotencyKey::parse(key).unwrap(),
             &params.signature(),
+            None,
             self.config.idempotency.lock_timeout,
         )
         .await

@@ -80,9 +80,14 @@ async fn one_trace_covers_the_request_its_phases_the_charge_and_the_staged_recei
         attribute(claim[0], "rides.claim"),
         Some(&Value::from("execute"))
     );
+    // A fresh key's claim commits phase `started` with the key: no span of its own.
+    assert_eq!(
+        attribute(claim[0], "rides.recovery_point.to"),
+        Some(&Value::from("ride_created"))
+    );
+    assert!(named(&ours, "phase started").is_empty());
 
     for (phase, reached) in [
-        ("phase started", "ride_created"),
         ("phase ride_created", "charge_created"),
         ("phase charge_created", "finished"),
     ] {

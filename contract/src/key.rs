@@ -50,10 +50,13 @@ pub fn chrono_duration(duration: Duration) -> chrono::Duration {
 ///
 /// | commit | next outside effect | flushed? |
 /// | --- | --- | --- |
-/// | the claim (key inserted at `started`) | none before `ride_created` commits | no: lost in a crash, the retry claims a new key and nothing was charged |
-/// | `started` → `ride_created` | the charge, keyed by the key's id | **yes** |
+/// | the claim of a fresh key, which inserts it with its ride at `ride_created` (phase `started` merged into the claim) | the charge, keyed by the key's id | **yes** |
+/// | `started` → `ride_created` (a key left at `started`) | the charge | **yes** |
 /// | `ride_created` → `charge_created` | none before `finished` commits | no: lost in a crash, the key is back at `ride_created` and the retry's charge replays at the provider under the same key |
 /// | → `finished` (receipt staged, outcome stored; or a decline) | the answer | **yes** |
+///
+/// (A claim that inserts a key without its ride, at `started`, would not need the flush, but
+/// shares the statement of the claims that do; no request type makes such claims today.)
 ///
 /// A crash of PostgreSQL (not of the api-server: a committed transaction's WAL is flushed within
 /// `wal_writer_delay` as long as PostgreSQL runs) can therefore only take a key back to a

@@ -32,10 +32,25 @@ use scoped_futures::ScopedFutureExt;
 use super::{RideParams, RideRequest, Rides};
 use crate::{
     config::Price,
-    idempotency::{self, BatchStatement, Fence, FenceArrays, Lease},
+    idempotency::{self, BatchStatement, Fence, FenceArrays, FirstRide, Lease},
 };
 
 impl Rides {
+    /// This phase's writes for a fresh key, made by the key's claim
+    /// (`crate::idempotency::FirstRide`): the same columns as [`CreateRideRecord`]'s.
+    pub(super) fn first_ride(&self, params: RideParams, origin_ip: std::net::IpAddr) -> FirstRide {
+        FirstRide {
+            origin_lat: params.origin_lat,
+            origin_lon: params.origin_lon,
+            target_lat: params.target_lat,
+            target_lon: params.target_lon,
+            amount: self.price.amount,
+            currency: self.price.currency.clone(),
+            audit_data: audit_data(params),
+            origin_ip: IpNet::from(origin_ip),
+        }
+    }
+
     /// Phase `started`: the ride and its audit record.
     pub(super) async fn create_ride_record(
         &self,
@@ -44,7 +59,7 @@ impl Rides {
     ) -> Result<Ride, StoreError> {
         let params = request.params;
         let origin_ip = IpNet::from(request.origin_ip);
-        let data = serde_json::to_value(params).unwrap_or_default();
+        let data = audit_data(params);
         let new_ride = || NewRide {
             fence: lease.fence(),
             params,
@@ -85,6 +100,11 @@ impl Rides {
         })
         .await
     }
+}
+
+/// The `ride.created` audit record's data: the request's parameters.
+fn audit_data(params: RideParams) -> serde_json::Value {
+    serde_json::to_value(params).unwrap_or_default()
 }
 
 /// Phase `started` as one statement: the ride, its audit record and the recovery point

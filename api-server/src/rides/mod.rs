@@ -4,8 +4,13 @@
 //!
 //! ```text
 //! claim ──► started ──tx──► ride_created ──charge──tx──► charge_created ──tx──► finished
-//!                                           └─decline──tx──────────────────────────┘
+//!   └──────────────────────┘                └─decline──tx──────────────────────────┘
 //! ```
+//!
+//! A fresh key skips the separate `started` commit: its claim writes the ride with the key in one
+//! flushed statement (`crate::idempotency::FirstRide`), so it is born at `ride_created`. The
+//! `started` phase runs as its own statement only for a key left there (an older server's, or a
+//! claim made without a first ride).
 //!
 //! A retry with the same key re-enters the loop at the key's recovery point; a finished key
 //! replays the outcome stored by the last phase (`contract::Outcome`). This module decides *what*
@@ -208,11 +213,15 @@ impl Rides {
         params: RideParams,
         origin_ip: IpAddr,
     ) -> Option<(Option<i64>, CreateRideReply)> {
+        let first_ride = self.first_ride(params, origin_ip);
+        // The claim of a fresh key commits phase `started` (its ride) with the key.
+        crate::fault::crash_point("started.before_commit");
         let claimed = idempotency::claim(
             &self.claims,
             caller,
             key,
             &params.signature(),
+            Some(&first_ride),
             self.idempotency.lock_timeout,
         )
         .await;
@@ -258,7 +267,13 @@ impl Rides {
             }
             Decision::Execute(mut lease) => {
                 crate::fault::crash_point("claim.after_commit");
-                (false, self.drive(&mut lease, request).await)
+                if claimed.first_ride.is_some() {
+                    crate::fault::crash_point("started.after_commit");
+                }
+                (
+                    false,
+                    self.drive(&mut lease, request, claimed.first_ride).await,
+                )
             }
         };
         if matches!(result, Err(CreateRideError::LockLost)) {
@@ -273,15 +288,16 @@ impl Rides {
         }
     }
 
-    /// Drives a claimed key to a final outcome.
+    /// Drives a claimed key to a final outcome; `ride` is the ride its claim inserted, if any.
     async fn drive(
         &self,
         lease: &mut Lease,
         request: &RideRequest,
+        ride: Option<Ride>,
     ) -> Result<Outcome, CreateRideError> {
         let result = async {
             // The ride as the last phase left it, so that the next phase need not read it back.
-            let mut ride = None;
+            let mut ride = ride;
             loop {
                 if let Step::Finished(outcome) = self.step_with(lease, request, &mut ride).await? {
                     return Ok(outcome);

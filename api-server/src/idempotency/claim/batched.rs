@@ -9,14 +9,16 @@
 //! of the same key in one batch cannot both win: the key's row is inserted once, and only the
 //! claim whose lock token it carries gets it back; the other claim finds no row and looks again,
 //! as it would after losing to a concurrent statement. Keys are inserted in (user, key) order so
-//! that two batches that share keys wait for each other in one order and cannot deadlock.
+//! that two batches that share keys wait for each other in one order and cannot deadlock. A
+//! claim that carries a first ride ([`super::FirstRide`]) gets it inserted with its key, as the
+//! one-claim statement does; the others in the batch are inserted at `started`.
 
 use std::{collections::HashMap, sync::Arc};
 
 use diesel::{
     QueryableByName,
     result::Error as DieselError,
-    sql_types::{Array, Bytea, Jsonb, Text},
+    sql_types::{Array, BigInt, Bool, Bytea, Cidr, Double, Jsonb, Nullable, Text},
 };
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use schema::{
@@ -27,7 +29,10 @@ use schema::{
 };
 use uuid::Uuid;
 
-use super::{CallerAndKey, KeyFound, claim_alone, key_columns};
+use super::{
+    CallerAndKey, FirstRide, KeyFound, claim_alone, first_ride_writes, inserted_recovery_point,
+    key_columns,
+};
 use crate::{
     auth::Caller,
     idempotency::{BatchStatement, Batcher, Batching, IdempotencyKey, RequestSignature},
@@ -44,6 +49,7 @@ pub struct ClaimRequest {
     /// The lock token the key gets if this claim inserts it; also how the claim finds its row.
     lock_token: Uuid,
     request: RequestSignature,
+    first_ride: Option<FirstRide>,
 }
 
 impl Batcher<Claims> {
@@ -58,6 +64,7 @@ impl Batcher<Claims> {
         token_digest: &[u8; 32],
         key: &IdempotencyKey,
         request: &RequestSignature,
+        first_ride: Option<&FirstRide>,
     ) -> Result<Option<(User, KeyFound)>, StoreError> {
         if self.enabled() {
             let lock_token = Uuid::new_v4();
@@ -66,9 +73,10 @@ impl Batcher<Claims> {
                 key: key.as_str().to_owned(),
                 lock_token,
                 request: request.clone(),
+                first_ride: first_ride.cloned(),
             };
             if let Some(row) = self.submit(claim).await? {
-                return Ok(row.map(|row| row.into_found(lock_token)));
+                return Ok(row.map(|row| row.into_found(lock_token, first_ride)));
             }
         }
         claim_alone(
@@ -77,6 +85,7 @@ impl Batcher<Claims> {
             Caller::Token(*token_digest),
             key,
             request,
+            first_ride,
         )
         .await
     }
@@ -103,6 +112,7 @@ impl BatchStatement for Claims {
         let methods: Vec<&str> = batch.iter().map(|c| c.request.method).collect();
         let paths: Vec<&str> = batch.iter().map(|c| c.request.path).collect();
         let params: Vec<&serde_json::Value> = batch.iter().map(|c| &c.request.params).collect();
+        let rides = FirstRideArrays::of(batch);
         let rows = prepared::<ClaimBatchByToken, _>(|q| {
             q.bind::<Array<Bytea>, _>(&digests)
                 .bind::<Array<Text>, _>(&keys)
@@ -110,6 +120,15 @@ impl BatchStatement for Claims {
                 .bind::<Array<Text>, _>(&methods)
                 .bind::<Array<Text>, _>(&paths)
                 .bind::<Array<Jsonb>, _>(&params)
+                .bind::<Array<Bool>, _>(&rides.with_ride)
+                .bind::<Array<Nullable<Double>>, _>(&rides.origin_lats)
+                .bind::<Array<Nullable<Double>>, _>(&rides.origin_lons)
+                .bind::<Array<Nullable<Double>>, _>(&rides.target_lats)
+                .bind::<Array<Nullable<Double>>, _>(&rides.target_lons)
+                .bind::<Array<Nullable<BigInt>>, _>(&rides.amounts)
+                .bind::<Array<Nullable<Text>>, _>(&rides.currencies)
+                .bind::<Array<Nullable<Jsonb>>, _>(&rides.audit_data)
+                .bind::<Array<Nullable<Cidr>>, _>(&rides.origin_ips)
         })
         .load::<BatchRow>(conn)
         .await?;
@@ -121,6 +140,38 @@ impl BatchStatement for Claims {
             .iter()
             .map(|claim| rows.remove(&claim.lock_token))
             .collect())
+    }
+}
+
+/// The `$7`–`$15` arrays of [`ClaimBatchByToken`]: whether each claim carries a first ride, and
+/// its columns (NULL where it carries none).
+struct FirstRideArrays<'a> {
+    with_ride: Vec<bool>,
+    origin_lats: Vec<Option<f64>>,
+    origin_lons: Vec<Option<f64>>,
+    target_lats: Vec<Option<f64>>,
+    target_lons: Vec<Option<f64>>,
+    amounts: Vec<Option<i64>>,
+    currencies: Vec<Option<&'a str>>,
+    audit_data: Vec<Option<&'a serde_json::Value>>,
+    origin_ips: Vec<Option<ipnet::IpNet>>,
+}
+
+impl<'a> FirstRideArrays<'a> {
+    fn of(batch: &'a [ClaimRequest]) -> Self {
+        let rides = || batch.iter().map(|claim| claim.first_ride.as_ref());
+        let column = |f: fn(&FirstRide) -> f64| rides().map(|r| r.map(f)).collect();
+        FirstRideArrays {
+            with_ride: rides().map(|r| r.is_some()).collect(),
+            origin_lats: column(|r| r.origin_lat),
+            origin_lons: column(|r| r.origin_lon),
+            target_lats: column(|r| r.target_lat),
+            target_lons: column(|r| r.target_lon),
+            amounts: rides().map(|r| r.map(|r| r.amount)).collect(),
+            currencies: rides().map(|r| r.map(|r| r.currency.as_str())).collect(),
+            audit_data: rides().map(|r| r.map(|r| &r.audit_data)).collect(),
+            origin_ips: rides().map(|r| r.map(|r| r.origin_ip)).collect(),
+        }
     }
 }
 
@@ -139,15 +190,17 @@ struct BatchRow {
 /// and for a new key only to the claim whose lock token the inserted row carries. The lookups
 /// are `LATERAL … LIMIT 1` so that the plan, which is generic once prepared and cannot know how
 /// many claims a batch holds, stays one index probe per claim instead of hashing whole tables.
-/// Its commit is not waited for, as the one-claim statement's (`contract::unflushed!`).
+/// The first rides (`$7`–`$15`, [`FirstRideArrays`]) are inserted for the claims that carry one
+/// and inserted their key; the commit waits for the WAL flush, as the one-claim statement's.
 struct ClaimBatchByToken;
 
 impl Statement for ClaimBatchByToken {
     const SQL: &'static str = concat!(
-        "WITH ",
-        contract::unflushed!(),
-        ", input AS (SELECT * FROM unnest($1::bytea[], $2::text[], $3::uuid[], $4::text[], \
-         $5::text[], $6::jsonb[]) AS i(digest, key, token, method, path, params)), \
+        "WITH input AS (SELECT * FROM unnest($1::bytea[], $2::text[], $3::uuid[], $4::text[], \
+         $5::text[], $6::jsonb[], $7::bool[], $8::float8[], $9::float8[], $10::float8[], \
+         $11::float8[], $12::int8[], $13::text[], $14::jsonb[], $15::cidr[]) \
+         AS i(digest, key, token, method, path, params, with_ride, origin_lat, origin_lon, \
+         target_lat, target_lon, amount, currency, data, origin_ip)), \
          caller AS (SELECT input.token AS req, input.key AS req_key, u.* FROM input \
          CROSS JOIN LATERAL (SELECT id, created_at, email, stripe_customer_id, \
          stripe_payment_method_id, api_token_digest FROM users \
@@ -159,20 +212,28 @@ impl Statement for ClaimBatchByToken {
          AND idempotency_key = caller.req_key LIMIT 1) k), \
          inserted AS (INSERT INTO idempotency_keys (user_id, idempotency_key, lock_token, \
          request_method, request_path, request_params, recovery_point, locked_at) \
-         SELECT caller.id, input.key, input.token, input.method, input.path, input.params, \
-         'started', now() FROM caller JOIN input ON input.token = caller.req CROSS JOIN unflushed \
+         SELECT caller.id, input.key, input.token, input.method, input.path, input.params, ",
+        inserted_recovery_point!("input.with_ride"),
+        ", now() FROM caller JOIN input ON input.token = caller.req \
          WHERE NOT EXISTS (SELECT FROM existing WHERE existing.found_req = caller.req) \
          ORDER BY caller.id, input.key \
          ON CONFLICT (user_id, idempotency_key) DO NOTHING RETURNING ",
         key_columns!(""),
-        "), found AS (SELECT lock_token AS found_req, ",
+        "), first_ride AS (SELECT inserted.id AS key_id, inserted.user_id, input.origin_lat, \
+         input.origin_lon, input.target_lat, input.target_lon, input.amount, input.currency, \
+         input.data, input.origin_ip FROM inserted JOIN input ON input.token = inserted.lock_token \
+         WHERE input.with_ride), ",
+        first_ride_writes!(),
+        ", found AS (SELECT lock_token AS found_req, ",
         key_columns!(""),
         ", true AS inserted FROM inserted UNION ALL SELECT found_req, ",
         key_columns!(""),
         ", false FROM existing) \
          SELECT caller.req, caller.id AS caller_id, caller.created_at AS caller_created_at, \
          caller.email, caller.stripe_customer_id, caller.stripe_payment_method_id, \
-         caller.api_token_digest, found.* FROM caller JOIN found ON found.found_req = caller.req"
+         caller.api_token_digest, found.*, ride.id AS ride_id, ride.created_at AS ride_created_at \
+         FROM caller JOIN found ON found.found_req = caller.req \
+         LEFT JOIN ride ON ride.idempotency_key_id = found.id"
     );
 }
 
@@ -180,17 +241,18 @@ impl Statement for ClaimBatchByToken {
 mod tests {
     use super::*;
 
-    /// A claim's key need not be flushed: nothing outside the database acts on a key at `started`
-    /// (`contract::unflushed!`'s table).
+    /// A claim may commit a key at `ride_created` with its first ride, which must be durable
+    /// before the charge (`contract::unflushed!`'s table): every claim's commit waits for the
+    /// flush.
     #[test]
-    fn claims_do_not_wait_for_the_flush() {
+    fn claims_wait_for_the_flush() {
         for sql in [
             ClaimBatchByToken::SQL,
             super::super::ClaimByToken::SQL,
             super::super::ClaimById::SQL,
         ] {
-            assert!(sql.contains(contract::unflushed!()), "{sql}");
-            assert!(sql.contains("CROSS JOIN unflushed"), "{sql}");
+            assert!(!sql.contains("synchronous_commit"), "{sql}");
+            assert!(sql.contains("INSERT INTO rides"), "{sql}");
         }
     }
 }

@@ -3,9 +3,11 @@
 //! decision is arbitrated by PostgreSQL: the unique index for a new key, the row lock for one that
 //! may need work. The claim authenticates its caller in the same statement (the `users` row by
 //! token digest or by id), so a new key, a replay or a mismatch costs one round trip; claims by
-//! token are sent together with other callers' claims ([`batched`]).
+//! token are sent together with other callers' claims ([`batched`]). A claim that inserts a key
+//! may also write the request's first phase in its statement ([`first_ride`]).
 
 mod batched;
+mod first_ride;
 
 use std::{sync::Arc, time::Duration};
 
@@ -13,12 +15,12 @@ use chrono::{DateTime, Utc};
 use contract::{StoredResponse, key::lock_is_live};
 use diesel::{
     ExpressionMethods, OptionalExtension, QueryDsl, QueryableByName, SelectableHelper,
-    sql_types::{self, BigInt, Bool, Bytea, Jsonb, Text, Timestamptz},
+    sql_types::{self, BigInt, Bool, Bytea, Cidr, Double, Jsonb, Nullable, Text, Timestamptz},
 };
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use schema::{
     Pool, RecoveryPoint,
-    models::{IdempotencyKey as KeyRow, User},
+    models::{IdempotencyKey as KeyRow, Ride, User},
     prepared::{Statement, prepared},
     schema::idempotency_keys,
     store::{RetryPolicy, StoreError, retry_transient},
@@ -26,6 +28,9 @@ use schema::{
 use uuid::Uuid;
 
 pub use batched::Claims;
+pub use first_ride::FirstRide;
+
+use first_ride::{first_ride_writes, inserted_recovery_point};
 
 use super::{Batcher, IdempotencyKey, Lease, RequestSignature};
 use crate::auth::Caller;
@@ -49,33 +54,46 @@ pub enum Decision {
 pub struct Claimed {
     pub decision: Decision,
     pub key_created_at: DateTime<Utc>,
+    /// The ride this claim inserted with the key ([`FirstRide`]): the key is at `ride_created`.
+    /// `None` for every other claim.
+    pub first_ride: Option<Ride>,
 }
 
 /// Claims `key` for `caller`: authenticates the caller and decides the key in the claim's
 /// statement, sent with other callers' claims through `claims` (for a token; a claim on a user's
-/// behalf goes alone). `None` if the caller is no user (nothing is written then).
+/// behalf goes alone). `None` if the caller is no user (nothing is written then). If the claim
+/// inserts the key, it inserts `first_ride` with it when given ([`FirstRide`]).
 #[tracing::instrument(
     name = "claim",
     skip_all,
-    fields(otel.name = "claim idempotency key", db.system.name = "postgresql", rides.claim = tracing::field::Empty)
+    fields(
+        otel.name = "claim idempotency key",
+        db.system.name = "postgresql",
+        rides.claim = tracing::field::Empty,
+        rides.recovery_point.to = tracing::field::Empty,
+    )
 )]
 pub async fn claim(
     claims: &Arc<Batcher<Claims>>,
     caller: Caller,
     key: &IdempotencyKey,
     request: &RequestSignature,
+    first_ride: Option<&FirstRide>,
     lock_timeout: Duration,
 ) -> Result<Option<(User, Claimed)>, StoreError> {
     let (pool, policy) = (claims.pool(), claims.policy());
     let found = match caller {
-        Caller::Token(digest) => claims.claim(&digest, key, request).await?,
-        Caller::OnBehalfOf(_) => claim_alone(pool, policy, caller, key, request).await?,
+        Caller::Token(digest) => claims.claim(&digest, key, request, first_ride).await?,
+        Caller::OnBehalfOf(_) => {
+            claim_alone(pool, policy, caller, key, request, first_ride).await?
+        }
     };
     let attempt = Attempt {
         pool,
         policy,
         key,
         request,
+        first_ride,
         lock_timeout,
     };
     let (user, decided) = match found {
@@ -98,7 +116,12 @@ pub async fn claim(
         Some(claimed) => claimed,
         None => attempt.rounds(user.id).await?,
     };
-    tracing::Span::current().record("rides.claim", claimed.decision.name());
+    let span = tracing::Span::current();
+    span.record("rides.claim", claimed.decision.name());
+    if let Decision::Execute(lease) = &claimed.decision {
+        // `ride_created` for a fresh key whose claim wrote its first ride.
+        span.record("rides.recovery_point.to", lease.recovery_point.as_str());
+    }
     Ok(Some((user, claimed)))
 }
 
@@ -142,6 +165,7 @@ struct Attempt<'a> {
     policy: RetryPolicy,
     key: &'a IdempotencyKey,
     request: &'a RequestSignature,
+    first_ride: Option<&'a FirstRide>,
     lock_timeout: Duration,
 }
 
@@ -154,7 +178,15 @@ impl Attempt<'_> {
         // snapshot, or the key was reaped between two steps, so a few rounds suffice.
         let caller = Caller::OnBehalfOf(user_id);
         for _ in 0..CLAIM_ROUNDS {
-            let found = claim_alone(self.pool, self.policy, caller, self.key, self.request).await?;
+            let found = claim_alone(
+                self.pool,
+                self.policy,
+                caller,
+                self.key,
+                self.request,
+                self.first_ride,
+            )
+            .await?;
             let Some((_, found)) = found else { continue };
             if let Some(claimed) = self.decide(user_id, found).await? {
                 return Ok(claimed);
@@ -233,15 +265,13 @@ pub(super) use key_columns;
 /// inserted, locked by a fresh token. `ON CONFLICT DO NOTHING` waits for a concurrent inserter of
 /// the same key and then yields to it; that key is newer than this statement's snapshot, so no
 /// row comes back and the claim looks again. A key that exists inserts nothing, so a replay
-/// writes nothing and burns no sequence value; no user, no row and nothing written. The inserted
-/// key's commit is not waited for (`contract::unflushed!`: nothing outside the database acts on a
-/// key at `started`).
+/// writes nothing and burns no sequence value; no user, no row and nothing written. If `$7` is
+/// true, the inserted key's first ride is inserted with it (`$8`–`$15`, [`FirstRide`]) and the key
+/// is born at `ride_created`; that commit waits for the WAL flush, as the first phase's own does.
 macro_rules! claim_sql {
     ($caller:literal) => {
         concat!(
-            "WITH ",
-            contract::unflushed!(),
-            ", caller AS (SELECT id, created_at, email, stripe_customer_id, \
+            "WITH caller AS (SELECT id, created_at, email, stripe_customer_id, \
              stripe_payment_method_id, api_token_digest FROM users WHERE ",
             $caller,
             "), existing AS (SELECT ",
@@ -250,18 +280,25 @@ macro_rules! claim_sql {
              AND idempotency_key = $2), \
              inserted AS (INSERT INTO idempotency_keys (user_id, idempotency_key, lock_token, \
              request_method, request_path, request_params, recovery_point, locked_at) \
-             SELECT caller.id, $2, $3, $4, $5, $6, 'started', now() \
-             FROM caller CROSS JOIN unflushed WHERE NOT EXISTS (SELECT FROM existing) \
+             SELECT caller.id, $2, $3, $4, $5, $6, ",
+            inserted_recovery_point!("$7::bool"),
+            ", now() FROM caller WHERE NOT EXISTS (SELECT FROM existing) \
              ON CONFLICT (user_id, idempotency_key) DO NOTHING RETURNING ",
             key_columns!(),
-            "), found AS (SELECT ",
+            "), first_ride AS (SELECT inserted.id AS key_id, inserted.user_id, \
+             $8::float8 AS origin_lat, $9::float8 AS origin_lon, $10::float8 AS target_lat, \
+             $11::float8 AS target_lon, $12::int8 AS amount, $13::text AS currency, \
+             $14::jsonb AS data, $15::cidr AS origin_ip FROM inserted WHERE $7::bool), ",
+            first_ride_writes!(),
+            ", found AS (SELECT ",
             key_columns!(),
             ", true AS inserted FROM inserted UNION ALL SELECT ",
             key_columns!(),
             ", false FROM existing) \
              SELECT caller.id AS caller_id, caller.created_at AS caller_created_at, caller.email, \
              caller.stripe_customer_id, caller.stripe_payment_method_id, caller.api_token_digest, \
-             found.* FROM caller, found"
+             found.*, ride.id AS ride_id, ride.created_at AS ride_created_at \
+             FROM caller, found LEFT JOIN ride ON ride.idempotency_key_id = found.id"
         )
     };
 }
@@ -300,6 +337,11 @@ pub struct CallerAndKey {
     key: KeyRow,
     #[diesel(sql_type = Bool)]
     inserted: bool,
+    /// The first ride inserted with the key, if any.
+    #[diesel(sql_type = Nullable<BigInt>)]
+    ride_id: Option<i64>,
+    #[diesel(sql_type = Nullable<Timestamptz>)]
+    ride_created_at: Option<DateTime<Utc>>,
 }
 
 /// What a claim's statement found: the key it inserted (so this attempt owns it), or the key
@@ -316,10 +358,11 @@ async fn claim_alone(
     caller: Caller,
     key: &IdempotencyKey,
     request: &RequestSignature,
+    first_ride: Option<&FirstRide>,
 ) -> Result<Option<(User, KeyFound)>, StoreError> {
     retry_transient(policy, || async {
         let mut conn = pool.get().await.map_err(StoreError::Unavailable)?;
-        insert_or_read(&mut conn, caller, key, request).await
+        insert_or_read(&mut conn, caller, key, request, first_ride).await
     })
     .await
 }
@@ -331,8 +374,10 @@ async fn insert_or_read(
     caller: Caller,
     key: &IdempotencyKey,
     request: &RequestSignature,
+    first_ride: Option<&FirstRide>,
 ) -> Result<Option<(User, KeyFound)>, StoreError> {
     let token = Uuid::new_v4();
+    let ride = |column: fn(&FirstRide) -> f64| first_ride.map(column);
     macro_rules! run {
         ($statement:ty, $caller_type:ty, $caller:expr) => {
             prepared::<$statement, _>(|q| {
@@ -342,6 +387,15 @@ async fn insert_or_read(
                     .bind::<Text, _>(request.method)
                     .bind::<Text, _>(request.path)
                     .bind::<Jsonb, _>(&request.params)
+                    .bind::<Bool, _>(first_ride.is_some())
+                    .bind::<Nullable<Double>, _>(ride(|r| r.origin_lat))
+                    .bind::<Nullable<Double>, _>(ride(|r| r.origin_lon))
+                    .bind::<Nullable<Double>, _>(ride(|r| r.target_lat))
+                    .bind::<Nullable<Double>, _>(ride(|r| r.target_lon))
+                    .bind::<Nullable<BigInt>, _>(first_ride.map(|r| r.amount))
+                    .bind::<Nullable<Text>, _>(first_ride.map(|r| r.currency.as_str()))
+                    .bind::<Nullable<Jsonb>, _>(first_ride.map(|r| &r.audit_data))
+                    .bind::<Nullable<Cidr>, _>(first_ride.map(|r| r.origin_ip))
             })
             .get_result::<CallerAndKey>(conn)
             .await
@@ -352,13 +406,14 @@ async fn insert_or_read(
         Caller::OnBehalfOf(user_id) => run!(ClaimById, BigInt, user_id),
         Caller::Token(digest) => run!(ClaimByToken, Bytea, digest.as_slice()),
     };
-    Ok(row.map(|row| row.into_found(token)))
+    Ok(row.map(|row| row.into_found(token, first_ride)))
 }
 
 impl CallerAndKey {
     /// The caller and what the claim found; `token` is the lock token the statement was given,
-    /// which an inserted key now carries.
-    fn into_found(self, token: Uuid) -> (User, KeyFound) {
+    /// which an inserted key now carries, and `first_ride` the values it was given for the key's
+    /// ride.
+    fn into_found(self, token: Uuid, first_ride: Option<&FirstRide>) -> (User, KeyFound) {
         let user = User {
             id: self.caller_id,
             created_at: self.caller_created_at,
@@ -368,14 +423,23 @@ impl CallerAndKey {
             api_token_digest: self.api_token_digest,
         };
         let found = if self.inserted {
+            let ride = match (first_ride, self.ride_id, self.ride_created_at) {
+                (Some(values), Some(id), Some(created_at)) => {
+                    Some(values.inserted(self.key.id, user.id, id, created_at))
+                }
+                _ => None,
+            };
             KeyFound::Inserted(Claimed {
                 decision: Decision::Execute(Lease {
                     key_id: self.key.id,
                     user_id: user.id,
                     token,
-                    recovery_point: RecoveryPoint::Started,
+                    // `ride_created` if the ride came with the key; an attempt that finds no ride
+                    // here reads it back before its next phase.
+                    recovery_point: self.key.recovery_point,
                 }),
                 key_created_at: self.key.created_at,
+                first_ride: ride,
             })
         } else {
             KeyFound::Existing(Box::new(self.key))
@@ -402,6 +466,7 @@ fn decide_without_lock(
     Ok(Some(Claimed {
         decision,
         key_created_at: row.created_at,
+        first_ride: None,
     }))
 }
 
@@ -488,5 +553,6 @@ async fn lock_existing(
     Ok(Some(Claimed {
         decision,
         key_created_at: row.created_at,
+        first_ride: None,
     }))
 }
