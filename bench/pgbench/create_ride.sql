@@ -1,6 +1,8 @@
--- One CreateRide with a fresh key, statement for statement as the api-server sends it
--- (api-server/src/{idempotency/mod.rs,rides.rs}): four statements, no explicit transaction, so
--- each is its own implicit READ COMMITTED transaction:
+-- One CreateRide with a fresh key, statement for statement as the api-server sent it until run
+-- 23 (docs/performance.md): four statements, no explicit transaction, so each is its own implicit
+-- READ COMMITTED transaction. Since run 23 the server's claim of a fresh key also does statement 2
+-- (idempotency/claim/first_ride.rs) and waits for the flush; this script stays the reference the
+-- per-ride ceiling has been measured with since run 3:
 --   1. authenticate and claim: the user by token digest, and the key row if it exists, else
 --      INSERT ... ON CONFLICT DO NOTHING of the key for that user (ClaimByToken);
 --   2. phase started: fence (SELECT ... FOR NO KEY UPDATE), INSERT ride, INSERT audit record,

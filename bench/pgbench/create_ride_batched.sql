@@ -1,6 +1,7 @@
 -- The batched ceiling: :batch fresh-key CreateRides per script run, the row work of each phase
--- written for all of them in ONE statement, as the api-server's batching sends it when :batch
--- requests share every phase (docs/performance.md, "The batched ceiling"). Four statements, no
+-- written for all of them in ONE statement, as the api-server's batching sent it until run 23
+-- when :batch requests shared every phase (docs/performance.md, "The batched ceiling"; since run
+-- 23 a fresh key's claim also does statement 2, as create_ride_batched_merged.sql). Four statements, no
 -- explicit transaction, so each is its own implicit READ COMMITTED transaction and its own commit:
 --   1. authenticate and claim :batch keys (ClaimBatchByToken, idempotency/claim/batched.rs);
 --   2. phase started for all of them (CreateRideRecordBatch, rides/create_ride_record.rs):
