@@ -22,7 +22,7 @@
 # default 10; 0 skips it), BATCHED_GRID (the batched ceiling's pgbench runs, clients x rides per
 # statement, default "2x16 2x32 2x64 4x16 4x32 4x64", empty skips it; run with any new-* or
 # latency scenario, or alone as the scenario batched-ceiling), MERGED_CEILING=1 (also run that grid
-# with create_ride_batched_merged.sql, the service's own three statements per fresh key, reported
+# with create_ride_batched_merged.sql, the service's own two statements per fresh key, reported
 # as merged-ceiling and not judged).
 # API_SERVER_BIN (the api-server binary to measure, default target/release/api-server: for A/B
 # runs of another build), ENQUEUER_BIN (the workers binary the enqueuer scenario drains with,

@@ -19,20 +19,26 @@
 /// Every crash point, in the order a CreateRide passes them. `<phase>.before_commit` fires once the
 /// phase's work is decided, immediately before its one statement is sent (a crash there leaves
 /// nothing of the phase in the database); `.after_commit` fires once the statement (its own
-/// implicit transaction) has committed and before the caller learns of it. A fresh key's claim
-/// commits phase `started` with the key (`crate::idempotency::FirstRide`), so for it
-/// `started.before_commit` fires before the claim's statement and `claim.after_commit` and
-/// `started.after_commit` after it, one after the other; a key left at `started` passes the phase's
-/// own points around its own statement.
+/// implicit transaction) has committed and before the caller learns of it. A fresh key commits
+/// two phases in each of its two statements, and both phases' points fire around each:
+/// - its claim commits phase `started` with the key (`crate::idempotency::FirstRide`):
+///   `started.before_commit` fires before the claim's statement, and `claim.after_commit` and
+///   `started.after_commit` after it;
+/// - the charge's record commits phase `charge_created` with it (`crate::rides`'s
+///   `record_charge`): `charge_created.before_commit` and `ride_created.before_commit` fire before
+///   that statement, and `ride_created.after_commit` and `charge_created.after_commit` after it.
+///
+/// A key left at `started` or `charge_created` (an older server's) passes that phase's own points
+/// around its own statement.
 pub const CRASH_POINTS: &[&str] = &[
     "started.before_commit",
     "claim.after_commit",
     "started.after_commit",
     "charge.before_call",
     "charge.after_success",
+    "charge_created.before_commit",
     "ride_created.before_commit",
     "ride_created.after_commit",
-    "charge_created.before_commit",
     "charge_created.after_commit",
 ];
 

@@ -86,7 +86,8 @@ fn added(after: BatchCounts, before: BatchCounts) -> BatchCounts {
     }
 }
 
-/// Leases on `count` fresh keys of `user`, each run up to `point`.
+/// Leases on `count` fresh keys of `user`, each run up to `point` (`charge_created` as an older
+/// server left keys there: `TestApp::step_to`).
 async fn leases_at(
     app: &TestApp,
     user: &TestUser,
@@ -98,9 +99,7 @@ async fn leases_at(
     for _ in 0..count {
         let key = new_key();
         let mut lease = app.claim(user, &key, &request.params).await;
-        while lease.recovery_point != point {
-            app.rides.step(&mut lease, request).await.unwrap();
-        }
+        app.step_to(&mut lease, request, point).await;
         leases.push((key, lease));
     }
     leases
@@ -145,9 +144,9 @@ async fn a_key_taken_over_inside_a_batch_writes_nothing_while_the_rest_of_the_ba
                 assert!(result.is_ok(), "at {point}, lease {index}: {result:?}");
             }
         }
+        // The charge's record finishes the key: `charge_created` is only an older server's.
         let expected_next = match point {
             RecoveryPoint::Started => RecoveryPoint::RideCreated,
-            RecoveryPoint::RideCreated => RecoveryPoint::ChargeCreated,
             _ => RecoveryPoint::Finished,
         };
         let rides = app.rides().await;
@@ -172,10 +171,10 @@ async fn a_key_taken_over_inside_a_batch_writes_nothing_while_the_rest_of_the_ba
             }
         }
         let jobs_added = app.staged_jobs().await.len() - jobs_before;
-        let expected_jobs = if point == RecoveryPoint::ChargeCreated {
-            4
-        } else {
+        let expected_jobs = if point == RecoveryPoint::Started {
             0
+        } else {
+            4
         };
         assert_eq!(jobs_added, expected_jobs, "at {point}: one receipt per key");
         if point == RecoveryPoint::Started {
@@ -271,11 +270,12 @@ async fn concurrent_requests_share_phase_statements_and_each_key_is_charged_once
     }
     assert!(succeeded >= keys.len(), "every key succeeded at least once");
     let counts = app.rides.phase_batch_counts();
-    // The claim of a fresh key writes its ride (phase `started`): two phase statements remain.
+    // The claim of a fresh key writes its ride (phase `started`), and the charge's record
+    // finishes it (phase `charge_created`): one phase statement remains.
     assert_eq!(
         counts.items,
-        2 * keys.len() as u64,
-        "two phases per key after the claim"
+        keys.len() as u64,
+        "one phase statement per key after the claim"
     );
     assert!(
         counts.statements < counts.items,
@@ -323,7 +323,8 @@ async fn with_phase_batching_off_every_phase_runs_alone_with_the_same_outcome() 
 }
 
 /// A batch whose connection dies mid-statement may or may not have committed. Recording a charge
-/// or staging a receipt is safe to redo, so those requests redo their phase alone and succeed;
+/// (which finishes the key) or staging a receipt is safe to redo, so those requests redo their
+/// phase alone and succeed;
 /// creating the ride is not (a second ride for the key would be refused as an internal error),
 /// so those requests fail as retryable and a retry resumes from what the database holds.
 #[tokio::test(flavor = "multi_thread")]
@@ -392,7 +393,7 @@ async fn a_connection_lost_mid_batch_fails_the_ride_phase_as_retryable_and_redoe
                     "at {point}, lease {index}: {:?}",
                     results[index]
                 );
-                assert_eq!(row.recovery_point, RecoveryPoint::ChargeCreated);
+                assert_eq!(row.recovery_point, RecoveryPoint::Finished);
             }
         }
     }
@@ -462,7 +463,7 @@ async fn a_lease_naming_another_users_key_is_fenced_off_alone_and_in_a_batch() {
                 ride_of(&rides_before),
                 "at {point}: its ride was neither made nor charged"
             );
-            let other_receipts = usize::from(point == RecoveryPoint::ChargeCreated) * 2;
+            let other_receipts = usize::from(point != RecoveryPoint::Started) * 2;
             assert_eq!(
                 app.staged_jobs().await.len() - jobs_before,
                 other_receipts,

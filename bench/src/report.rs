@@ -69,7 +69,7 @@ impl PgbenchRecord {
 /// The scenario name of the batched ceiling's grid of pgbench runs.
 pub const BATCHED_CEILING: &str = "batched-ceiling";
 
-/// The scenario name of the merged ceiling's grid: the service's own three statements per fresh
+/// The scenario name of the merged ceiling's grid: the service's own two statements per fresh
 /// key (`create_ride_batched_merged.sql`), reported beside the batched ceiling, never judged.
 pub const MERGED_CEILING: &str = "merged-ceiling";
 
@@ -492,7 +492,7 @@ pub fn render(records: &[Record]) -> String {
     }
     if let Some(merged) = best_of_grid(records, MERGED_CEILING) {
         out.push_str(&format!(
-            "\nmerged ceiling (best of the {MERGED_CEILING} grid, the service's own three \
+            "\nmerged ceiling (best of the {MERGED_CEILING} grid, the service's own two \
              statements per fresh key; reported, not judged): {merged:.1} rides/s\n"
         ));
         for row in rows(records)

@@ -1,6 +1,26 @@
 //! The rules of an idempotency key that more than one process applies: the api-server's phases
 //! and the completer act on keys, and `workers admin` inspects and finishes them by hand, so each
 //! rule is stated here once.
+//!
+//! # Which commits wait for the WAL flush
+//!
+//! A commit must be durable (flushed, and with a synchronous standby, on the standby) before
+//! anything outside the database acts on it: the provider charge, or an answer to a caller. Every
+//! statement that moves a key on is followed by one of the two, so every such commit waits for
+//! the flush (PostgreSQL's default, `synchronous_commit` on):
+//!
+//! | commit | next outside effect |
+//! | --- | --- |
+//! | the claim of a fresh key, which inserts it with its ride at `ride_created` (phase `started` merged into the claim) | the charge, keyed by the key's id |
+//! | `started` → `ride_created` (a key left at `started`) | the charge |
+//! | `ride_created` → `finished`: the charge recorded, the receipt staged, the outcome stored (phase `charge_created` merged into the charge's record) | the answer |
+//! | `charge_created` → `finished` (a key an older server left at `charge_created`) | the answer |
+//! | → `finished` with a decline, or by an operator | the answer |
+//!
+//! Until run 24 of docs/performance.md the charge's record was a commit of its own, made without
+//! waiting for the flush (nothing outside the database followed it before the receipt's flushed
+//! commit); merged with the receipt's, it has nothing left to save. A claim that only reads
+//! (a replay, a mismatch) writes no WAL and waits for nothing.
 
 use std::{collections::HashSet, time::Duration};
 
@@ -38,38 +58,6 @@ pub fn chrono_duration(duration: Duration) -> chrono::Duration {
     chrono::Duration::from_std(duration).unwrap_or(chrono::Duration::MAX)
 }
 
-/// A CTE named `unflushed` that lets the statement's commit return before its WAL is flushed
-/// (`synchronous_commit` off for this transaction only). A statement uses it by joining it into
-/// its write (`… CROSS JOIN unflushed`), so that any row it writes went through the setting.
-///
-/// Which commits may do without the flush follows from what comes after them. A commit must be
-/// durable (flushed, and with a synchronous standby, on the standby) before anything outside the
-/// database acts on it: the provider charge, or an answer to a caller. Every commit of a key is
-/// followed, before either happens, by the next phase's flushed commit, which flushes all WAL
-/// written before it. So:
-///
-/// | commit | next outside effect | flushed? |
-/// | --- | --- | --- |
-/// | the claim of a fresh key, which inserts it with its ride at `ride_created` (phase `started` merged into the claim) | the charge, keyed by the key's id | **yes** |
-/// | `started` → `ride_created` (a key left at `started`) | the charge | **yes** |
-/// | `ride_created` → `charge_created` | none before `finished` commits | no: lost in a crash, the key is back at `ride_created` and the retry's charge replays at the provider under the same key |
-/// | → `finished` (receipt staged, outcome stored; or a decline) | the answer | **yes** |
-///
-/// (A claim that inserts a key without its ride, at `started`, would not need the flush, but
-/// shares the statement of the claims that do; no request type makes such claims today.)
-///
-/// A crash of PostgreSQL (not of the api-server: a committed transaction's WAL is flushed within
-/// `wal_writer_delay` as long as PostgreSQL runs) can therefore only take a key back to a
-/// recovery point it had already passed, or take away a key that nothing had used yet, which is
-/// what a retry recovers from by design. The campaign proves it: half of its PostgreSQL restarts
-/// are crashes (`pg_ctl stop -m immediate`), and `proof --ha` SIGKILLs the primary.
-#[macro_export]
-macro_rules! unflushed {
-    () => {
-        "unflushed AS (SELECT set_config('synchronous_commit', 'off', true) AS setting)"
-    };
-}
-
 /// The fence every statement that moves a key on starts with, as a CTE named `fence` (binds: `$1`
 /// the key id, `$2` the holder's lock token, `$3` the key's user id, so that the statement names
 /// its shard and a key of another user is never moved). It locks the key row and yields it only
@@ -81,10 +69,10 @@ macro_rules! unflushed {
 /// re-check of locked rows), so it is never missed.
 ///
 /// A phase names the recovery point it moves the key on from (`fence!("charge_created")`), and the
-/// fence yields the key only while it is still there: the holder's idea of where the key stands
-/// can be ahead of the database's after a PostgreSQL crash took an unflushed commit away
-/// ([`unflushed!`]), and a phase run from there would write on a state it never saw (a receipt and
-/// an outcome for a ride whose charge is not recorded). `fence!()` checks no recovery point, for
+/// fence yields the key only while it is still there: if the holder's idea of where the key
+/// stands were ever ahead of the database's (a commit it saw lost, as a PostgreSQL crash could
+/// take the unflushed charge records of earlier versions), a phase run from there would write on a
+/// state it never saw (a receipt and an outcome for a ride whose charge is not recorded). `fence!()` checks no recovery point, for
 /// finishing a key from wherever it stands (a decline, `workers admin key finish`).
 #[macro_export]
 macro_rules! fence {

@@ -260,9 +260,9 @@ async fn restart_at_random(
     let mut first = true;
     let mut restarts = 0_u32;
     while sleep_unless_stopped(&stop, rare_fault_delay(&mut rng, &mut first, traffic, mean)).await {
-        // Every other PostgreSQL restart, the first included, is a crash: the commits the
-        // api-server makes without waiting for the WAL flush (`contract::unflushed!`) are then
-        // lost, not just cut, and every invariant must still hold.
+        // Every other PostgreSQL restart, the first included, is a crash (immediate shutdown):
+        // connections are cut mid-statement and only flushed commits survive, and every invariant
+        // must still hold.
         let crash = matches!(kind, ServerKind::Postgres) && restarts.is_multiple_of(2);
         restarts += 1;
         services.stop_server(kind, crash).await?;

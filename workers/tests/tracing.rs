@@ -48,7 +48,8 @@ async fn the_receipt_joins_the_trace_of_the_request_through_rabbitmq() {
     assert_eq!(received.sent, 1);
 
     let spans = captured.spans();
-    let phase = in_trace(&spans, "phase charge_created");
+    // A fresh key's receipt is staged by the phase that records its charge.
+    let phase = in_trace(&spans, "phase ride_created");
     assert_eq!(
         phase.len(),
         1,
@@ -58,7 +59,7 @@ async fn the_receipt_joins_the_trace_of_the_request_through_rabbitmq() {
     assert_eq!(publish.len(), 1, "the enqueue is in the trace: {spans:#?}");
     let publish = publish[0];
     assert_eq!(publish.span_kind, opentelemetry::trace::SpanKind::Producer);
-    // Staged inside the charge_created phase's transaction: the publish continues from there.
+    // Staged inside the ride_created phase's transaction: the publish continues from there.
     assert_eq!(publish.parent_span_id, phase[0].span_context.span_id());
 
     let process = in_trace(&spans, " process");

@@ -224,8 +224,8 @@ impl Statement for CreateRideRecordBatch {
 mod tests {
     use super::*;
 
-    /// `ride_created` must be durable before the charge it leads to (`contract::unflushed!`'s
-    /// table): its commit waits for the flush.
+    /// `ride_created` must be durable before the charge it leads to (the durability
+    /// table in `contract::key`): its commit waits for the flush.
     #[test]
     fn the_ride_is_flushed_before_the_charge() {
         for sql in [CreateRideRecord::SQL, CreateRideRecordBatch::SQL] {

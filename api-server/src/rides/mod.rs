@@ -4,13 +4,16 @@
 //!
 //! ```text
 //! claim ──► started ──tx──► ride_created ──charge──tx──► charge_created ──tx──► finished
-//!   └──────────────────────┘                └─decline──tx──────────────────────────┘
+//!   └──────────────────────┘                ├──────────tx───────────────────────────┤
+//!                                           └─decline──tx───────────────────────────┘
 //! ```
 //!
-//! A fresh key skips the separate `started` commit: its claim writes the ride with the key in one
-//! flushed statement (`crate::idempotency::FirstRide`), so it is born at `ride_created`. The
-//! `started` phase runs as its own statement only for a key left there (an older server's, or a
-//! claim made without a first ride).
+//! A fresh key makes two commits, not four. Its claim writes the ride with the key in one flushed
+//! statement (`crate::idempotency::FirstRide`), so it is born at `ride_created`; and the statement
+//! that records its charge also stages its receipt and finishes it (`record_charge`), so it never
+//! stops at `charge_created`. The `started` and `charge_created` phases run as their own
+//! statements only for a key left there (an older server's, or, for `started`, a claim made
+//! without a first ride).
 //!
 //! A retry with the same key re-enters the loop at the key's recovery point; a finished key
 //! replays the outcome stored by the last phase (`contract::Outcome`). This module decides *what*
@@ -20,7 +23,7 @@
 //! One file per phase, each with its statement for one request and its batched statement for
 //! several side by side (every write phase goes to the database batched with other requests' same
 //! phase): [`create_ride_record`] (`started`), [`record_charge`] (`ride_created`, with the
-//! charge), [`stage_receipt`] (`charge_created`). [`params`] holds the request's validated
+//! charge, through to `finished`), [`stage_receipt`] (`charge_created`). [`params`] holds the request's validated
 //! parameters. A new phase is a new recovery point (a migration), a file here with its
 //! statements, and an arm in [`Rides::run_phase`].
 
@@ -45,10 +48,11 @@ use telemetry::attr;
 use tracing::Instrument;
 
 pub use params::{CREATE_RIDE_METHOD, CREATE_RIDE_PATH, FieldViolation, RideParams};
+#[cfg(feature = "testing")]
+pub(crate) use record_charge::charge_request;
 
 use self::{
-    create_ride_record::CreateRideRecords,
-    record_charge::{Charged, RecordCharges},
+    create_ride_record::CreateRideRecords, record_charge::RecordCharges,
     stage_receipt::StageReceipts,
 };
 use crate::{
@@ -174,6 +178,11 @@ impl Rides {
 
     pub fn pool(&self) -> &Pool {
         &self.pool
+    }
+
+    #[cfg(feature = "testing")]
+    pub(crate) fn stripe(&self) -> &StripeClient {
+        &self.stripe
     }
 
     /// The claim batcher, whose counts tell how many claims shared statements.
@@ -306,8 +315,7 @@ impl Rides {
         }
         .await;
         // Unlocked after a fenced-off phase too: a fence also fails while this attempt still
-        // holds the lock, when the key is not where this attempt left it (a PostgreSQL crash took
-        // an unflushed commit away). Releasing a lease that was taken over changes nothing.
+        // holds the lock, when the key is not where this attempt left it (a commit it saw was lost). Releasing a lease that was taken over changes nothing.
         if result.is_err()
             && let Err(release_error) = idempotency::release(&self.pool, self.retry, lease).await
         {
@@ -380,14 +388,7 @@ impl Rides {
             }
             RecoveryPoint::RideCreated => {
                 let current = self.current_ride(lease, ride.take()).await?;
-                match self.charge(lease, request, current).await? {
-                    Charged::Recorded(charged) => {
-                        *ride = Some(charged);
-                        lease.recovery_point = RecoveryPoint::ChargeCreated;
-                        Step::Advanced
-                    }
-                    Charged::Declined(outcome) => Step::Finished(outcome),
-                }
+                Step::Finished(self.charge(lease, request, current).await?)
             }
             RecoveryPoint::ChargeCreated => {
                 let current = self.current_ride(lease, ride.take()).await?;

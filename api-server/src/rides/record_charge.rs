@@ -1,17 +1,17 @@
 //! Phase `ride_created`: the charge, a foreign state mutation made with no transaction open and
-//! no pooled connection held, then its result in one atomic phase: the PaymentIntent id on the
-//! ride and the recovery point `charge_created` ([`RecordCharge`], or [`RecordChargeBatch`] for
-//! several requests, see `create_ride_record`'s module doc for why and how phases batch), or, for
-//! a declined card, the key finished with the decline as its outcome.
+//! no pooled connection held, then its result in one atomic phase: for a charge that succeeded,
+//! the PaymentIntent id on the ride, the receipt staged and the key finished ([`RecordCharge`], or
+//! [`RecordChargeBatch`] for several requests, see `create_ride_record`'s module doc for why and
+//! how phases batch), which is phase `charge_created`'s work done in the same commit (see
+//! `stage_receipt`); for a declined card, the key finished with the decline as its outcome.
 
 use std::time::{Duration, Instant};
 
-use contract::Outcome;
-use contract::key::KeyMoved;
+use contract::{BackgroundJob, Outcome, ReceiptJob, key::KeyMoved};
 use diesel::{
     OptionalExtension,
     result::Error as DieselError,
-    sql_types::{self, Array, BigInt, Text},
+    sql_types::{self, Array, BigInt, Integer, Jsonb, Text},
 };
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use futures_util::FutureExt;
@@ -23,35 +23,44 @@ use schema::{
 use scoped_futures::ScopedFutureExt;
 use telemetry::attr;
 
-use super::{CreateRideError, RideRequest, Rides};
+use super::{
+    CreateRideError, RideRequest, Rides,
+    stage_receipt::{Receipt, ReceiptArrays, finish_batch_with_receipts, finish_with_receipt},
+};
 use crate::{
     idempotency::{self, BatchStatement, Fence, FenceArrays, Lease},
     metrics::metrics,
     payments::{ChargeError, ChargeRequest},
 };
 
+/// The charge of `ride` for the key `lease` holds: every attempt at that ride, by any process,
+/// asks the provider for exactly this, under the same idempotency key.
+pub(crate) fn charge_request(lease: &Lease, request: &RideRequest, ride: &Ride) -> ChargeRequest {
+    ChargeRequest {
+        amount: ride.amount,
+        currency: ride.currency.clone(),
+        customer: request.user.stripe_customer_id.clone(),
+        payment_method: request.user.stripe_payment_method_id.clone(),
+        description: format!("Rocket Rides ride {}", ride.id),
+        metadata: vec![
+            ("ride_id", ride.id.to_string()),
+            ("user_id", ride.user_id.to_string()),
+            ("idempotency_key_id", lease.key_id.to_string()),
+        ],
+        idempotency_key: contract::key::provider_idempotency_key(lease.key_id),
+    }
+}
+
 impl Rides {
-    /// Phase `ride_created`: the charge, then its result in one atomic phase: the ride with its
-    /// charge recorded, or the final outcome if the card was declined.
+    /// Phase `ride_created`: the charge, then its result in one atomic phase that finishes the
+    /// key: the ride charged and its receipt staged, or the decline if the card was declined.
     pub(super) async fn charge(
         &self,
         lease: &Lease,
         request: &RideRequest,
         ride: Ride,
-    ) -> Result<Charged, CreateRideError> {
-        let charge = ChargeRequest {
-            amount: ride.amount,
-            currency: ride.currency.clone(),
-            customer: request.user.stripe_customer_id.clone(),
-            payment_method: request.user.stripe_payment_method_id.clone(),
-            description: format!("Rocket Rides ride {}", ride.id),
-            metadata: vec![
-                ("ride_id", ride.id.to_string()),
-                ("user_id", ride.user_id.to_string()),
-                ("idempotency_key_id", lease.key_id.to_string()),
-            ],
-            idempotency_key: contract::key::provider_idempotency_key(lease.key_id),
-        };
+    ) -> Result<Outcome, CreateRideError> {
+        let charge = charge_request(lease, request, &ride);
         // No transaction is open and no connection is held here: the call may take seconds.
         let started = Instant::now();
         crate::fault::crash_point("charge.before_call");
@@ -84,11 +93,7 @@ impl Rides {
         match charged {
             Ok(intent) => {
                 crate::fault::crash_point("charge.after_success");
-                self.record_charge(lease, ride.id, &intent.id).await?;
-                Ok(Charged::Recorded(Ride {
-                    stripe_charge_id: Some(intent.id),
-                    ..ride
-                }))
+                Ok(self.record_charge(lease, ride, intent.id).await?)
             }
             Err(ChargeError::Declined {
                 message,
@@ -100,7 +105,7 @@ impl Rides {
                     decline_code,
                 };
                 idempotency::finish(&self.pool, self.retry, lease, &outcome.to_stored()).await?;
-                Ok(Charged::Declined(outcome))
+                Ok(outcome)
             }
             Err(error @ ChargeError::Unavailable { .. }) => {
                 Err(CreateRideError::ProviderUnavailable(error))
@@ -111,26 +116,41 @@ impl Rides {
         }
     }
 
-    /// The charge's atomic phase: the PaymentIntent id on the ride, and `charge_created`.
+    /// The charge's atomic phase, which is also phase `charge_created`'s: the PaymentIntent
+    /// `charge_id` on `ride`, the receipt staged and the key finished. Both phases' crash points
+    /// fire around the one statement, as `started`'s fire around a fresh key's claim.
     async fn record_charge(
         &self,
         lease: &Lease,
-        ride_id: i64,
-        intent_id: &str,
-    ) -> Result<(), StoreError> {
+        ride: Ride,
+        charge_id: String,
+    ) -> Result<Outcome, StoreError> {
+        let ride_id = ride.id;
+        let (outcome, receipt) = Receipt::for_charged(Ride {
+            stripe_charge_id: Some(charge_id.clone()),
+            ..ride
+        });
         let charge_made = || ChargeMade {
             fence: lease.fence(),
             ride_id,
-            charge_id: intent_id.to_owned(),
+            charge_id: charge_id.clone(),
+            receipt: receipt.clone(),
         };
+        let (charge_id, receipt) = (&charge_id, &receipt);
+        crate::fault::crash_point("charge_created.before_commit");
         idempotency::batched_phase(&self.charges, lease, charge_made, || async {
             idempotency::atomic_phase(&self.pool, self.retry, lease, |conn| {
                 prepared::<RecordCharge, _>(|q| {
                     q.bind::<BigInt, _>(lease.key_id)
                         .bind::<sql_types::Uuid, _>(lease.token)
                         .bind::<BigInt, _>(lease.user_id)
-                        .bind::<Text, _>(intent_id)
+                        .bind::<Text, _>(charge_id)
                         .bind::<BigInt, _>(ride_id)
+                        .bind::<Text, _>(ReceiptJob::JOB_NAME)
+                        .bind::<Jsonb, _>(&receipt.job_args)
+                        .bind::<Jsonb, _>(&receipt.trace_context)
+                        .bind::<Integer, _>(receipt.response_code)
+                        .bind::<Jsonb, _>(&receipt.response_body)
                 })
                 .get_result::<KeyMoved>(conn)
                 .map(OptionalExtension::optional)
@@ -139,7 +159,9 @@ impl Rides {
             .await
             .map(|_| ())
         })
-        .await
+        .await?;
+        crate::fault::crash_point("charge_created.after_commit");
+        Ok(outcome)
     }
 
     /// Whether an attempt at charging `ride` may be older than the provider's idempotency window.
@@ -155,33 +177,22 @@ impl Rides {
     }
 }
 
-/// How the charge phase ended.
-pub(super) enum Charged {
-    /// The charge is recorded on this ride; the key is at `charge_created`.
-    Recorded(Ride),
-    /// The card was declined; the key is finished with this outcome.
-    Declined(Outcome),
-}
-
-/// The charge's atomic phase as one statement: the PaymentIntent id on the key's ride and the
-/// recovery point `charge_created`. Its commit is not waited for (`contract::unflushed!`): lost in
-/// a crash of PostgreSQL, the key is back at `ride_created` and the retry's charge is replayed by
-/// the provider under the same key; the receipt phase's flushed commit makes it durable before the
-/// caller is answered.
+/// The charge's atomic phase as one statement: the PaymentIntent id on the key's ride, the
+/// receipt job staged, and the key finished with the stored outcome and unlocked, so a fresh key
+/// goes from `ride_created` to `finished` in one commit and never stops at `charge_created`.
+/// Nothing lies outside the database between recording the charge and staging the receipt, so
+/// the two phases need no commit between them; the one commit waits for the flush, as
+/// `finished` must be durable before the answer.
 struct RecordCharge;
 
 impl Statement for RecordCharge {
     const SQL: &'static str = concat!(
         "WITH ",
         contract::fence!("ride_created"),
-        ", ",
-        contract::unflushed!(),
-        ", charged AS (UPDATE rides SET stripe_charge_id = $4 FROM fence CROSS JOIN unflushed \
+        ", charged AS (UPDATE rides SET stripe_charge_id = $4 FROM fence \
          WHERE rides.id = $5 AND rides.user_id = fence.user_id \
-         AND rides.idempotency_key_id = fence.id RETURNING rides.id) \
-         UPDATE idempotency_keys SET recovery_point = 'charge_created' FROM charged \
-         WHERE idempotency_keys.id = $1 AND idempotency_keys.lock_token = $2 \
-         AND idempotency_keys.user_id = $3 RETURNING idempotency_keys.id"
+         AND rides.idempotency_key_id = fence.id RETURNING rides.id), ",
+        finish_with_receipt!("charged", "$6", "$7", "$8", "$9", "$10"),
     );
 }
 
@@ -194,14 +205,16 @@ pub struct ChargeMade {
     pub ride_id: i64,
     /// The provider's PaymentIntent id.
     pub charge_id: String,
+    pub receipt: Receipt,
 }
 
 impl BatchStatement for RecordCharges {
     type Item = ChargeMade;
-    /// `Some` if the key moved on; `None` if its fence failed.
+    /// `Some` if the key was finished; `None` if its fence failed.
     type Output = Option<()>;
     const NAME: &'static str = "record_charge";
-    /// Recording the same PaymentIntent id again changes nothing.
+    /// A batch that committed finished and unlocked its keys, so a redo fails every fence and
+    /// records and stages nothing twice.
     const REDO_AFTER_CONNECTION_LOSS: bool = true;
 
     async fn execute(
@@ -212,12 +225,18 @@ impl BatchStatement for RecordCharges {
         let fences = FenceArrays::of(items.iter().map(|item| item.fence));
         let charge_ids: Vec<&str> = items.iter().map(|item| item.charge_id.as_str()).collect();
         let ride_ids: Vec<i64> = items.iter().map(|item| item.ride_id).collect();
+        let receipts = ReceiptArrays::of(items.iter().map(|item| &item.receipt));
         let moved = prepared::<RecordChargeBatch, _>(|q| {
             q.bind::<Array<BigInt>, _>(&fences.key_ids)
                 .bind::<Array<sql_types::Uuid>, _>(&fences.tokens)
                 .bind::<Array<BigInt>, _>(&fences.user_ids)
                 .bind::<Array<Text>, _>(&charge_ids)
                 .bind::<Array<BigInt>, _>(&ride_ids)
+                .bind::<Array<Jsonb>, _>(&receipts.job_args)
+                .bind::<Array<Jsonb>, _>(&receipts.trace_contexts)
+                .bind::<Array<Integer>, _>(&receipts.codes)
+                .bind::<Array<Jsonb>, _>(&receipts.bodies)
+                .bind::<Text, _>(ReceiptJob::JOB_NAME)
         })
         .load::<KeyMoved>(conn)
         .await?;
@@ -231,22 +250,16 @@ impl Statement for RecordChargeBatch {
     const SQL: &'static str = concat!(
         contract::batch_fence!(
             "ride_created",
-            "$4::text[], $5::int8[]",
-            "charge_id, ride_id"
+            "$4::text[], $5::int8[], $6::jsonb[], $7::jsonb[], $8::int4[], $9::jsonb[]",
+            "charge_id, ride_id, job_args, trace_context, response_code, response_body"
         ),
-        ", ",
-        contract::unflushed!(),
-        ", charged AS (UPDATE rides SET stripe_charge_id = fence.charge_id \
-         FROM fence CROSS JOIN unflushed \
+        ", charged AS (UPDATE rides SET stripe_charge_id = fence.charge_id FROM fence \
          WHERE rides.id = ANY(ARRAY(SELECT ride_id FROM fence)) \
          AND rides.id = fence.ride_id AND rides.user_id = fence.user_id \
          AND rides.idempotency_key_id = fence.key_id \
-         RETURNING rides.idempotency_key_id, rides.user_id) \
-         UPDATE idempotency_keys SET recovery_point = 'charge_created' FROM charged \
-         WHERE idempotency_keys.id = ANY(ARRAY(SELECT idempotency_key_id FROM charged)) \
-         AND idempotency_keys.id = charged.idempotency_key_id \
-         AND idempotency_keys.user_id = charged.user_id \
-         RETURNING idempotency_keys.id"
+         RETURNING rides.idempotency_key_id AS key_id), \
+         settled AS (SELECT fence.* FROM fence JOIN charged USING (key_id)), ",
+        finish_batch_with_receipts!("settled", "$10"),
     );
 }
 
@@ -254,13 +267,13 @@ impl Statement for RecordChargeBatch {
 mod tests {
     use super::*;
 
-    /// Recording the charge need not wait for the flush: the receipt phase's commit does
-    /// (`contract::unflushed!`'s table).
+    /// The charge's record now finishes the key, which must be durable before the caller is
+    /// answered (the durability table in `contract::key`).
     #[test]
-    fn the_charge_is_recorded_without_waiting_for_the_flush() {
+    fn the_charge_and_the_outcome_are_flushed_before_the_answer() {
         for sql in [RecordCharge::SQL, RecordChargeBatch::SQL] {
-            assert!(sql.contains(contract::unflushed!()), "{sql}");
-            assert!(sql.contains("CROSS JOIN unflushed"), "{sql}");
+            assert!(!sql.contains("synchronous_commit"), "{sql}");
+            assert!(sql.contains("recovery_point = 'finished'"), "{sql}");
         }
     }
 }

@@ -60,9 +60,7 @@ async fn key_at(app: &TestApp, user: &TestUser, point: RecoveryPoint) -> (String
     let key = new_key();
     let mut lease = app.claim(user, &key, &params()).await;
     let request = app.rides_request(user, params()).await;
-    while lease.recovery_point != point {
-        app.rides.step(&mut lease, &request).await.unwrap();
-    }
+    app.step_to(&mut lease, &request, point).await;
     (key, lease)
 }
 

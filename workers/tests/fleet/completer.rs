@@ -51,9 +51,7 @@ pub(crate) async fn abandoned_key(
     let key = new_key();
     let mut lease = app.claim(user, &key, &params()).await;
     let request = app.rides_request(user, params()).await;
-    while lease.recovery_point != point {
-        app.rides.step(&mut lease, &request).await.unwrap();
-    }
+    app.step_to(&mut lease, &request, point).await;
     app.expire_lock(lease.key_id).await;
     age(app, lease.key_id, "6 minutes", "2 minutes").await;
     (key, lease.key_id)
