@@ -121,6 +121,8 @@ struct State {
     failures: Mutex<VecDeque<u16>>,
     /// How many of the next searches answer 503.
     search_failures: Mutex<usize>,
+    /// How long the next messages' end of DATA takes before they are kept, front first.
+    slow_accepts: Mutex<VecDeque<Duration>>,
     received: Notify,
 }
 
@@ -140,6 +142,13 @@ impl State {
             };
             kept.bytes -= oldest.data.len();
         }
+    }
+
+    fn next_slow_accept(&self) -> Option<Duration> {
+        self.slow_accepts
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .pop_front()
     }
 
     fn next_failure(&self) -> Option<u16> {
@@ -212,6 +221,17 @@ impl MailSink {
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
         failures.extend(std::iter::repeat_n(code, count));
+    }
+
+    /// Takes `delay` over the end of DATA of the next `count` messages before keeping and
+    /// accepting them, as a loaded relay does: a client that gives up in that time has still
+    /// handed the relay a mail it keeps.
+    pub fn accept_slowly_next(&self, count: usize, delay: Duration) {
+        self.state
+            .slow_accepts
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .extend(std::iter::repeat_n(delay, count));
     }
 
     /// Answers the next `count` searches with 503, as a relay whose API is down.
@@ -497,6 +517,9 @@ async fn session(stream: TcpStream, state: &State, dir: Option<&Path>) -> std::i
                             let reply = format!("{code} injected failure, try again\r\n");
                             write.write_all(reply.as_bytes()).await?;
                             continue;
+                        }
+                        if let Some(delay) = state.next_slow_accept() {
+                            tokio::time::sleep(delay).await;
                         }
                         let mail = ReceivedMail {
                             mail_from: from,

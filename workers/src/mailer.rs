@@ -51,9 +51,15 @@ pub enum MailerConfigError {
 
 #[derive(Debug, thiserror::Error)]
 pub enum MailError {
-    /// Worth retrying later: 4xx replies, connection failures, timeouts.
+    /// Worth retrying later, and the relay did not take the message: 4xx replies, connection
+    /// failures.
     #[error("temporary SMTP failure: {0}")]
     Temporary(String),
+    /// Worth retrying later, but the relay may have taken the message: the conversation timed out
+    /// before its answer, and a relay that had the whole message may still keep it after the
+    /// client has gone.
+    #[error("unconfirmed SMTP send: {0}")]
+    Unconfirmed(String),
     /// Will never succeed as is: 5xx replies, an invalid recipient address.
     #[error("permanent mail failure: {0}")]
     Permanent(String),
@@ -119,7 +125,8 @@ impl Mailer {
         match self.transport.send(message).await {
             Ok(_) => Ok(()),
             Err(error) if error.is_permanent() => Err(MailError::Permanent(error.to_string())),
-            // 4xx, refused connections, timeouts, protocol hiccups: try again later.
+            Err(error) if error.is_timeout() => Err(MailError::Unconfirmed(error.to_string())),
+            // 4xx, refused connections, protocol hiccups: try again later.
             Err(error) => Err(MailError::Temporary(error.to_string())),
         }
     }

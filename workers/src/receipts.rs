@@ -457,7 +457,7 @@ impl ReceiptWorker {
             .await
         {
             Ok(sent) => sent,
-            Err(_) => Err(MailError::Temporary(
+            Err(_) => Err(MailError::Unconfirmed(
                 "the SMTP conversation timed out".into(),
             )),
         };
@@ -470,6 +470,11 @@ impl ReceiptWorker {
                     }
                 }
                 MailError::Temporary(_) => self.end_lease(&claim).await,
+                // The relay may still be finishing the conversation this attempt left, and keep
+                // the mail. The lease (longer than a conversation) is left to run out, so that
+                // the retry asks the relay's search only after that: asked at once, it found
+                // nothing and sent a second copy (long campaign 40d06df2, two rides).
+                MailError::Unconfirmed(_) => {}
             }
             return Err(error.into());
         }

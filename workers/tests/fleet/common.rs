@@ -251,7 +251,19 @@ pub fn receipt_worker_with(
     sink: &MailSink,
     search_url: Option<&str>,
 ) -> Arc<ReceiptWorker> {
+    receipt_worker_configured(pool, broker, sink, search_url, |_| {})
+}
+
+/// [`receipt_worker_with`], its configuration changed by `adjust` first.
+pub fn receipt_worker_configured(
+    pool: &Pool,
+    broker: &TestBroker,
+    sink: &MailSink,
+    search_url: Option<&str>,
+    adjust: impl FnOnce(&mut ReceiptsConfig),
+) -> Arc<ReceiptWorker> {
     let mut config = receipts_config(&sink.smtp_url());
+    adjust(&mut config);
     config.mail_search_url = search_url.map(str::to_owned);
     let mailer = Mailer::new(config.smtp_url.expose(), &config.from, config.smtp_timeout).unwrap();
     let search = search_url.map(|url| RelaySearch::new(url, Duration::from_secs(5)).unwrap());

@@ -437,6 +437,42 @@ async fn a_temporary_failure_ends_the_claim_so_the_retry_need_not_wait_for_the_l
     broker.cleanup().await;
 }
 
+/// A send the worker gave up on (its SMTP timeout) can still be kept by a slow relay after the
+/// worker has gone. The attempt keeps its claim's lease, so the retry asks the relay's search only
+/// once the lease has run out, finds the mail, and does not send it again. Ending the lease at
+/// once, as for a refused send, let the long campaign 40d06df2 mail two rides twice.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_send_cut_off_by_the_timeout_keeps_the_lease_so_the_retry_finds_the_mail() {
+    let app = TestApp::spawn().await;
+    let broker = TestBroker::new().await;
+    let sink = common::mail_sink().await;
+    let search = sink
+        .serve_search("127.0.0.1:0".parse().unwrap())
+        .await
+        .unwrap();
+    let ride_id = paid_ride(&app, &broker).await;
+    let worker =
+        common::receipt_worker_configured(&app.pool, &broker, &sink, Some(&search), |config| {
+            config.smtp_timeout = Duration::from_millis(500);
+            config.claim_lease = Duration::from_secs(3);
+        });
+    // The relay keeps the mail 1.5 s after the end of DATA, long after the worker gave up.
+    sink.accept_slowly_next(1, Duration::from_millis(1500));
+
+    let summary = worker.run_once(&broker.session.channel).await.unwrap();
+
+    assert_eq!(
+        (summary.retried, summary.recovered, summary.sent),
+        (1, 1, 0),
+        "{summary:?}"
+    );
+    assert_eq!(sink.received().len(), 1, "the rider got one mail");
+    assert_eq!(sent_count(&app).await, 1);
+    assert_eq!(recorded_via(&app, ride_id).await, "relay_search");
+    assert_eq!(claims_left(&app).await, 0);
+    broker.cleanup().await;
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_restarted_sink_still_answers_for_the_mail_it_stored() {
     let dir = std::env::temp_dir().join(format!("rides-sink-{}", uuid::Uuid::new_v4().simple()));
