@@ -23,9 +23,9 @@
 //! One file per phase, each with its statement for one request and its batched statement for
 //! several side by side (every write phase goes to the database batched with other requests' same
 //! phase): [`create_ride_record`] (`started`), [`record_charge`] (`ride_created`, with the
-//! charge, through to `finished`), [`stage_receipt`] (`charge_created`). [`params`] holds the request's validated
-//! parameters. A new phase is a new recovery point (a migration), a file here with its
-//! statements, and an arm in [`Rides::run_phase`].
+//! charge, through to `finished`), [`stage_receipt`] (`charge_created`). [`params`] holds the
+//! request's validated parameters. A new phase is a new recovery point (a migration), a file
+//! here with its statements, and an arm in [`Rides::run_phase`].
 
 mod create_ride_record;
 mod params;
@@ -315,7 +315,8 @@ impl Rides {
         }
         .await;
         // Unlocked after a fenced-off phase too: a fence also fails while this attempt still
-        // holds the lock, when the key is not where this attempt left it (a commit it saw was lost). Releasing a lease that was taken over changes nothing.
+        // holds the lock, when the key is not where this attempt left it (a commit it saw was
+        // lost). Releasing a lease that was taken over changes nothing.
         if result.is_err()
             && let Err(release_error) = idempotency::release(&self.pool, self.retry, lease).await
         {

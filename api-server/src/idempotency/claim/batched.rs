@@ -242,8 +242,8 @@ mod tests {
     use super::*;
 
     /// A claim may commit a key at `ride_created` with its first ride, which must be durable
-    /// before the charge (the durability table in `contract::key`): every claim's commit waits for the
-    /// flush.
+    /// before the charge (the durability table in `contract::key`): every claim's commit waits
+    /// for the flush.
     #[test]
     fn claims_wait_for_the_flush() {
         for sql in [

@@ -6,10 +6,10 @@
 //! ride in the same statement, and the key is born at `ride_created`: one statement and one
 //! commit fewer per new ride, and one batch fewer to wait for. The merged commit is the one
 //! `started`'s phase makes on its own otherwise, so it waits for the WAL flush (`ride_created`
-//! must be durable before the charge, the durability table in `contract::key`); a crash before it leaves
-//! nothing, as before the phase's own commit. A key whose claim carries no first ride is inserted
-//! at `started`, and its phase runs as its own statement, as does a key an older server left at
-//! `started`.
+//! must be durable before the charge, the durability table in `contract::key`); a crash before
+//! it leaves nothing, as before the phase's own commit. A key whose claim carries no first ride
+//! is inserted at `started`, and its phase runs as its own statement, as does a key an older
+//! server left at `started`.
 //!
 //! This is the one place the idempotency engine writes a request type's rows; the values come
 //! from the request type as plain columns, so this module still knows nothing of what a ride
