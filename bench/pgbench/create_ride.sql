@@ -8,7 +8,8 @@
 --   2. phase started: fence (SELECT ... FOR NO KEY UPDATE), INSERT ride, INSERT audit record,
 --      UPDATE key to ride_created, returning the ride (CreateRideRecord);
 --   (the provider call, which is not database work and is left out)
---   3. charge recorded: fence, UPDATE ride's charge id, UPDATE key to charge_created (RecordCharge);
+--   3. charge recorded: fence, UPDATE ride's charge id, UPDATE key to charge_created (RecordCharge
+--      until run 24; since then RecordCharge does statement 4 as well, in one flushed commit);
 --   4. phase charge_created: fence, INSERT staged job, UPDATE key finished with the stored
 --      response and unlocked (StageReceipt).
 -- The ride is not read back: the server keeps the one statement 2 returned (an attempt that

@@ -13,7 +13,8 @@
 --      INSERT rides, INSERT audit_records, UPDATE keys to ride_created by = ANY(ARRAY(...)),
 --      returning the rides;
 --   (the provider call, which is not database work and is left out)
---   3. charge recorded (RecordChargeBatch, api-server/src/rides/record_charge.rs): batch fence,
+--   3. charge recorded (RecordChargeBatch, api-server/src/rides/record_charge.rs, as it was until
+--      run 24; since then it also stages the receipt and finishes the key): batch fence,
 --      UPDATE rides' charge ids, UPDATE keys to charge_created;
 --   4. phase charge_created (StageReceiptBatch, api-server/src/rides/stage_receipt.rs): batch
 --      fence, INSERT staged jobs, UPDATE keys finished (contract::finish_key!) from the fence.

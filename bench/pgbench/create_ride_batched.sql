@@ -7,7 +7,8 @@
 --   2. phase started for all of them (CreateRideRecordBatch, rides/create_ride_record.rs):
 --      contract::batch_fence!, INSERT rides, INSERT audit_records, keys to ride_created;
 --   (the provider calls, which are not database work, are left out)
---   3. charges recorded (RecordChargeBatch, rides/record_charge.rs);
+--   3. charges recorded (RecordChargeBatch, rides/record_charge.rs, until run 24; since then it does
+--      statement 4 as well, as create_ride_batched_merged.sql);
 --   4. receipts staged and keys finished (StageReceiptBatch, rides/stage_receipt.rs).
 -- Rides per second = pgbench's tps x :batch (bench-report multiplies).
 -- Differences from the server: the arrays are built in the statement (ARRAY(SELECT ... FROM
