@@ -20,6 +20,7 @@ log "cargo clippy (warnings are errors)"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 log "deploy/validate.sh (Dockerfile, compose, Kubernetes manifests, offline)"
 deploy/validate.sh
+deploy/local/buf-lint.sh
 log "cargo nextest run --workspace"
 cargo nextest run --workspace --locked --profile "${NEXTEST_PROFILE:-default}" "$@"
 if [[ "${PROOF:-1}" != 0 ]]; then
