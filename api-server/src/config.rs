@@ -6,6 +6,7 @@ use std::{fmt, net::SocketAddr, path::PathBuf, str::FromStr, time::Duration};
 pub use telemetry::Secret;
 
 use crate::{
+    admission::peer::TrustedProxies,
     idempotency::Batching,
     limits::{LimitsConfig, Rate},
 };
@@ -26,6 +27,8 @@ pub struct Config {
     pub transport: TransportConfig,
     /// Set: the gRPC listener speaks TLS only.
     pub tls: Option<TlsConfig>,
+    /// Peers that may name the client they relay (`admission::peer`).
+    pub trusted_proxies: TrustedProxies,
 }
 
 /// A peer's refusal budget holds this many seconds of its refill rate.
@@ -229,6 +232,7 @@ impl Config {
                     .parse("GRPC_MAX_LOCAL_ERROR_RESET_STREAMS", 1024)?,
             },
             tls: tls_config(&vars)?,
+            trusted_proxies: vars.parse("GRPC_TRUSTED_PROXIES", TrustedProxies::default())?,
             internal_api_token: lookup("INTERNAL_API_TOKEN")
                 .filter(|token| !token.is_empty())
                 .map(Secret::new),
@@ -290,7 +294,13 @@ fn limits(vars: &Vars<'_>) -> Result<LimitsConfig, ConfigError> {
         max_tracked_callers: vars.parse("RATE_LIMIT_MAX_TRACKED_USERS", 100_000)?,
         unknown_token_ttl: Duration::from_millis(vars.parse("UNKNOWN_TOKEN_CACHE_TTL_MS", 60_000)?),
         unknown_token_capacity: vars.parse("UNKNOWN_TOKEN_CACHE_SIZE", 10_000)?,
-        max_concurrent_token_lookups: vars.parse("MAX_CONCURRENT_TOKEN_LOOKUPS", 4)?,
+        known_token_ttl: Duration::from_secs(vars.parse("KNOWN_TOKEN_CACHE_TTL_SECS", 3600)?),
+        known_token_capacity: vars.parse("KNOWN_TOKEN_CACHE_SIZE", 1_000_000)?,
+        max_concurrent_token_lookups: vars.optional("MAX_CONCURRENT_TOKEN_LOOKUPS")?,
+        token_lookup_queue: vars.parse("TOKEN_LOOKUP_QUEUE_SIZE", 4096)?,
+        token_lookup_wait: Duration::from_millis(
+            vars.parse("TOKEN_LOOKUP_QUEUE_TIMEOUT_MS", 2000)?,
+        ),
     };
     // Zero would refuse every call (or every new key) of every user: never what was meant.
     let zero = [
@@ -305,7 +315,11 @@ fn limits(vars: &Vars<'_>) -> Result<LimitsConfig, ConfigError> {
         ),
         (
             "MAX_CONCURRENT_TOKEN_LOOKUPS",
-            config.max_concurrent_token_lookups == 0,
+            config.max_concurrent_token_lookups == Some(0),
+        ),
+        (
+            "TOKEN_LOOKUP_QUEUE_TIMEOUT_MS",
+            config.token_lookup_wait.is_zero(),
         ),
     ];
     if let Some((name, _)) = zero.into_iter().find(|(_, zero)| *zero) {
@@ -370,6 +384,17 @@ impl TransportConfig {
                 reason: "must be longer than STRIPE_TIMEOUT_MS".into(),
             });
         }
+        // A valid credential vouches for its peer this long: no call of an admitted peer may
+        // outlive it, or a shut-out could cut an admitted call (`penalty`).
+        if self.request_timeout >= crate::penalty::VALID_CREDENTIAL_MEMORY {
+            return Err(ConfigError::Invalid {
+                name: "GRPC_REQUEST_TIMEOUT_SECS",
+                reason: format!(
+                    "must be shorter than {} s",
+                    crate::penalty::VALID_CREDENTIAL_MEMORY.as_secs()
+                ),
+            });
+        }
         // The idle timer does not see calls in flight, only what the peer sends: a call may not
         // outlive it, or a peer waiting quietly on a slow answer would be cut off.
         if self.idle_timeout <= self.request_timeout {
@@ -422,16 +447,26 @@ impl Vars<'_> {
         T: FromStr,
         T::Err: fmt::Display,
     {
-        match (self.0)(name).filter(|value| !value.is_empty()) {
-            None => Ok(default),
-            Some(raw) => raw
-                .trim()
-                .parse()
-                .map_err(|error: T::Err| ConfigError::Invalid {
-                    name,
-                    reason: error.to_string(),
-                }),
-        }
+        Ok(self.optional(name)?.unwrap_or(default))
+    }
+
+    /// A variable with no fixed default: `None` when unset or empty.
+    fn optional<T>(&self, name: &'static str) -> Result<Option<T>, ConfigError>
+    where
+        T: FromStr,
+        T::Err: fmt::Display,
+    {
+        (self.0)(name)
+            .filter(|value| !value.is_empty())
+            .map(|raw| {
+                raw.trim()
+                    .parse()
+                    .map_err(|error: T::Err| ConfigError::Invalid {
+                        name,
+                        reason: error.to_string(),
+                    })
+            })
+            .transpose()
     }
 }
 
@@ -489,9 +524,14 @@ mod tests {
                 max_tracked_callers: 100_000,
                 unknown_token_ttl: Duration::from_secs(60),
                 unknown_token_capacity: 10_000,
-                max_concurrent_token_lookups: 4,
+                known_token_ttl: Duration::from_secs(3600),
+                known_token_capacity: 1_000_000,
+                max_concurrent_token_lookups: None,
+                token_lookup_queue: 4096,
+                token_lookup_wait: Duration::from_secs(2),
             }
         );
+        assert_eq!(config.trusted_proxies, TrustedProxies::default());
         let transport = config.transport;
         assert_eq!(transport.max_concurrent_streams, 128);
         assert_eq!(transport.max_connections, 10_000);
@@ -552,6 +592,21 @@ mod tests {
             (
                 vec![("GRPC_REQUEST_TIMEOUT_SECS", "30")],
                 "GRPC_REQUEST_TIMEOUT_SECS",
+            ),
+            (
+                vec![
+                    ("GRPC_REQUEST_TIMEOUT_SECS", "900"),
+                    ("GRPC_IDLE_TIMEOUT_MS", "1000000"),
+                ],
+                "GRPC_REQUEST_TIMEOUT_SECS",
+            ),
+            (
+                vec![("GRPC_TRUSTED_PROXIES", "10.0.0.0/8,proxy")],
+                "GRPC_TRUSTED_PROXIES",
+            ),
+            (
+                vec![("TOKEN_LOOKUP_QUEUE_TIMEOUT_MS", "0")],
+                "TOKEN_LOOKUP_QUEUE_TIMEOUT_MS",
             ),
             (
                 vec![("GRPC_IDLE_TIMEOUT_MS", "60000")],

@@ -14,10 +14,14 @@
 //! Below it: `contract` (what this service and the workers agree on: the stored outcome, the
 //! receipt job, the key's fence and finish statements) and `schema` (the database: tables,
 //! models, pool, `StoreError` and the retry policy).
-//! - [`limits`]: per-user rate limits and the bad-token cache, decided before the database.
+//! - [`admission`]: what is decided before a call's own work: who the caller is, token lookups
+//!   and the caches of known and unknown tokens, whom a refusal counts against; [`limits`]:
+//!   per-user rate limits and the decline budget; [`penalty`]: peers that keep failing
+//!   authentication are shut out.
 //! - [`config`]: typed configuration, read once from the environment.
 //! - [`fault`]: crash points for the reliability campaign (feature `fault-injection` only).
 
+pub mod admission;
 pub mod auth;
 pub mod config;
 pub mod fault;
@@ -50,6 +54,8 @@ pub struct App {
     pub limits: LimitsConfig,
     pub transport: TransportConfig,
     pub tls: Option<TlsConfig>,
+    pub trusted_proxies: admission::peer::TrustedProxies,
+    pub pool_size: u32,
     /// Reports pool usage while the app lives.
     _pool_gauge: opentelemetry::metrics::ObservableGauge<u64>,
 }
@@ -74,6 +80,8 @@ impl App {
             limits: config.limits,
             transport: config.transport,
             tls: config.tls.clone(),
+            trusted_proxies: config.trusted_proxies.clone(),
+            pool_size: config.database.pool_size,
         })
     }
 }

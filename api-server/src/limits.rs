@@ -39,8 +39,8 @@ use crate::auth::Caller;
 
 /// The settings that lift every per-user limit, for callers that are not real users: the test
 /// harness, and the reliability campaign's closed-loop clients (hundreds of calls per second per
-/// user, many of them declined), which prove exactly-once under crashes, not the limits.
-/// `bench/run.sh` sets the same variables in shell.
+/// user, many of them declined), which prove exactly-once under crashes, not the limits. The
+/// token lookups are not lifted: they refuse nobody below capacity (`admission::lookup`).
 pub const LIFTED: &[(&str, &str)] = &[
     ("RATE_LIMIT_CREATE_PER_SEC", "1000000"),
     ("RATE_LIMIT_CREATE_BURST", "1000000"),
@@ -48,7 +48,6 @@ pub const LIFTED: &[(&str, &str)] = &[
     ("RATE_LIMIT_GET_BURST", "1000000"),
     ("MAX_CONCURRENT_CREATES_PER_USER", "1000000"),
     ("DECLINE_BUDGET_PER_10_MIN", "1000000"),
-    ("MAX_CONCURRENT_TOKEN_LOOKUPS", "1000000"),
     ("GRPC_REFUSALS_PER_IP_PER_SEC", "1000000"),
 ];
 
@@ -78,8 +77,14 @@ pub struct LimitsConfig {
     /// (or restored) after it was tried is refused for at most this long.
     pub unknown_token_ttl: Duration,
     pub unknown_token_capacity: usize,
-    /// Calls with a token not verified lately that may run at once (each costs a lookup).
-    pub max_concurrent_token_lookups: usize,
+    /// How long a verified token stays known without being used (`admission::known`).
+    pub known_token_ttl: Duration,
+    pub known_token_capacity: usize,
+    /// Token lookups that may run at once; `None`: half the database pool.
+    pub max_concurrent_token_lookups: Option<usize>,
+    /// Calls that may wait for a lookup place at once, and how long each may wait.
+    pub token_lookup_queue: usize,
+    pub token_lookup_wait: Duration,
 }
 
 /// A refused call, with how long to wait before trying again.
@@ -392,7 +397,11 @@ mod tests {
             max_tracked_callers: 2,
             unknown_token_ttl: Duration::from_secs(60),
             unknown_token_capacity: 2,
-            max_concurrent_token_lookups: 4,
+            known_token_ttl: Duration::from_secs(3600),
+            known_token_capacity: 4,
+            max_concurrent_token_lookups: Some(4),
+            token_lookup_queue: 4,
+            token_lookup_wait: Duration::from_secs(1),
         }
     }
 

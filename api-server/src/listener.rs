@@ -6,12 +6,14 @@
 //!    open connections, in all and per peer IP. A connection refused is closed at once and
 //!    counted in `rpc.server.connections.refused`.
 //! 3. TCP keepalive and no-delay on the socket.
-//! 4. In a task of its own, so a slow peer holds up nobody else: the TLS handshake (if any) and
-//!    the 24-byte HTTP/2 connection preface, both within `GRPC_PREFACE_TIMEOUT_MS`, else closed.
+//! 4. In a task of its own, so a slow peer holds up nobody else: a PROXY protocol header if the
+//!    peer is a trusted proxy (`admission::proxy_protocol`), the TLS handshake (if any) and the
+//!    24-byte HTTP/2 connection preface, all within `GRPC_PREFACE_TIMEOUT_MS`, else closed.
 //! 5. Handed to tonic as a [`Conn`], which replays the preface, closes the connection once the
 //!    peer has opened no stream and sent no data for `GRPC_IDLE_TIMEOUT_MS`, at its maximum age
 //!    and grace, or as soon as its peer is shut out, and gives its place under the caps back
-//!    when it closes.
+//!    when it closes. Every call on it sees the connection's [`PeerInfo`] (tonic's connect
+//!    info).
 //!
 //! HTTP/2 itself (stream cap, keepalive pings, connection age, reset-flood protection) is set on
 //! tonic's builder in `server`.
@@ -41,7 +43,15 @@ use tokio::{
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::server::Connected;
 
-use crate::{config::TransportConfig, metrics::metrics, penalty::Penalties};
+use crate::{
+    admission::{
+        peer::{PeerInfo, PeerSource, TrustedProxies},
+        proxy_protocol,
+    },
+    config::TransportConfig,
+    metrics::metrics,
+    penalty::Penalties,
+};
 
 /// What every HTTP/2 client sends first (RFC 9113, section 3.4).
 const PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
@@ -56,13 +66,16 @@ pub fn incoming<IO, H, F>(
     listener: TcpListener,
     transport: TransportConfig,
     penalties: Arc<Penalties>,
+    trusted_proxies: TrustedProxies,
     handshake: H,
 ) -> ReceiverStream<Result<Conn<IO>, Infallible>>
 where
-    IO: AsyncRead + AsyncWrite + Unpin + Send + 'static,
-    H: Fn(TcpStream) -> F + Send + 'static,
+    IO: AsyncRead + AsyncWrite + PeerSource + Unpin + Send + 'static,
+    H: Fn(TcpStream) -> F + Send + Sync + 'static,
     F: Future<Output = io::Result<IO>> + Send + 'static,
 {
+    let handshake = Arc::new(handshake);
+    let trusted_proxies = Arc::new(trusted_proxies);
     let (ready, taken) = mpsc::channel(READY_QUEUE);
     let limits = ConnectionLimits::new(transport.max_connections, transport.max_connections_per_ip);
     tokio::spawn(async move {
@@ -84,12 +97,19 @@ where
                 }
             };
             configure(&tcp, transport.tcp_keepalive);
-            let opening = handshake(tcp);
+            let from_proxy = trusted_proxies.contains(peer.ip());
+            let handshake = Arc::clone(&handshake);
+            let trusted_proxies = Arc::clone(&trusted_proxies);
             let ready = ready.clone();
             let penalties = Arc::clone(&penalties);
             tokio::spawn(async move {
+                let mut tcp = tcp;
                 let opened = tokio::time::timeout(transport.preface_timeout, async {
-                    let mut io = opening.await?;
+                    let proxied = match from_proxy {
+                        true => proxy_protocol::read(&mut tcp).await?,
+                        false => None,
+                    };
+                    let mut io = handshake(tcp).await?;
                     let mut preface = [0_u8; PREFACE.len()];
                     io.read_exact(&mut preface).await?;
                     if &preface != PREFACE {
@@ -98,12 +118,21 @@ where
                             "not an HTTP/2 connection preface",
                         ));
                     }
-                    Ok(io)
+                    Ok((io, proxied))
                 })
                 .await;
                 match opened {
-                    Ok(Ok(io)) => {
-                        let conn = Conn::new(io, permit, &transport, peer.ip(), penalties);
+                    Ok(Ok((io, proxied))) => {
+                        let info = PeerInfo {
+                            proxied,
+                            ..io.peer_info()
+                        };
+                        let shut_out_by = info.connection_address(&trusted_proxies);
+                        if shut_out_by.is_some_and(|ip| penalties.is_shut_out(ip)) {
+                            refuse("shut_out");
+                            return;
+                        }
+                        let conn = Conn::new(io, permit, &transport, info, shut_out_by, penalties);
                         let _ = ready.send(Ok(conn)).await;
                     }
                     Ok(Err(error)) => {
@@ -150,8 +179,11 @@ pub struct Conn<IO> {
     /// connection at age + grace (tonic 0.14's `connection_timeout_future`). The grace is kept
     /// here instead, as the hard end of a connection whose peer never finishes its calls.
     end_of_grace: Pin<Box<Sleep>>,
-    /// The peer's address, and the record of peers shut out for their refused calls.
-    peer: IpAddr,
+    /// What calls on this connection are told of their peer.
+    info: PeerInfo,
+    /// The address whose shut-out closes this connection (none for a trusted proxy that named
+    /// no client, or a certificate-authenticated service), and the record of shut-outs.
+    shut_out_by: Option<IpAddr>,
     penalties: Arc<Penalties>,
     _permit: ConnectionPermit,
 }
@@ -161,7 +193,8 @@ impl<IO> Conn<IO> {
         io: IO,
         permit: ConnectionPermit,
         transport: &TransportConfig,
-        peer: IpAddr,
+        info: PeerInfo,
+        shut_out_by: Option<IpAddr>,
         penalties: Arc<Penalties>,
     ) -> Conn<IO> {
         let lifetime = transport.max_connection_age + transport.max_connection_age_grace;
@@ -172,19 +205,21 @@ impl<IO> Conn<IO> {
             idle: Box::pin(tokio::time::sleep(transport.idle_timeout)),
             idle_timeout: transport.idle_timeout,
             end_of_grace: Box::pin(tokio::time::sleep(lifetime)),
-            peer,
+            info,
+            shut_out_by,
             penalties,
             _permit: permit,
         }
     }
 }
 
-impl<IO: Connected> Connected for Conn<IO> {
-    // The TCP (or TLS) connection's own, so `Request::remote_addr` keeps working.
-    type ConnectInfo = IO::ConnectInfo;
+impl<IO> Connected for Conn<IO> {
+    // Read with `request.extensions().get::<PeerInfo>()`; tonic's own `remote_addr` and
+    // `peer_certs` do not see it.
+    type ConnectInfo = PeerInfo;
 
-    fn connect_info(&self) -> IO::ConnectInfo {
-        self.io.connect_info()
+    fn connect_info(&self) -> PeerInfo {
+        self.info.clone()
     }
 }
 
@@ -208,8 +243,12 @@ impl<IO: AsyncRead + Unpin> AsyncRead for Conn<IO> {
                 "connection idle for too long",
             )));
         }
-        // A flood keeps this connection reading, so a peer shut out is cut off at once.
-        if this.penalties.is_shut_out(this.peer) {
+        // A flood keeps this connection reading, so a peer shut out is cut off at once. No call
+        // of it is in flight: every admitted call vouches for its peer (`crate::penalty`).
+        if this
+            .shut_out_by
+            .is_some_and(|peer| this.penalties.is_shut_out(peer))
+        {
             return Poll::Ready(Err(io::Error::new(
                 io::ErrorKind::PermissionDenied,
                 "peer shut out for its refused calls",

@@ -73,6 +73,7 @@ pub async fn serve(
         serving.health_check_interval,
     ));
     let transport = app.transport;
+    let trusted_proxies = app.trusted_proxies.clone();
     let penalties = Arc::new(Penalties::new(PenaltyConfig {
         refusals: transport.refusals_per_ip,
         cooldown: transport.refusal_cooldown,
@@ -116,8 +117,13 @@ pub async fn serve(
     match tls {
         None => {
             let hangup = ignore_hangup();
-            let incoming =
-                listener::incoming(listener, transport, penalties, |tcp| async { Ok(tcp) });
+            let incoming = listener::incoming(
+                listener,
+                transport,
+                penalties,
+                trusted_proxies,
+                |tcp| async { Ok(tcp) },
+            );
             let served = router
                 .serve_with_incoming_shutdown(incoming, draining)
                 .await;
@@ -126,9 +132,13 @@ pub async fn serve(
         }
         Some(tls) => {
             let watcher = tls.spawn_watcher();
-            let incoming = listener::incoming(listener, transport, penalties, move |tcp| {
-                tokio_rustls::TlsAcceptor::from(tls.current()).accept(tcp)
-            });
+            let incoming = listener::incoming(
+                listener,
+                transport,
+                penalties,
+                trusted_proxies,
+                move |tcp| tokio_rustls::TlsAcceptor::from(tls.current()).accept(tcp),
+            );
             let served = router
                 .serve_with_incoming_shutdown(incoming, draining)
                 .await;

@@ -58,6 +58,9 @@ pub struct CompleteSummary {
     pub still_failing: u64,
     /// Someone else held the key; not counted as an attempt.
     pub skipped_in_use: u64,
+    /// Refused by a rate limit, or the api-server not reached: not the key's fault, so not
+    /// counted as an attempt; tried again after the server's hint or the first back-off step.
+    pub deferred: u64,
     /// Attempts exhausted; recorded in `keys_needing_attention`.
     pub gave_up: u64,
 }
@@ -68,6 +71,7 @@ impl CompleteSummary {
         metrics::count(Handled::Completer, "completed", self.completed);
         metrics::count(Handled::Completer, "declined", self.declined);
         metrics::count(Handled::Completer, "still_failing", self.still_failing);
+        metrics::count(Handled::Completer, "deferred", self.deferred);
         metrics::count(Handled::Completer, "skipped_in_use", self.skipped_in_use);
         metrics::count(Handled::Completer, "gave_up", self.gave_up);
     }
@@ -116,6 +120,10 @@ pub enum Attempt {
     Completed,
     Declined,
     InUse,
+    /// Not the key's failure: a rate limit (with the server's retry hint, if any) or a transport
+    /// failure before the server answered. Never counted as an attempt, so a busy or unreachable
+    /// api-server cannot make the completer give keys up (and their charges refundable).
+    Deferred(Option<Duration>),
     StillFailing(String),
     /// The internal credential was refused: a configuration problem, not the key's.
     CredentialRefused(Code),
@@ -137,8 +145,13 @@ pub fn classify(result: &Result<Created, CallError>) -> Attempt {
         | RidesError::InternalCredentialNotAllowed(status) => {
             Attempt::CredentialRefused(status.code())
         }
-        RidesError::RateLimited { .. }
-        | RidesError::InvalidIdempotencyKey(_)
+        RidesError::RateLimited { retry_after, .. } => Attempt::Deferred(*retry_after),
+        // The server was not reached (connection refused or closed, a GOAWAY): nothing ran.
+        // Other transport failures (a reset or a deadline mid-call) may have run the attempt.
+        RidesError::Transport(status) if status.code() == Code::Unavailable => {
+            Attempt::Deferred(None)
+        }
+        RidesError::InvalidIdempotencyKey(_)
         | RidesError::InvalidRideParameters(_)
         | RidesError::IdempotencyKeyReused(_)
         | RidesError::IdempotencyKeyLockLost(_)
@@ -227,6 +240,11 @@ impl Completer {
                     summary.skipped_in_use += 1;
                     self.settle(key, Settle::Release).await?;
                 }
+                Attempt::Deferred(hint) => {
+                    summary.deferred += 1;
+                    let delay = hint.unwrap_or(self.config.backoff_base);
+                    self.settle(key, Settle::DeferFor(delay)).await?;
+                }
                 Attempt::StillFailing(error) => {
                     let attempts = key.completer_attempts.saturating_add(1);
                     if attempts >= self.config.max_attempts {
@@ -300,6 +318,12 @@ impl Completer {
                  WHERE id = $1 AND user_id = $3 AND $2 >= 0",
                 Duration::ZERO,
             ),
+            Settle::DeferFor(delay) => (
+                "UPDATE idempotency_keys \
+                 SET completer_next_attempt_at = now() + make_interval(secs => $2) \
+                 WHERE id = $1 AND user_id = $3",
+                delay,
+            ),
             Settle::RetryIn(delay) => (
                 "UPDATE idempotency_keys SET completer_attempts = completer_attempts + 1, \
                  completer_next_attempt_at = now() + make_interval(secs => $2) \
@@ -339,6 +363,8 @@ enum Settle {
     Done,
     /// Not our turn: drop the lease without counting an attempt.
     Release,
+    /// Try again after the delay without counting an attempt.
+    DeferFor(Duration),
     /// Count the attempt and try again after the delay.
     RetryIn(Duration),
 }
@@ -407,6 +433,7 @@ impl Passes for CompleterPasses<'_> {
         total.declined += summary.declined;
         total.still_failing += summary.still_failing;
         total.skipped_in_use += summary.skipped_in_use;
+        total.deferred += summary.deferred;
         total.gave_up += summary.gave_up;
         let config = &self.completer.config;
         if summary.claimed > 0 {
@@ -471,13 +498,25 @@ mod tests {
             classify(&with_reason(Code::Aborted, "IDEMPOTENCY_KEY_LOCK_LOST")),
             Attempt::StillFailing(_)
         ));
-        let transport = Err(CallError {
+        let internal = Err(CallError {
             method: "CreateRide",
             key: None,
             log: Vec::new(),
             error: RidesError::from(tonic::Status::internal("boom")),
         });
-        assert!(matches!(classify(&transport), Attempt::StillFailing(_)));
+        assert!(matches!(classify(&internal), Attempt::StillFailing(_)));
+        // Neither a rate limit nor an unreachable server is the key's failure.
+        let unreachable = Err(CallError {
+            method: "CreateRide",
+            key: None,
+            log: Vec::new(),
+            error: RidesError::from(tonic::Status::unavailable("connection refused")),
+        });
+        assert_eq!(classify(&unreachable), Attempt::Deferred(None));
+        assert!(matches!(
+            classify(&with_reason(Code::ResourceExhausted, "RATE_LIMITED")),
+            Attempt::Deferred(_)
+        ));
         assert_eq!(
             classify(&with_reason(Code::Unauthenticated, "INVALID_CREDENTIALS")),
             Attempt::CredentialRefused(Code::Unauthenticated)

@@ -17,7 +17,6 @@ use proto::v1::{
 };
 use schema::models::User;
 use telemetry::attr;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_util::task::TaskTracker;
 use tonic::{
     Request, Response, Status,
@@ -30,10 +29,15 @@ use contract::{Outcome, RideView};
 
 use crate::{
     App,
+    admission::{
+        Admission, Unverified,
+        lookup::LookupError,
+        peer::{PeerInfo, PeerKey},
+    },
     auth::{self, Caller},
     config::Secret,
     idempotency::{self, IdempotencyKey},
-    limits::{CreatePermit, DigestCache, Limiter},
+    limits::CreatePermit,
     metrics::metrics,
     penalty::Penalties,
     rides::{CreateRideReply, FieldViolation, RideParams, Rides},
@@ -46,7 +50,7 @@ pub use proto::metadata::{
     IDEMPOTENCY_KEY as IDEMPOTENCY_KEY_HEADER, IDEMPOTENCY_KEY_EXPIRES_AT as EXPIRES_AT_HEADER,
     IDEMPOTENT_REPLAYED as REPLAYED_HEADER, ON_BEHALF_OF_USER as ON_BEHALF_OF_HEADER,
 };
-/// The retry hint when every token-lookup place is taken: a lookup takes milliseconds.
+/// The retry hint when the token-lookup queue is full: lookups take milliseconds.
 const LOOKUP_RETRY: Duration = Duration::from_millis(200);
 
 /// The `rides.v1.RideService` implementation.
@@ -55,78 +59,65 @@ pub struct RideApi {
     internal_api_token: Option<Secret>,
     /// CreateRide runs in tasks tracked here, so that shutdown can wait for them.
     tasks: TaskTracker,
-    limiter: Limiter,
-    /// Digests no user has: refused from memory for a while (`crate::limits`).
-    unknown_tokens: DigestCache,
-    /// Digests authenticated lately: their callers' trace context is trusted without a lookup,
-    /// and their calls need no [`RideApi::token_lookups`] permit.
-    known_tokens: DigestCache,
-    /// Calls whose token has not been verified lately each cost a database lookup (the claim
-    /// statement, or a read): at most this many run at once, so a flood of made-up well-shaped
-    /// tokens cannot take the pool and the database from users whose tokens are known.
-    token_lookups: Arc<Semaphore>,
-    /// Peers whose calls keep being refused are shut out (`crate::penalty`).
-    penalties: Arc<Penalties>,
+    admission: Admission,
 }
 
-/// A caller that passed the checks made in memory, with its CreateRide concurrency permit and,
-/// for a token not verified lately, its place among the token lookups.
+/// A caller that passed admission (its credential verified, lately or now), with its
+/// CreateRide concurrency permit.
 struct Admitted<P> {
     caller: Caller,
     permit: P,
-    lookup: Option<OwnedSemaphorePermit>,
+}
+
+/// Where a call comes from: its connection, and whom its refusals count against (none for the
+/// internal credential).
+struct CallPeer {
+    info: PeerInfo,
+    key: Option<PeerKey>,
 }
 
 impl RideApi {
     pub fn new(app: App, tasks: TaskTracker, penalties: Arc<Penalties>) -> RideApi {
-        let limits = app.limits;
+        let admission = Admission::new(
+            app.rides.pool().clone(),
+            app.pool_size,
+            app.limits,
+            penalties,
+            app.trusted_proxies.clone(),
+        );
         RideApi {
             rides: app.rides,
             internal_api_token: app.internal_api_token,
             tasks,
-            limiter: Limiter::new(limits),
-            unknown_tokens: DigestCache::new(
-                limits.unknown_token_ttl,
-                limits.unknown_token_capacity,
-            ),
-            known_tokens: DigestCache::new(limits.unknown_token_ttl, limits.unknown_token_capacity),
-            token_lookups: Arc::new(Semaphore::new(limits.max_concurrent_token_lookups)),
-            penalties,
+            admission,
         }
     }
 
-    /// Counts a call refused before the database (credentials, limits) against its peer.
-    fn note_refusal<T>(&self, peer: Option<IpAddr>, result: &Result<Response<T>, Status>) {
-        let Err(status) = result else { return };
-        let refused_early = matches!(
-            status.code(),
-            tonic::Code::Unauthenticated
-                | tonic::Code::PermissionDenied
-                | tonic::Code::ResourceExhausted
-        );
-        if refused_early && let Some(peer) = peer {
-            self.penalties.record_refusal(peer);
-        }
-    }
-
-    /// A place among the token lookups for a caller whose token was not verified lately; none
-    /// needed for a known token or the internal credential.
-    fn admit_lookup(&self, caller: Caller) -> Result<Option<OwnedSemaphorePermit>, Status> {
-        let Caller::Token(digest) = caller else {
-            return Ok(None);
+    fn call_peer<T>(&self, request: &Request<T>) -> CallPeer {
+        let info = request
+            .extensions()
+            .get::<PeerInfo>()
+            .cloned()
+            .unwrap_or_default();
+        let metadata = request.metadata();
+        let internal = bearer(metadata).is_ok_and(|token| self.is_internal(token));
+        let key = match internal {
+            true => None,
+            false => self.admission.peer_key(&info, metadata),
         };
-        if self.known_tokens.contains(&digest) {
-            return Ok(None);
+        CallPeer { info, key }
+    }
+
+    /// Counts a call that failed authentication against its peer; nothing else counts.
+    fn note_failed_auth<T>(&self, peer: &CallPeer, result: &Result<Response<T>, Status>) {
+        if let Err(status) = result
+            && matches!(
+                status.code(),
+                tonic::Code::Unauthenticated | tonic::Code::PermissionDenied
+            )
+        {
+            self.admission.failed_auth(peer.key);
         }
-        Arc::clone(&self.token_lookups)
-            .try_acquire_owned()
-            .map(Some)
-            .map_err(|_| {
-                status::rate_limited(
-                    "too many calls with tokens not verified lately; retry later",
-                    LOOKUP_RETRY,
-                )
-            })
     }
 
     fn is_internal(&self, token: &str) -> bool {
@@ -150,7 +141,7 @@ impl RideApi {
                     return Err(status::invalid_credentials());
                 }
                 let digest = auth::token_digest(token);
-                if self.unknown_tokens.contains(&digest) {
+                if self.admission.is_unknown(&digest) {
                     return Err(status::invalid_credentials());
                 }
                 Ok(Caller::Token(digest))
@@ -166,84 +157,79 @@ impl RideApi {
         }
     }
 
-    /// Identifies a CreateRide caller and admits it under its limits.
-    fn admit_create(&self, metadata: &MetadataMap) -> Result<Admitted<CreatePermit>, Status> {
-        let caller = self.identify(metadata)?;
-        let permit = self.limiter.admit_create(caller).map_err(|refusal| {
-            status::rate_limited(
-                "too many CreateRide calls for this user; retry later",
-                refusal.retry_after,
-            )
-        })?;
-        let lookup = self.admit_lookup(caller)?;
-        Ok(Admitted {
-            caller,
-            permit,
-            lookup,
-        })
-    }
-
-    /// Identifies a GetRide caller and admits it under its limit. The internal credential is for
-    /// CreateRide only: the completer never reads rides.
-    fn admit_get(&self, metadata: &MetadataMap) -> Result<Admitted<()>, Status> {
-        let token = bearer(metadata);
-        if token.as_ref().is_ok_and(|token| self.is_internal(token)) {
-            return Err(status::internal_credential_not_allowed());
-        }
-        let caller = self.caller(token?, metadata)?;
-        self.limiter.admit_get(caller).map_err(|refusal| {
-            status::rate_limited(
-                "too many GetRide calls for this user; retry later",
-                refusal.retry_after,
-            )
-        })?;
-        let lookup = self.admit_lookup(caller)?;
-        Ok(Admitted {
-            caller,
-            permit: (),
-            lookup,
-        })
-    }
-
-    /// Whether the caller's `traceparent` may be continued: only an authenticated caller's may
-    /// choose the trace id and the sampling decision. The internal credential is authenticated in
-    /// memory; a user token needs a lookup unless it was authenticated lately, and only when the
-    /// call carries a trace context at all. An unknown token is refused here.
-    async fn trusts_trace(
+    /// Admits a call: not from a client address shut out behind a trusted proxy, under its
+    /// user's `limit`, and with its credential verified (from memory, or by a queued lookup).
+    /// An admitted call vouches for its peer (`crate::penalty`).
+    async fn admit<P>(
         &self,
-        caller: Caller,
-        caller_trace: &opentelemetry::Context,
-    ) -> Result<bool, Status> {
-        if !caller_trace.span().span_context().is_valid() {
-            return Ok(false);
+        peer: &CallPeer,
+        caller: Result<Caller, Status>,
+        limit: impl FnOnce(Caller) -> Result<P, Status>,
+    ) -> Result<Admitted<P>, Status> {
+        if let Some(cooldown) = self.admission.shut_out_for(peer.key) {
+            return Err(status::rate_limited(
+                "too many failed authentications from this address; retry later",
+                cooldown,
+            ));
         }
-        let Caller::Token(digest) = caller else {
-            return Ok(true);
-        };
-        if self.known_tokens.contains(&digest) {
-            return Ok(true);
-        }
-        match auth::user_by_token_digest(self.rides.pool(), &digest).await {
-            Ok(Some(_)) => {
-                self.known_tokens.insert(digest);
-                Ok(true)
-            }
-            Ok(None) => {
-                self.unknown_caller(caller);
-                Err(status::invalid_credentials())
-            }
-            // Not known to be authenticated: a root trace. The call itself then fails or not.
-            Err(_) => Ok(false),
-        }
+        let caller = caller?;
+        let permit = limit(caller)?;
+        self.admission
+            .verify(caller)
+            .await
+            .map_err(|unverified| match unverified {
+                Unverified::UnknownToken => status::invalid_credentials(),
+                Unverified::Lookup(LookupError::Busy) => status::rate_limited(
+                    "too many calls with tokens not verified lately; retry later",
+                    LOOKUP_RETRY,
+                ),
+                Unverified::Lookup(LookupError::Unavailable) => status::database_unavailable(),
+            })?;
+        self.admission.vouch(peer.key, &peer.info);
+        Ok(Admitted { caller, permit })
     }
 
-    /// Remembers that no user has this caller's token, and forgets its limits.
-    fn unknown_caller(&self, caller: Caller) {
-        if let Caller::Token(digest) = caller {
-            self.known_tokens.remove(&digest);
-            self.unknown_tokens.insert(digest);
-        }
-        self.limiter.forget(caller);
+    /// Admits a CreateRide under its user's rate and concurrency.
+    async fn admit_create(
+        &self,
+        metadata: &MetadataMap,
+        peer: &CallPeer,
+    ) -> Result<Admitted<CreatePermit>, Status> {
+        let limiter = &self.admission.limiter;
+        self.admit(peer, self.identify(metadata), |caller| {
+            limiter.admit_create(caller).map_err(|refusal| {
+                status::rate_limited(
+                    "too many CreateRide calls for this user; retry later",
+                    refusal.retry_after,
+                )
+            })
+        })
+        .await
+    }
+
+    /// Admits a GetRide under its user's rate. The internal credential is for CreateRide only:
+    /// the completer never reads rides.
+    async fn admit_get(
+        &self,
+        metadata: &MetadataMap,
+        peer: &CallPeer,
+    ) -> Result<Admitted<()>, Status> {
+        let token = bearer(metadata);
+        let caller = match token {
+            Ok(token) if self.is_internal(token) => Err(status::internal_credential_not_allowed()),
+            Ok(token) => self.caller(token, metadata),
+            Err(status) => Err(status),
+        };
+        let limiter = &self.admission.limiter;
+        self.admit(peer, caller, |caller| {
+            limiter.admit_get(caller).map_err(|refusal| {
+                status::rate_limited(
+                    "too many GetRide calls for this user; retry later",
+                    refusal.retry_after,
+                )
+            })
+        })
+        .await
     }
 
     /// The caller's user: the owner of a user token, or, for the internal credential, the user
@@ -256,13 +242,11 @@ impl RideApi {
         .map_err(status::store_error)?;
         match user {
             Some(user) => {
-                if let Caller::Token(digest) = caller {
-                    self.known_tokens.insert(digest);
-                }
+                self.admission.known(caller, user.id);
                 Ok(user)
             }
             None => {
-                self.unknown_caller(caller);
+                self.admission.unknown(caller);
                 Err(status::invalid_credentials())
             }
         }
@@ -275,7 +259,8 @@ impl RideApi {
         caller: Caller,
         key: &Result<IdempotencyKey, Status>,
     ) -> Result<(), Status> {
-        let (Some(refusal), Ok(key)) = (self.limiter.decline_budget_spent(caller), key) else {
+        let (Some(refusal), Ok(key)) = (self.admission.limiter.decline_budget_spent(caller), key)
+        else {
             return Ok(());
         };
         let exists = idempotency::key_exists(self.rides.pool(), caller, key)
@@ -399,13 +384,13 @@ fn rpc_span(method: &'static str, caller_trace: opentelemetry::Context, trusted:
 }
 
 /// Runs one RPC inside its server span, and records its status code on the span and in
-/// `rpc.server.call.duration`.
+/// `rpc.server.call.duration` (from `started`, so admission's wait is counted).
 async fn traced<T>(
     method: &'static str,
+    started: Instant,
     span: Span,
     handler: impl Future<Output = Result<Response<T>, Status>>,
 ) -> Result<Response<T>, Status> {
-    let started = Instant::now();
     let result = handler.instrument(span.clone()).await;
     let code = match &result {
         Ok(_) => tonic::Code::Ok,
@@ -435,56 +420,40 @@ impl RideService for RideApi {
         &self,
         request: Request<CreateRideRequest>,
     ) -> Result<Response<CreateRideResponse>, Status> {
-        let peer = request.remote_addr().map(|addr| addr.ip());
-        let admitted = self.admit_create(request.metadata());
-        let (span, admitted) = self
-            .server_span("CreateRide", request.metadata(), admitted)
-            .await;
-        let result = traced(
-            "CreateRide",
-            span,
-            self.create_ride_traced(request, admitted),
-        )
-        .await;
-        self.note_refusal(peer, &result);
+        let started = Instant::now();
+        let peer = self.call_peer(&request);
+        let admitted = self.admit_create(request.metadata(), &peer).await;
+        let span = server_span("CreateRide", request.metadata(), admitted.is_ok());
+        let handler = self.create_ride_traced(request, &peer, admitted);
+        let result = traced("CreateRide", started, span, handler).await;
+        self.note_failed_auth(&peer, &result);
         result
     }
 
     async fn get_ride(&self, request: Request<GetRideRequest>) -> Result<Response<Ride>, Status> {
-        let peer = request.remote_addr().map(|addr| addr.ip());
-        let admitted = self.admit_get(request.metadata());
-        let (span, admitted) = self
-            .server_span("GetRide", request.metadata(), admitted)
-            .await;
-        let result = traced("GetRide", span, self.get_ride_traced(request, admitted)).await;
-        self.note_refusal(peer, &result);
+        let started = Instant::now();
+        let peer = self.call_peer(&request);
+        let admitted = self.admit_get(request.metadata(), &peer).await;
+        let span = server_span("GetRide", request.metadata(), admitted.is_ok());
+        let handler = self.get_ride_traced(request, admitted);
+        let result = traced("GetRide", started, span, handler).await;
+        self.note_failed_auth(&peer, &result);
         result
     }
 }
 
-impl RideApi {
-    /// The RPC's server span, continuing the caller's trace only if the admitted caller is
-    /// authenticated; a token the trust check finds unknown turns the admission into a refusal.
-    async fn server_span<P>(
-        &self,
-        method: &'static str,
-        metadata: &MetadataMap,
-        admitted: Result<Admitted<P>, Status>,
-    ) -> (Span, Result<Admitted<P>, Status>) {
-        let caller_trace = telemetry::extract(&MetadataExtractor(metadata));
-        let trusted = match &admitted {
-            Ok(admitted) => self.trusts_trace(admitted.caller, &caller_trace).await,
-            Err(_) => Ok(false),
-        };
-        let span = rpc_span(method, caller_trace, matches!(trusted, Ok(true)));
-        (span, trusted.and(admitted))
-    }
+/// The RPC's server span. Only an admitted caller (its credential verified) may continue its own
+/// trace, choosing the trace id and the sampling decision; anyone else's is a linked root.
+fn server_span(method: &'static str, metadata: &MetadataMap, admitted: bool) -> Span {
+    let caller_trace = telemetry::extract(&MetadataExtractor(metadata));
+    rpc_span(method, caller_trace, admitted)
 }
 
 impl RideApi {
     async fn create_ride_traced(
         &self,
         request: Request<CreateRideRequest>,
+        peer: &CallPeer,
         admitted: Result<Admitted<CreatePermit>, Status>,
     ) -> Result<Response<CreateRideResponse>, Status> {
         let fresh = |mut status: Status| {
@@ -493,14 +462,11 @@ impl RideApi {
                 .insert(REPLAYED_HEADER, MetadataValue::from_static("false"));
             status
         };
-        let Admitted {
-            caller,
-            permit,
-            lookup,
-        } = admitted.map_err(fresh)?;
-        let origin_ip = request
-            .remote_addr()
-            .map_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED), |addr| addr.ip());
+        let Admitted { caller, permit } = admitted.map_err(fresh)?;
+        let origin_ip = self
+            .admission
+            .client_ip(&peer.info, request.metadata())
+            .unwrap_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED));
         let key = idempotency_key(request.metadata());
         self.check_decline_budget(caller, &key)
             .await
@@ -525,28 +491,26 @@ impl RideApi {
         };
         Span::current().record("rides.idempotency_key", key.redacted());
         let rides = Arc::clone(&self.rides);
-        // The permits move into the detached attempt: a client that hangs up does not free its
+        // The permit moves into the detached attempt: a client that hangs up does not free its
         // place while its attempt still runs.
         let answered = self
             .detached(async move {
-                let _permits = (permit, lookup);
+                let _permit = permit;
                 rides.create_ride(caller, &key, params, origin_ip).await
             })
             .await
             .map_err(fresh)?;
         let Some((user_id, reply)) = answered else {
-            self.unknown_caller(caller);
+            self.admission.unknown(caller);
             return Err(fresh(status::invalid_credentials()));
         };
         if let Some(user_id) = user_id {
-            if let Caller::Token(digest) = caller {
-                self.known_tokens.insert(digest);
-            }
+            self.admission.known(caller, user_id);
             Span::current().record("user.id", user_id);
         }
         Span::current().record("rides.replayed", reply.replayed);
         if !reply.replayed && matches!(reply.result, Ok(Outcome::CardDeclined { .. })) {
-            self.limiter.record_decline(caller);
+            self.admission.limiter.record_decline(caller);
         }
         into_response(reply)
     }
@@ -571,7 +535,6 @@ impl RideApi {
         request: Request<GetRideRequest>,
         admitted: Result<Admitted<()>, Status>,
     ) -> Result<Response<Ride>, Status> {
-        // The lookup permit, if any, is held until the answer.
         let admitted = admitted?;
         let user = self.authenticate(admitted.caller).await?;
         let ride_id = request.into_inner().id;

@@ -118,6 +118,16 @@ pub fn card_declined(message: &str, decline_code: Option<&str>) -> Status {
     )
 }
 
+/// The database did not answer (logged where the error is known).
+pub fn database_unavailable() -> Status {
+    retryable(
+        Code::Unavailable,
+        "the service is temporarily unavailable",
+        reason::DATABASE_UNAVAILABLE,
+        RETRY_SOON,
+    )
+}
+
 pub fn ride_not_found() -> Status {
     simple(Code::NotFound, "ride not found", reason::RIDE_NOT_FOUND)
 }
@@ -160,12 +170,7 @@ pub fn create_ride_error(error: CreateRideError) -> Status {
         }
         CreateRideError::DatabaseUnavailable(error) => {
             tracing::error!(error = %error_chain(&error), "database unavailable");
-            retryable(
-                Code::Unavailable,
-                "the service is temporarily unavailable",
-                reason::DATABASE_UNAVAILABLE,
-                RETRY_SOON,
-            )
+            database_unavailable()
         }
         CreateRideError::ProviderUnavailable(error) => {
             tracing::warn!(error = %error_chain(&error), "payment provider unavailable");

@@ -1,0 +1,139 @@
+//! Looking up tokens that are not known yet, without letting made-up tokens take the database.
+//!
+//! - **Places.** At most `places` lookups run at once (sized from the database pool, so known
+//!   callers always keep connections for their claims). A place is held for the one indexed read
+//!   of the user by token digest and released as soon as it answers: never across the claim or
+//!   the provider call.
+//! - **A short, fair queue.** A call that finds every place taken waits in FIFO order (tokio's
+//!   semaphore is fair) for at most `max_wait`, and at most `max_waiting` calls wait at once;
+//!   beyond either it is refused as busy. A cold burst from a backend (every rider's token cold
+//!   after a restart) is thus served at the lookups' pace instead of refused.
+//! - **Single flight.** Concurrent calls with the same cold token share one lookup: the first
+//!   queues and reads, the others wait for its answer. If the first caller goes away mid-lookup,
+//!   a waiting one takes over (`OnceCell`).
+
+use std::{
+    collections::HashMap,
+    sync::{
+        Arc, Mutex, PoisonError,
+        atomic::{AtomicUsize, Ordering},
+    },
+    time::Duration,
+};
+
+use schema::Pool;
+use tokio::sync::{OnceCell, Semaphore};
+
+use crate::auth;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LookupConfig {
+    /// Lookups that may run at once.
+    pub places: usize,
+    /// Calls that may wait for a place at once.
+    pub max_waiting: usize,
+    /// How long a call waits for a place before it is refused.
+    pub max_wait: Duration,
+}
+
+/// What a lookup found: the token's user, or that no user has it.
+pub type Found = Option<i64>;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum LookupError {
+    #[error("every token-lookup place is taken and the queue is full or too slow")]
+    Busy,
+    #[error("the database did not answer the token lookup")]
+    Unavailable,
+}
+
+/// One lookup, shared by every call with its token while it runs.
+type SharedLookup = Arc<OnceCell<Result<Found, LookupError>>>;
+
+pub struct TokenLookups {
+    config: LookupConfig,
+    places: Arc<Semaphore>,
+    waiting: AtomicUsize,
+    in_flight: Mutex<HashMap<[u8; 32], SharedLookup>>,
+}
+
+impl TokenLookups {
+    pub fn new(config: LookupConfig) -> TokenLookups {
+        TokenLookups {
+            config,
+            places: Arc::new(Semaphore::new(config.places)),
+            waiting: AtomicUsize::new(0),
+            in_flight: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// The user whose token has `digest`, looked up once for all concurrent callers.
+    pub async fn lookup(&self, pool: &Pool, digest: &[u8; 32]) -> Result<Found, LookupError> {
+        let cell = Arc::clone(
+            self.in_flight
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .entry(*digest)
+                .or_default(),
+        );
+        let found = *cell.get_or_init(|| self.queued_read(pool, digest)).await;
+        let mut in_flight = self
+            .in_flight
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if in_flight
+            .get(digest)
+            .is_some_and(|current| Arc::ptr_eq(current, &cell))
+        {
+            in_flight.remove(digest);
+        }
+        found
+    }
+
+    /// Calls waiting for a lookup place now.
+    pub fn waiting(&self) -> usize {
+        self.waiting.load(Ordering::Relaxed)
+    }
+
+    async fn queued_read(&self, pool: &Pool, digest: &[u8; 32]) -> Result<Found, LookupError> {
+        let place = match Arc::clone(&self.places).try_acquire_owned() {
+            Ok(place) => place,
+            Err(_) => {
+                let _in_queue = Waiting::enter(&self.waiting, self.config.max_waiting)
+                    .ok_or(LookupError::Busy)?;
+                let places = Arc::clone(&self.places);
+                match tokio::time::timeout(self.config.max_wait, places.acquire_owned()).await {
+                    Ok(Ok(place)) => place,
+                    // Timed out, or the semaphore closed (it never is).
+                    Ok(Err(_)) | Err(_) => return Err(LookupError::Busy),
+                }
+            }
+        };
+        let user = auth::user_by_token_digest(pool, digest).await;
+        drop(place);
+        match user {
+            Ok(user) => Ok(user.map(|user| user.id)),
+            Err(error) => {
+                tracing::warn!(error = %telemetry::error_chain(&error), "token lookup failed");
+                Err(LookupError::Unavailable)
+            }
+        }
+    }
+}
+
+/// One call's place in the queue, given back however the wait ends (a caller that hangs up
+/// drops it mid-wait).
+struct Waiting<'a>(&'a AtomicUsize);
+
+impl<'a> Waiting<'a> {
+    fn enter(waiting: &'a AtomicUsize, max: usize) -> Option<Waiting<'a>> {
+        let guard = Waiting(waiting);
+        (waiting.fetch_add(1, Ordering::AcqRel) < max).then_some(guard)
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}

@@ -1,0 +1,186 @@
+//! Admission: what is decided about a call before its own work starts. Built for this
+//! service's real callers: internal backends that carry many riders' tokens over a few
+//! connections from one address, riders who each call rarely, every token cold after a restart,
+//! and the completer.
+//!
+//! - Who is calling ([`Caller`]) comes from the credentials alone (`grpc`).
+//! - Per-user limits ([`crate::limits`]) refuse a user's excess, not their backend's.
+//! - A token not verified lately is verified once ([`lookup`]: a short fair queue, one lookup for
+//!   all concurrent calls with that token) and then stays known for `KNOWN_TOKEN_CACHE_TTL_SECS`
+//!   ([`known`]); a token no user has is remembered as unknown for a while
+//!   (`UNKNOWN_TOKEN_CACHE_TTL_MS`). The claim still authenticates every CreateRide in its own
+//!   statement: the caches only decide who waits in the lookup queue.
+//! - Failed authentication counts against the peer ([`crate::penalty`]), keyed by [`peer`]: its
+//!   own address, the client a trusted proxy names, or its client certificate.
+
+pub mod known;
+pub mod lookup;
+pub mod peer;
+pub mod proxy_protocol;
+
+use std::{net::IpAddr, sync::Arc};
+
+use schema::Pool;
+
+use crate::{
+    auth::Caller,
+    limits::{DigestCache, Limiter, LimitsConfig},
+    penalty::Penalties,
+};
+use known::KnownTokens;
+use lookup::{LookupConfig, LookupError, TokenLookups};
+use peer::{PeerInfo, PeerKey, TrustedProxies};
+
+/// Why a caller's credential was not verified.
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+pub enum Unverified {
+    #[error("no user has this token")]
+    UnknownToken,
+    #[error(transparent)]
+    Lookup(#[from] LookupError),
+}
+
+pub struct Admission {
+    pool: Pool,
+    pub limiter: Limiter,
+    /// Digests no user has: refused from memory for a while.
+    unknown_tokens: DigestCache,
+    known_tokens: KnownTokens,
+    lookups: TokenLookups,
+    penalties: Arc<Penalties>,
+    trusted_proxies: TrustedProxies,
+}
+
+impl Admission {
+    pub fn new(
+        pool: Pool,
+        pool_size: u32,
+        limits: LimitsConfig,
+        penalties: Arc<Penalties>,
+        trusted_proxies: TrustedProxies,
+    ) -> Admission {
+        let places = limits
+            .max_concurrent_token_lookups
+            .unwrap_or_else(|| default_lookup_places(pool_size));
+        Admission {
+            lookups: TokenLookups::new(LookupConfig {
+                places,
+                max_waiting: limits.token_lookup_queue,
+                max_wait: limits.token_lookup_wait,
+            }),
+            limiter: Limiter::new(limits),
+            unknown_tokens: DigestCache::new(
+                limits.unknown_token_ttl,
+                limits.unknown_token_capacity,
+            ),
+            known_tokens: KnownTokens::new(limits.known_token_ttl, limits.known_token_capacity),
+            pool,
+            penalties,
+            trusted_proxies,
+        }
+    }
+
+    /// Whether a token is known to have no user (refused without a lookup).
+    pub fn is_unknown(&self, digest: &[u8; 32]) -> bool {
+        self.unknown_tokens.contains(digest)
+    }
+
+    /// Verifies a caller's credential, from memory when it was verified lately. The internal
+    /// credential was verified by comparison already.
+    pub async fn verify(&self, caller: Caller) -> Result<(), Unverified> {
+        let Caller::Token(digest) = caller else {
+            return Ok(());
+        };
+        if self.known_tokens.get(&digest).is_some() {
+            return Ok(());
+        }
+        match self.lookups.lookup(&self.pool, &digest).await? {
+            Some(user_id) => {
+                self.known_tokens.insert(&digest, user_id);
+                Ok(())
+            }
+            None => {
+                self.unknown(caller);
+                Err(Unverified::UnknownToken)
+            }
+        }
+    }
+
+    /// Remembers that a caller's token belongs to `user_id` (the claim authenticated it).
+    pub fn known(&self, caller: Caller, user_id: i64) {
+        if let Caller::Token(digest) = caller {
+            self.known_tokens.insert(&digest, user_id);
+        }
+    }
+
+    /// Remembers that no user has this caller's token (it was never valid, or was revoked), and
+    /// forgets its limits.
+    pub fn unknown(&self, caller: Caller) {
+        if let Caller::Token(digest) = caller {
+            self.known_tokens.remove(&digest);
+            self.unknown_tokens.insert(digest);
+        }
+        self.limiter.forget(caller);
+    }
+
+    pub fn peer_key(
+        &self,
+        peer: &PeerInfo,
+        metadata: &tonic::metadata::MetadataMap,
+    ) -> Option<PeerKey> {
+        peer.key(&self.trusted_proxies, metadata)
+    }
+
+    pub fn client_ip(
+        &self,
+        peer: &PeerInfo,
+        metadata: &tonic::metadata::MetadataMap,
+    ) -> Option<IpAddr> {
+        peer.client_ip(&self.trusted_proxies, metadata)
+    }
+
+    /// If a call's client address is shut out, for how long (a client a trusted proxy names:
+    /// its proxy's connection stays open for everyone else, so the call itself is refused).
+    pub fn shut_out_for(&self, key: Option<PeerKey>) -> Option<std::time::Duration> {
+        match key {
+            Some(PeerKey::Address(ip)) => self.penalties.shut_out_for(ip),
+            _ => None,
+        }
+    }
+
+    /// A call presented a valid credential: its client address, and the connection's, are never
+    /// shut out for a while (`crate::penalty`).
+    pub fn vouch(&self, key: Option<PeerKey>, peer: &PeerInfo) {
+        if let Some(PeerKey::Address(ip)) = key {
+            self.penalties.record_valid(ip);
+        }
+        if let Some(ip) = peer.connection_address(&self.trusted_proxies)
+            && Some(PeerKey::Address(ip)) != key
+        {
+            self.penalties.record_valid(ip);
+        }
+    }
+
+    /// A call failed authentication: it counts against its client address (never against a
+    /// certificate-authenticated service, the internal credential or an unnamed proxy client).
+    pub fn failed_auth(&self, key: Option<PeerKey>) {
+        if let Some(PeerKey::Address(ip)) = key {
+            self.penalties.record_failed_auth(ip);
+        }
+    }
+
+    /// Calls waiting for a token-lookup place now.
+    pub fn lookups_waiting(&self) -> usize {
+        self.lookups.waiting()
+    }
+
+    pub fn known_tokens(&self) -> usize {
+        self.known_tokens.len()
+    }
+}
+
+/// Half the pool, at least one: lookups never take the connections that known callers' claims
+/// need, and a cold burst still has several lookups running at once.
+pub fn default_lookup_places(pool_size: u32) -> usize {
+    usize::try_from(pool_size / 2).unwrap_or(1).max(1)
+}
