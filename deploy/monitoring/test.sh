@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Tests the Prometheus rules of deploy/monitoring/rules offline, and fails on any failure:
+# Tests the Prometheus rules of deploy/monitoring/rules, and fails on any failure:
 #
 #   1. promtool check rules: syntax, PromQL, templates
 #   2. promtool test rules deploy/monitoring/tests/*.yaml: every alert fires after its `for`,
@@ -7,6 +7,9 @@
 #   3. deploy/monitoring/check_rules.py: runbook links resolve, every alert and severity is tested,
 #      the numbers copied from the manifests still match them
 #   4. the Kubernetes PrometheusRule copies equal the rule files (render-prometheusrule.sh --check)
+#   5. deploy/monitoring/live-check.sh: the metric and label names against the real processes,
+#      scraped by a real Prometheus (builds the binaries, uses the local PostgreSQL and RabbitMQ;
+#      about a minute after the build). MONITORING_LIVE=0 skips it (steps 1-4 are offline).
 #
 # promtool comes from Debian's `prometheus` package, installed here when absent (its service is
 # disabled and stopped: only the binaries are wanted).
@@ -50,5 +53,9 @@ log "Kubernetes PrometheusRule copies equal the rule files"
 deploy/monitoring/render-prometheusrule.sh --check
 if command -v shellcheck >/dev/null; then
   shellcheck -x deploy/monitoring/*.sh
+fi
+if [ "${MONITORING_LIVE:-1}" != 0 ]; then
+  log "deploy/monitoring/live-check.sh (the rules' names against a live scrape)"
+  deploy/monitoring/live-check.sh
 fi
 echo "deploy/monitoring/test.sh: every check passed" >&2

@@ -1,0 +1,150 @@
+#!/usr/bin/env bash
+# Checks the rules against the real exporters: starts the api-server, the five workers,
+# fake-stripe and the mail sink on loopback against the local PostgreSQL and RabbitMQ (a database
+# and a topology prefix of its own), and a real Prometheus (Debian's package, 127.0.0.1:19090, its
+# own data directory) that scrapes them every 2 s and loads deploy/monitoring/rules/rocket-rides.rules.yaml.
+# Then drives traffic through every path the rules read (CreateRide with replays, charges refused
+# by the provider and left to the completer, expired keys for the reaper, a connection that is not
+# HTTP/2, receipts mailed) and asserts through Prometheus's HTTP API (deploy/monitoring/live_check.py)
+# that every metric and label the rules name exists and that every recording rule returns data.
+# Exits non-zero otherwise; a renamed metric fails it. Stops everything it started.
+#
+# The rules on other exporters (rocket-rides-kubernetes and rocket-rides-ha: kube-state-metrics,
+# CloudNativePG) are not checked here: those exporters do not run on this machine.
+#
+# Usage: deploy/monitoring/live-check.sh   (about a minute after the build)
+#   LIVE_CHECK_KEEP=1  keep the logs and Prometheus's data in .run/live-check
+#   RULES=FILE         check another rule file (path from the repository root), e.g. a copy with a
+#                      metric renamed, which must fail
+set -euo pipefail
+# shellcheck source=deploy/local/lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../local/lib.sh"
+cd "$REPO_ROOT"
+
+WORK="$REPO_ROOT/.run/live-check"
+PROM_ADDR=127.0.0.1:19090
+GRPC_ADDR=127.0.0.1:19051
+STRIPE_ADDR=127.0.0.1:19111
+SMTP_ADDR=127.0.0.1:19025
+MAIL_HTTP_ADDR=127.0.0.1:19026
+API_METRICS=127.0.0.1:19464
+# Worker metrics ports, in this order.
+WORKERS=(enqueuer receipts completer reaper reconciler)
+WORKER_PORTS=(19465 19466 19467 19468 19469)
+DATABASE=monitoring_live_check
+RULES="$(realpath "${RULES:-deploy/monitoring/rules/rocket-rides.rules.yaml}")"
+
+ensure_postgres
+ensure_rabbitmq
+if ! command -v prometheus >/dev/null; then
+  apt_install prometheus
+  # The package enables a Prometheus on :9090; only the binary is wanted.
+  if command -v systemctl >/dev/null; then as_root systemctl disable --now prometheus >/dev/null 2>&1 || true; fi
+fi
+for addr in "$PROM_ADDR" "$GRPC_ADDR" "$STRIPE_ADDR" "$SMTP_ADDR" "$MAIL_HTTP_ADDR" "$API_METRICS" \
+  "${WORKER_PORTS[@]/#/127.0.0.1:}"; do
+  if port_open "${addr%:*}" "${addr##*:}"; then die "$addr is in use (another live-check.sh?)"; fi
+done
+
+log "building api-server, workers, fake-stripe, mail-sink, loadgen"
+cargo build --locked --quiet --bin api-server --bin workers --bin fake-stripe --bin mail-sink --bin loadgen
+bin="$REPO_ROOT/target/debug"
+
+PYTHON=python3
+[ -x "$REPO_ROOT/.run/venv/bin/python" ] && PYTHON="$REPO_ROOT/.run/venv/bin/python"
+"$PYTHON" -c 'import yaml' 2>/dev/null || die "PyYAML is needed: run deploy/validate.sh once (it creates .run/venv)"
+
+rm -rf "$WORK"
+mkdir -p "$WORK/logs" "$WORK/mail" "$WORK/prometheus"
+pids=()
+cleanup() {
+  local status=$?
+  trap - INT TERM EXIT
+  [ ${#pids[@]} -eq 0 ] || { kill -TERM "${pids[@]}" 2>/dev/null || true; wait "${pids[@]}" 2>/dev/null || true; }
+  if [ "$status" -ne 0 ] || [ "${LIVE_CHECK_KEEP:-0}" = 1 ]; then
+    echo "logs and Prometheus data kept in ${WORK#"$REPO_ROOT"/}" >&2
+  else
+    rm -rf "$WORK"
+  fi
+  exit "$status"
+}
+trap cleanup INT TERM EXIT
+start() { # name command...
+  local name=$1; shift
+  "$@" >"$WORK/logs/$name.log" 2>&1 &
+  pids+=($!)
+}
+
+export DATABASE_URL="postgres://postgres:postgres@127.0.0.1:5432/$DATABASE"
+export AMQP_TOPOLOGY_PREFIX=monitoring-live-check
+export GRPC_LISTEN_ADDR="$GRPC_ADDR" STRIPE_API_BASE="http://$STRIPE_ADDR"
+export STRIPE_SECRET_KEY=sk_test_rocket_rides_development
+INTERNAL_API_TOKEN="internal-live-check-$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')"
+export INTERNAL_API_TOKEN
+export API_SERVER_URL="http://$GRPC_ADDR" SMTP_URL="smtp://$SMTP_ADDR" MAIL_SEARCH_URL="http://$MAIL_HTTP_ADDR"
+export RUST_LOG=info
+# Fast loops, so that one minute exercises every worker: the completer takes keys a second old,
+# the reaper and reconciler pass every 2 s (the reconciler looks at charges at once).
+export COMPLETER_MIN_AGE_SECS=1 COMPLETER_IDLE_SECS=1 COMPLETER_INTERVAL_SECS=2 COMPLETER_BACKOFF_BASE_SECS=1
+export REAPER_INTERVAL_SECS=2 RECONCILER_INTERVAL_SECS=2 RECONCILER_SETTLE_SECS=0
+
+log "database $DATABASE (dropped and created)"
+admin_url="postgres://postgres:postgres@127.0.0.1:5432/postgres"
+psql "$admin_url" -Xq -c "DROP DATABASE IF EXISTS $DATABASE WITH (FORCE)" -c "CREATE DATABASE $DATABASE" >/dev/null
+"$bin/api-server" migrate >"$WORK/logs/migrate.log" 2>&1
+
+start fake-stripe "$bin/fake-stripe" --listen "$STRIPE_ADDR"
+start mail-sink "$bin/mail-sink" --listen "$SMTP_ADDR" --dir "$WORK/mail" --http-listen "$MAIL_HTTP_ADDR"
+wait_for_port "${STRIPE_ADDR%:*}" "${STRIPE_ADDR##*:}" fake-stripe 30
+wait_for_port "${SMTP_ADDR%:*}" "${SMTP_ADDR##*:}" mail-sink 30
+METRICS_LISTEN_ADDR="$API_METRICS" start api-server "$bin/api-server" serve
+wait_for_port "${GRPC_ADDR%:*}" "${GRPC_ADDR##*:}" api-server 60
+
+# `namespace` stands in for what a Kubernetes scrape configuration attaches (the rules group by it).
+targets="\"$API_METRICS\""
+for port in "${WORKER_PORTS[@]}"; do targets+=", \"127.0.0.1:$port\""; done
+cat >"$WORK/prometheus.yml" <<EOF
+global:
+  scrape_interval: 2s
+  evaluation_interval: 2s
+rule_files:
+  - $RULES
+scrape_configs:
+  - job_name: rocket-rides
+    static_configs:
+      - targets: [$targets]
+        labels:
+          namespace: live-check
+EOF
+start prometheus prometheus --config.file="$WORK/prometheus.yml" --storage.tsdb.path="$WORK/prometheus" \
+  --web.listen-address="$PROM_ADDR"
+wait_for_port "${PROM_ADDR%:*}" "${PROM_ADDR##*:}" prometheus 30
+
+loadgen() { # extra arguments...
+  "$bin/loadgen" --target "http://$GRPC_ADDR" --stripe-base "http://$STRIPE_ADDR" \
+    --database-url "$DATABASE_URL" --clients 2 --users 2 --warmup-secs 0 "$@"
+}
+log "traffic: CreateRide with replays"
+loadgen --requests 40 --replay-ratio 0.25 --seed-keys-per-client 2 --scenario live-check \
+  >"$WORK/logs/loadgen.log" 2>&1 || die "loadgen failed: $WORK/logs/loadgen.log"
+log "traffic: charges the provider refuses (500), each key tried once and left to the completer"
+curl -fsS -X POST "http://$STRIPE_ADDR/_faults" -H 'content-type: application/json' \
+  -d '{"mode": "error_500", "count": 4}' >/dev/null
+# These requests fail by design (one attempt each): the loadgen's own verdict is not the point.
+loadgen --requests 4 --max-attempts 1 --scenario live-check-faults >"$WORK/logs/loadgen-faults.log" 2>&1 || true
+log "traffic: a connection that is not HTTP/2 (refused: handshake_failed)"
+(exec 3<>"/dev/tcp/${GRPC_ADDR%:*}/${GRPC_ADDR##*:}"; printf 'GET / HTTP/1.0\r\n\r\n' >&3; cat <&3 >/dev/null) || true
+log "traffic: three finished keys aged past IDEMPOTENCY_KEY_TTL_HOURS for the reaper"
+psql "$DATABASE_URL" -Xq -c "UPDATE idempotency_keys SET created_at = now() - interval '1000 hours'
+  WHERE id IN (SELECT id FROM idempotency_keys WHERE recovery_point = 'finished' ORDER BY id LIMIT 3)" >/dev/null
+
+# The workers start after the traffic: loadgen's own check counts the staged jobs its requests left,
+# which a running enqueuer would already have moved. They then drain what the traffic left.
+for i in "${!WORKERS[@]}"; do
+  METRICS_LISTEN_ADDR="127.0.0.1:${WORKER_PORTS[$i]}" start "${WORKERS[$i]}" "$bin/workers" "${WORKERS[$i]}"
+done
+
+log "waiting for Prometheus to scrape and evaluate (assertions: deploy/monitoring/live_check.py)"
+"$PYTHON" deploy/monitoring/live_check.py --prometheus "http://$PROM_ADDR" \
+  --deadline-secs "${LIVE_CHECK_DEADLINE_SECS:-90}" "$RULES"
+echo "deploy/monitoring/live-check.sh: every metric and label the rules name is exported" >&2

@@ -1,0 +1,126 @@
+"""The assertions of deploy/monitoring/live-check.sh, against a Prometheus that scrapes the real
+api-server and workers and loads deploy/monitoring/rules/rocket-rides.rules.yaml:
+
+  - every metric name the rules read exists in what Prometheus scraped;
+  - every label name the rules select, group or match on exists on the series they read;
+  - every recording rule returns data, and no rule reports an evaluation error.
+
+Retries until --deadline-secs (counters appear only once the traffic has reached them), then
+prints what is missing and exits 1.
+
+Usage: python3 live_check.py --prometheus http://127.0.0.1:19090 --deadline-secs 90 RULES.yaml
+"""
+
+import argparse
+import json
+import re
+import sys
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import yaml
+
+KEYWORDS = {"and", "or", "unless", "bool", "by", "without", "on", "ignoring", "group_left",
+            "group_right", "offset", "inf", "nan"}
+GROUPING = r"\b(by|without|on|ignoring|group_left|group_right)\s*\(([^)]*)\)"
+
+
+def names_and_labels(expr: str) -> tuple[set[str], set[str]]:
+    """Series names and label names in a PromQL expression (the subset of PromQL the rules use:
+    selectors, grouping and matching clauses, ranges, offsets, function calls)."""
+    text = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)
+    labels: set[str] = set()
+    for selector in re.finditer(r"\{([^}]*)\}", text):
+        labels |= {m.group(1) for m in
+                   re.finditer(r"([a-zA-Z_][a-zA-Z0-9_]*)\s*(?:=~|!~|!=|=)", selector.group(1))}
+    text = re.sub(r"\{[^}]*\}", " ", text)
+    for clause in re.finditer(GROUPING, text):
+        labels |= {label.strip() for label in clause.group(2).split(",") if label.strip()}
+    text = re.sub(GROUPING, " ", text)
+    text = re.sub(r"\[[^\]]*\]", " ", text)
+    text = re.sub(r"\boffset\s+\S+", " ", text)
+    names: set[str] = set()
+    for token in re.finditer(r"[a-zA-Z_:][a-zA-Z0-9_:]*", text):
+        if text[token.end():].lstrip().startswith("(") or token.group(0) in KEYWORDS:
+            continue
+        names.add(token.group(0))
+    return names, labels
+
+
+def api(base: str, path: str, **params: str) -> object:
+    url = f"{base}/api/v1/{path}"
+    if params:
+        url += "?" + urllib.parse.urlencode(params)
+    with urllib.request.urlopen(url, timeout=10) as response:
+        body = json.load(response)
+    if body.get("status") != "success":
+        raise RuntimeError(f"{url}: {body}")
+    return body["data"]
+
+
+def problems_now(base: str, rules: list[dict]) -> tuple[list[str], int]:
+    problems: list[str] = []
+    scraped = set(api(base, "label/__name__/values"))
+    recorded = {rule["record"] for rule in rules if "record" in rule}
+    label_cache: dict[str, set[str]] = {}
+
+    def labels_of(name: str) -> set[str]:
+        if name not in label_cache:
+            series = api(base, "series", **{"match[]": name})
+            label_cache[name] = {key for s in series for key in s}
+        return label_cache[name]
+
+    checked = 0
+    for rule in rules:
+        what = rule.get("record") or rule.get("alert")
+        names, labels = names_and_labels(rule["expr"])
+        for name in sorted(names):
+            checked += 1
+            if ":" in name:
+                if name not in recorded:
+                    problems.append(f"{what}: reads {name}, which no rule records")
+            elif name not in scraped:
+                problems.append(f"{what}: reads {name}, which no process exports")
+        available = set().union(*(labels_of(name) for name in names)) if names else set()
+        for label in sorted(labels - available):
+            problems.append(f"{what}: label {label} is on no series of {', '.join(sorted(names))}")
+
+    for name in sorted(recorded):
+        if not api(base, "query", query=name)["result"]:
+            problems.append(f"recording rule {name} returns no data")
+
+    for group in api(base, "rules")["groups"]:
+        for rule in group["rules"]:
+            if rule.get("health") == "err":
+                problems.append(f"{rule['name']}: evaluation error {rule.get('lastError')}")
+    return problems, checked
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--prometheus", required=True)
+    parser.add_argument("--deadline-secs", type=float, default=90)
+    parser.add_argument("rules", type=Path)
+    args = parser.parse_args()
+    rules = [rule for group in yaml.safe_load(args.rules.read_text(encoding="utf-8"))["groups"]
+             for rule in group["rules"]]
+    deadline = time.monotonic() + args.deadline_secs
+    while True:
+        problems, checked = problems_now(args.prometheus, rules)
+        if not problems:
+            records = sum(1 for rule in rules if "record" in rule)
+            print(f"live_check: {len(rules)} rules, {checked} series names read by them: every "
+                  f"name and label exists, all {records} recording rules return data",
+                  file=sys.stderr)
+            return 0
+        if time.monotonic() > deadline:
+            for problem in problems:
+                print(f"live_check: {problem}", file=sys.stderr)
+            return 1
+        time.sleep(3)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
