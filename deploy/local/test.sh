@@ -20,6 +20,7 @@ log "cargo clippy (warnings are errors)"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 log "deploy/validate.sh (Dockerfile, compose, Kubernetes manifests, offline)"
 deploy/validate.sh
+log "deploy/monitoring/test.sh (Prometheus rules: promtool unit tests, then a live scrape)" && deploy/monitoring/test.sh
 deploy/local/buf-lint.sh
 log "cargo nextest run --workspace"
 cargo nextest run --workspace --locked --profile "${NEXTEST_PROFILE:-default}" "$@"
