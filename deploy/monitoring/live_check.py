@@ -107,6 +107,13 @@ def main() -> int:
     rules = [rule for group in yaml.safe_load(args.rules.read_text(encoding="utf-8"))["groups"]
              for rule in group["rules"]]
     deadline = time.monotonic() + args.deadline_secs
+    # The check must be able to fail: a rule reading a name nothing exports is reported.
+    decoy = {"record": "live_check:decoy:absent", "expr": "rides_live_check_decoy_total"}
+    decoy_problems, _ = problems_now(args.prometheus, [decoy])
+    if not any("rides_live_check_decoy_total" in problem for problem in decoy_problems):
+        print("live_check: a rule on a missing metric was not reported: the check is broken",
+              file=sys.stderr)
+        return 1
     while True:
         problems, checked = problems_now(args.prometheus, rules)
         if not problems:
