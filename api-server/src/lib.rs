@@ -29,6 +29,7 @@ pub mod grpc;
 pub mod idempotency;
 pub mod limits;
 pub mod listener;
+pub mod message_cap;
 pub mod metrics;
 pub mod payments;
 pub mod penalty;

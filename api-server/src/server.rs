@@ -12,6 +12,7 @@ use crate::{
     App,
     grpc::RideApi,
     listener,
+    message_cap::CapMessages,
     penalty::{Penalties, PenaltyConfig},
     tls::{TlsError, TlsReloader},
 };
@@ -82,10 +83,17 @@ pub async fn serve(
         RideServiceServer::new(RideApi::new(app, tasks.clone(), Arc::clone(&penalties)))
             .max_decoding_message_size(MAX_REQUEST_BYTES);
     // Health and reflection answer without a token: the same cap, or anyone could make the
-    // server buffer tonic's default of 4 MiB per call.
+    // server buffer tonic's default of 4 MiB per call. Every service ends an oversized call with
+    // OUT_OF_RANGE: tonic does for unary calls, `CapMessages` for reflection's streams.
     let health_service = health_service.max_decoding_message_size(MAX_REQUEST_BYTES);
-    let reflection_v1 = reflection_v1.max_decoding_message_size(MAX_REQUEST_BYTES);
-    let reflection_v1alpha = reflection_v1alpha.max_decoding_message_size(MAX_REQUEST_BYTES);
+    let reflection_v1 = CapMessages::new(
+        reflection_v1.max_decoding_message_size(MAX_REQUEST_BYTES),
+        MAX_REQUEST_BYTES,
+    );
+    let reflection_v1alpha = CapMessages::new(
+        reflection_v1alpha.max_decoding_message_size(MAX_REQUEST_BYTES),
+        MAX_REQUEST_BYTES,
+    );
 
     let draining = async move {
         shutdown.await;
