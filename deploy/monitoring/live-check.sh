@@ -13,7 +13,9 @@
 # CloudNativePG) are not checked here: those exporters do not run on this machine.
 #
 # Usage: deploy/monitoring/live-check.sh   (about a minute after the build)
-#   LIVE_CHECK_KEEP=1  keep the logs and Prometheus's data in .run/live-check
+#   LIVE_CHECK_KEEP=1  keep the logs and Prometheus's data (.run/live-check) and the database
+#                      (kept on failure too); the queues of the topology prefix
+#                      monitoring-live-check stay on the broker, reused by the next run
 #   RULES=FILE         check another rule file (path from the repository root), e.g. a copy with a
 #                      metric renamed, which must fail
 set -euo pipefail
@@ -32,6 +34,7 @@ API_METRICS=127.0.0.1:19464
 WORKERS=(enqueuer receipts completer reaper reconciler)
 WORKER_PORTS=(19465 19466 19467 19468 19469)
 DATABASE=monitoring_live_check
+ADMIN_URL="postgres://postgres:postgres@127.0.0.1:5432/postgres"
 RULES="$(realpath "${RULES:-deploy/monitoring/rules/rocket-rides.rules.yaml}")"
 
 ensure_postgres
@@ -62,9 +65,10 @@ cleanup() {
   trap - INT TERM EXIT
   [ ${#pids[@]} -eq 0 ] || { kill -TERM "${pids[@]}" 2>/dev/null || true; wait "${pids[@]}" 2>/dev/null || true; }
   if [ "$status" -ne 0 ] || [ "${LIVE_CHECK_KEEP:-0}" = 1 ]; then
-    echo "logs and Prometheus data kept in ${WORK#"$REPO_ROOT"/}" >&2
+    echo "logs, Prometheus data and database $DATABASE kept (${WORK#"$REPO_ROOT"/})" >&2
   else
     rm -rf "$WORK"
+    psql "$ADMIN_URL" -Xq -c "DROP DATABASE IF EXISTS $DATABASE WITH (FORCE)" >/dev/null 2>&1 || true
   fi
   exit "$status"
 }
@@ -89,8 +93,7 @@ export COMPLETER_MIN_AGE_SECS=1 COMPLETER_IDLE_SECS=1 COMPLETER_INTERVAL_SECS=2 
 export REAPER_INTERVAL_SECS=2 RECONCILER_INTERVAL_SECS=2 RECONCILER_SETTLE_SECS=0
 
 log "database $DATABASE (dropped and created)"
-admin_url="postgres://postgres:postgres@127.0.0.1:5432/postgres"
-psql "$admin_url" -Xq -c "DROP DATABASE IF EXISTS $DATABASE WITH (FORCE)" -c "CREATE DATABASE $DATABASE" >/dev/null
+psql "$ADMIN_URL" -Xq -c "DROP DATABASE IF EXISTS $DATABASE WITH (FORCE)" -c "CREATE DATABASE $DATABASE" >/dev/null
 "$bin/api-server" migrate >"$WORK/logs/migrate.log" 2>&1
 
 start fake-stripe "$bin/fake-stripe" --listen "$STRIPE_ADDR"
