@@ -13,11 +13,13 @@
 //! that exist, which the decline budget never refuses.
 //!
 //! **The decline budget.** After `decline_budget` fresh `CARD_DECLINED` answers within
-//! [`DECLINE_WINDOW`] (a fixed window that opens at the first decline), a caller's *new* keys
-//! are refused until the window closes. Whether a key is new is known only from the database;
-//! the check for it ([`crate::idempotency::key_exists`]) is one read-only indexed lookup, made
-//! only for a caller whose budget is spent, so everyone else pays nothing and a card tester's
-//! refused attempts write nothing. Replays and resumptions of existing keys go on.
+//! [`DECLINE_WINDOW`], a caller's *new* keys are refused until the window frees a place. The
+//! declines are counted from the database, across every replica (`admission::declines`); this
+//! process keeps only "spent until" per caller, so refusing costs no database work but one check:
+//! whether the key is new, which is known only from the database
+//! ([`crate::idempotency::key_exists`], one read-only indexed lookup made only for a caller whose
+//! budget is spent, so everyone else pays nothing and a card tester's refused attempts write
+//! nothing). Replays and resumptions of existing keys go on.
 //!
 //! **Bounded memory.** Buckets are tracked for at most `max_tracked_callers` callers; a caller
 //! whose buckets have refilled and who has no CreateRide in flight is forgotten (it would get a
@@ -144,17 +146,12 @@ struct Buckets {
     last_sweep: Instant,
 }
 
-#[derive(Clone, Copy, Debug)]
-struct DeclineWindow {
-    opened: Instant,
-    declines: u32,
-}
-
 /// The per-caller limits of one process.
 pub struct Limiter {
     config: LimitsConfig,
     buckets: Mutex<Buckets>,
-    declines: Mutex<HashMap<Caller, DeclineWindow>>,
+    /// Callers whose decline budget is spent, and until when.
+    declines_spent: Mutex<HashMap<Caller, Instant>>,
 }
 
 /// One admitted CreateRide: it counts against its caller's concurrency until dropped.
@@ -182,7 +179,7 @@ impl Limiter {
                 callers: HashMap::new(),
                 last_sweep: Instant::now(),
             }),
-            declines: Mutex::new(HashMap::new()),
+            declines_spent: Mutex::new(HashMap::new()),
         }
     }
 
@@ -261,42 +258,36 @@ impl Limiter {
         buckets.last_sweep = now;
     }
 
-    /// Counts one fresh `CARD_DECLINED` answer against the caller's decline budget.
-    pub fn record_decline(&self, caller: Caller) {
+    /// Fresh card declines per [`DECLINE_WINDOW`] before new keys are refused.
+    pub fn decline_budget(&self) -> u32 {
+        self.config.decline_budget
+    }
+
+    /// Records that the caller's decline budget is spent for `frees_in` (counted across
+    /// replicas by `admission::declines`).
+    pub fn decline_budget_spent_for(&self, caller: Caller, frees_in: Duration) {
         let now = Instant::now();
-        let mut declines = locked(&self.declines);
-        if !declines.contains_key(&caller) && declines.len() >= self.config.max_tracked_callers {
-            declines
-                .retain(|_, window| now.saturating_duration_since(window.opened) < DECLINE_WINDOW);
-            if declines.len() >= self.config.max_tracked_callers {
-                // Only authenticated callers' declines get here; so many at once is not a flood
-                // of strangers, and this one caller goes uncounted rather than evicting another.
-                tracing::warn!("decline budget table full; a decline was not counted");
+        let mut spent = locked(&self.declines_spent);
+        if !spent.contains_key(&caller) && spent.len() >= self.config.max_tracked_callers {
+            spent.retain(|_, until| *until > now);
+            if spent.len() >= self.config.max_tracked_callers {
+                // Only authenticated callers whose budget the database says is spent get here;
+                // so many at once is not a flood of strangers, and this one goes unrefused
+                // rather than evicting another (its next decline records it again).
+                tracing::warn!("decline budget table full; a spent budget was not recorded");
                 return;
             }
         }
-        let window = declines.entry(caller).or_insert(DeclineWindow {
-            opened: now,
-            declines: 0,
-        });
-        if now.saturating_duration_since(window.opened) >= DECLINE_WINDOW {
-            *window = DeclineWindow {
-                opened: now,
-                declines: 0,
-            };
-        }
-        window.declines = window.declines.saturating_add(1);
+        spent.insert(caller, now + frees_in);
     }
 
-    /// If the caller's decline budget is spent: how long until its window closes. Its new keys
+    /// If the caller's decline budget is spent: how long until it frees a place. Its new keys
     /// are refused until then.
     pub fn decline_budget_spent(&self, caller: Caller) -> Option<Refusal> {
         let now = Instant::now();
-        let declines = locked(&self.declines);
-        let window = declines.get(&caller)?;
-        let closes = window.opened + DECLINE_WINDOW;
-        (window.declines >= self.config.decline_budget && closes > now).then(|| Refusal {
-            retry_after: closes - now,
+        let until = *locked(&self.declines_spent).get(&caller)?;
+        (until > now).then(|| Refusal {
+            retry_after: until - now,
         })
     }
 }
@@ -448,15 +439,16 @@ mod tests {
     }
 
     #[test]
-    fn the_decline_budget_is_spent_after_the_budget() {
+    fn a_spent_decline_budget_refuses_until_it_frees_a_place() {
         let limiter = Limiter::new(config());
         let caller = Caller::Token([1; 32]);
-        limiter.record_decline(caller);
         assert_eq!(limiter.decline_budget_spent(caller), None);
-        limiter.record_decline(caller);
+        limiter.decline_budget_spent_for(caller, Duration::from_secs(300));
         let refusal = limiter.decline_budget_spent(caller).unwrap();
-        assert!(refusal.retry_after <= DECLINE_WINDOW);
-        assert!(refusal.retry_after > DECLINE_WINDOW - Duration::from_secs(60));
+        assert!(refusal.retry_after <= Duration::from_secs(300));
+        assert!(refusal.retry_after > Duration::from_secs(290));
+        assert_eq!(limiter.decline_budget_spent(Caller::Token([2; 32])), None);
+        limiter.decline_budget_spent_for(Caller::Token([2; 32]), Duration::ZERO);
         assert_eq!(limiter.decline_budget_spent(Caller::Token([2; 32])), None);
     }
 

@@ -379,3 +379,53 @@ async fn a_proxy_protocol_header_names_the_client_only_from_a_trusted_proxy() {
     assert!(!served, "an untrusted peer's PROXY header was accepted");
     assert_eq!(origin_ips(&app).await.len(), 2);
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_decline_budget_holds_across_replicas() {
+    let app = spawn(
+        fake_stripe::Config::default(),
+        &[("DECLINE_BUDGET_PER_10_MIN", "2")],
+    )
+    .await;
+    // A second api-server on the same database and provider, as behind a load balancer.
+    let replica = api_server::App::from_config(&app.config).unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let replica_addr = listener.local_addr().unwrap();
+    tokio::spawn(api_server::server::serve(
+        listener,
+        replica,
+        std::future::pending(),
+    ));
+    let replica_channel = Channel::from_shared(format!("http://{replica_addr}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let servers = [
+        RideServiceClient::new(app.channel().await),
+        RideServiceClient::new(replica_channel),
+    ];
+    let tester = app.create_user(DECLINED_CARD).await;
+    // The tester alternates between the replicas; each new key is a fresh card test.
+    let mut declined = 0;
+    let mut refused_on = Vec::new();
+    for attempt in 0..8 {
+        let mut server = servers[attempt % 2].clone();
+        let status = server.create_ride(create(&tester.token)).await.unwrap_err();
+        match status.code() {
+            Code::FailedPrecondition => {
+                assert_status(&status, Code::FailedPrecondition, reason::CARD_DECLINED);
+                declined += 1;
+            }
+            _ => {
+                assert_status(&status, Code::ResourceExhausted, reason::RATE_LIMITED);
+                refused_on.push(attempt % 2);
+            }
+        }
+    }
+    // A per-process budget would allow 2 on each; counted from the database, each replica stops
+    // at its first decline past the budget: budget + replicas - 1.
+    assert_eq!(declined, 3, "declines charged across two replicas");
+    assert_eq!(refused_on.len(), 5);
+    assert!(refused_on.contains(&0) && refused_on.contains(&1));
+}

@@ -13,6 +13,7 @@
 //! - Failed authentication counts against the peer ([`crate::penalty`]), keyed by [`peer`]: its
 //!   own address, the client a trusted proxy names, or its client certificate.
 
+pub mod declines;
 pub mod known;
 pub mod lookup;
 pub mod peer;
@@ -166,6 +167,21 @@ impl Admission {
     pub fn failed_auth(&self, key: Option<PeerKey>) {
         if let Some(PeerKey::Address(ip)) = key {
             self.penalties.record_failed_auth(ip);
+        }
+    }
+
+    /// Counts a fresh card decline of `user_id`: once the user's declines across every replica
+    /// reach the budget, this process refuses the caller's new keys until one leaves the window.
+    pub async fn count_decline(&self, caller: Caller, user_id: i64) {
+        let budget = self.limiter.decline_budget();
+        match declines::budget_spent_for(&self.pool, user_id, budget).await {
+            Ok(Some(frees_in)) => self.limiter.decline_budget_spent_for(caller, frees_in),
+            Ok(None) => {}
+            // The decline is stored: the next one counts it again.
+            Err(error) => tracing::warn!(
+                error = %telemetry::error_chain(&error),
+                "could not count a user's recent declines"
+            ),
         }
     }
 

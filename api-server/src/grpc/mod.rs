@@ -509,8 +509,14 @@ impl RideApi {
             Span::current().record("user.id", user_id);
         }
         Span::current().record("rides.replayed", reply.replayed);
-        if !reply.replayed && matches!(reply.result, Ok(Outcome::CardDeclined { .. })) {
-            self.admission.limiter.record_decline(caller);
+        let fresh_decline =
+            !reply.replayed && matches!(reply.result, Ok(Outcome::CardDeclined { .. }));
+        let declined_user = match caller {
+            Caller::OnBehalfOf(user_id) => Some(user_id),
+            Caller::Token(_) => user_id,
+        };
+        if fresh_decline && let Some(user_id) = declined_user {
+            self.admission.count_decline(caller, user_id).await;
         }
         into_response(reply)
     }

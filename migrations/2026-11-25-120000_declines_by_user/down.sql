@@ -1,0 +1,1 @@
+DROP INDEX CONCURRENTLY IF EXISTS idempotency_keys_declines_by_user;
