@@ -58,7 +58,7 @@ pub struct App {
     pub trusted_proxies: admission::peer::TrustedProxies,
     pub pool_size: u32,
     /// Reports pool usage while the app lives.
-    _pool_gauge: opentelemetry::metrics::ObservableGauge<u64>,
+    _pool_gauges: [opentelemetry::metrics::ObservableGauge<u64>; 2],
 }
 
 impl App {
@@ -72,9 +72,9 @@ impl App {
             schema::PlanCache::Generic,
         );
         let stripe = StripeClient::new(&config.stripe)?;
-        let pool_gauge = metrics::observe_pool(&pool);
+        let pool_gauges = metrics::observe_pool(&pool, config.database.pool_size);
         Ok(App {
-            _pool_gauge: pool_gauge,
+            _pool_gauges: pool_gauges,
             rides: Rides::new(pool, stripe, config.price.clone(), config.idempotency),
             internal_api_token: config.internal_api_token.clone(),
             serving: config.serving,

@@ -28,6 +28,13 @@ pub struct Metrics {
     pub connections_refused: Counter<u64>,
     /// TLS certificate reloads, by `outcome` (`reloaded`, `failed`).
     pub tls_reloads: Counter<u64>,
+    /// Calls refused by admission, by `reason`: `user_rate` (a user's rate or concurrency),
+    /// `lookup_busy` (the token-lookup queue full or too slow), `decline_budget`,
+    /// `failed_auth` (counted against the peer), `shut_out` (a client behind a trusted proxy).
+    pub admission_refusals: Counter<u64>,
+    /// Token lookups run (one per cold token, shared by concurrent calls), by `outcome`
+    /// (`known`, `unknown`, `busy`, `unavailable`).
+    pub token_lookups: Counter<u64>,
 }
 
 static METRICS: LazyLock<Metrics> = LazyLock::new(|| {
@@ -74,26 +81,73 @@ static METRICS: LazyLock<Metrics> = LazyLock::new(|| {
             .u64_counter("rides.tls.reloads")
             .with_description("Reloads of the gRPC listener's TLS certificates, by outcome")
             .build(),
+        admission_refusals: meter
+            .u64_counter("rides.admission.refusals")
+            .with_description("Calls refused by admission, by reason")
+            .build(),
+        token_lookups: meter
+            .u64_counter("rides.admission.token_lookups")
+            .with_description("Lookups of tokens not verified lately, by outcome")
+            .build(),
     }
 });
+
+/// Counts one call refused by admission.
+pub fn refused(reason: &'static str) {
+    metrics()
+        .admission_refusals
+        .add(1, &[attr("reason", reason)]);
+}
 
 pub fn metrics() -> &'static Metrics {
     &METRICS
 }
 
-/// Reports the pool's used and idle connections (`db.client.connection.count`). Keep the returned
-/// gauge alive as long as the pool.
-pub fn observe_pool(pool: &Pool) -> ObservableGauge<u64> {
+/// Reports the pool's used and idle connections (`db.client.connection.count`) and its size
+/// (`db.client.connection.max`, so saturation is a ratio, not a copied number). Keep the returned
+/// gauges alive as long as the pool.
+pub fn observe_pool(pool: &Pool, max: u32) -> [ObservableGauge<u64>; 2] {
     let pool = pool.clone();
-    telemetry::meter("rides-api-server")
-        .u64_observable_gauge("db.client.connection.count")
-        .with_description("Database connections in the pool, by state")
-        .with_callback(move |observer| {
-            let state = pool.state();
-            let idle = u64::from(state.idle_connections);
-            let used = u64::from(state.connections).saturating_sub(idle);
-            observer.observe(used, &[attr("db.client.connection.state", "used")]);
-            observer.observe(idle, &[attr("db.client.connection.state", "idle")]);
-        })
-        .build()
+    let meter = telemetry::meter("rides-api-server");
+    [
+        meter
+            .u64_observable_gauge("db.client.connection.count")
+            .with_description("Database connections in the pool, by state")
+            .with_callback(move |observer| {
+                let state = pool.state();
+                let idle = u64::from(state.idle_connections);
+                let used = u64::from(state.connections).saturating_sub(idle);
+                observer.observe(used, &[attr("db.client.connection.state", "used")]);
+                observer.observe(idle, &[attr("db.client.connection.state", "idle")]);
+            })
+            .build(),
+        meter
+            .u64_observable_gauge("db.client.connection.max")
+            .with_description("Database connections the pool may open")
+            .with_callback(move |observer| observer.observe(u64::from(max), &[]))
+            .build(),
+    ]
+}
+
+/// Reports what admission holds: verified tokens known (`rides.admission.known_tokens`) and calls
+/// waiting for a token-lookup place (`rides.admission.lookup_queue`). Keep the gauges alive as
+/// long as `admission`.
+pub fn observe_admission(
+    admission: &std::sync::Arc<crate::admission::Admission>,
+) -> [ObservableGauge<u64>; 2] {
+    let meter = telemetry::meter("rides-api-server");
+    let known = std::sync::Arc::clone(admission);
+    let queue = std::sync::Arc::clone(admission);
+    [
+        meter
+            .u64_observable_gauge("rides.admission.known_tokens")
+            .with_description("Verified tokens admission knows without a lookup")
+            .with_callback(move |observer| observer.observe(known.known_tokens() as u64, &[]))
+            .build(),
+        meter
+            .u64_observable_gauge("rides.admission.lookup_queue")
+            .with_description("Calls waiting for a token-lookup place")
+            .with_callback(move |observer| observer.observe(queue.lookups_waiting() as u64, &[]))
+            .build(),
+    ]
 }

@@ -99,26 +99,41 @@ impl TokenLookups {
         let place = match Arc::clone(&self.places).try_acquire_owned() {
             Ok(place) => place,
             Err(_) => {
-                let _in_queue = Waiting::enter(&self.waiting, self.config.max_waiting)
-                    .ok_or(LookupError::Busy)?;
+                let Some(_in_queue) = Waiting::enter(&self.waiting, self.config.max_waiting) else {
+                    counted("busy");
+                    return Err(LookupError::Busy);
+                };
                 let places = Arc::clone(&self.places);
                 match tokio::time::timeout(self.config.max_wait, places.acquire_owned()).await {
                     Ok(Ok(place)) => place,
                     // Timed out, or the semaphore closed (it never is).
-                    Ok(Err(_)) | Err(_) => return Err(LookupError::Busy),
+                    Ok(Err(_)) | Err(_) => {
+                        counted("busy");
+                        return Err(LookupError::Busy);
+                    }
                 }
             }
         };
         let user = auth::user_by_token_digest(pool, digest).await;
         drop(place);
         match user {
-            Ok(user) => Ok(user.map(|user| user.id)),
+            Ok(user) => {
+                counted(if user.is_some() { "known" } else { "unknown" });
+                Ok(user.map(|user| user.id))
+            }
             Err(error) => {
+                counted("unavailable");
                 tracing::warn!(error = %telemetry::error_chain(&error), "token lookup failed");
                 Err(LookupError::Unavailable)
             }
         }
     }
+}
+
+fn counted(outcome: &'static str) {
+    crate::metrics::metrics()
+        .token_lookups
+        .add(1, &[telemetry::attr("outcome", outcome)]);
 }
 
 /// One call's place in the queue, given back however the wait ends (a caller that hangs up

@@ -38,7 +38,7 @@ use crate::{
     config::Secret,
     idempotency::{self, IdempotencyKey},
     limits::CreatePermit,
-    metrics::metrics,
+    metrics::{self, metrics},
     penalty::Penalties,
     rides::{CreateRideReply, FieldViolation, RideParams, Rides},
 };
@@ -59,7 +59,8 @@ pub struct RideApi {
     internal_api_token: Option<Secret>,
     /// CreateRide runs in tasks tracked here, so that shutdown can wait for them.
     tasks: TaskTracker,
-    admission: Admission,
+    admission: Arc<Admission>,
+    _admission_gauges: [opentelemetry::metrics::ObservableGauge<u64>; 2],
 }
 
 /// A caller that passed admission (its credential verified, lately or now), with its
@@ -78,17 +79,18 @@ struct CallPeer {
 
 impl RideApi {
     pub fn new(app: App, tasks: TaskTracker, penalties: Arc<Penalties>) -> RideApi {
-        let admission = Admission::new(
+        let admission = Arc::new(Admission::new(
             app.rides.pool().clone(),
             app.pool_size,
             app.limits,
             penalties,
             app.trusted_proxies.clone(),
-        );
+        ));
         RideApi {
             rides: app.rides,
             internal_api_token: app.internal_api_token,
             tasks,
+            _admission_gauges: metrics::observe_admission(&admission),
             admission,
         }
     }
@@ -116,6 +118,7 @@ impl RideApi {
                 tonic::Code::Unauthenticated | tonic::Code::PermissionDenied
             )
         {
+            metrics::refused("failed_auth");
             self.admission.failed_auth(peer.key);
         }
     }
@@ -167,22 +170,26 @@ impl RideApi {
         limit: impl FnOnce(Caller) -> Result<P, Status>,
     ) -> Result<Admitted<P>, Status> {
         if let Some(cooldown) = self.admission.shut_out_for(peer.key) {
+            metrics::refused("shut_out");
             return Err(status::rate_limited(
                 "too many failed authentications from this address; retry later",
                 cooldown,
             ));
         }
         let caller = caller?;
-        let permit = limit(caller)?;
+        let permit = limit(caller).inspect_err(|_| metrics::refused("user_rate"))?;
         self.admission
             .verify(caller)
             .await
             .map_err(|unverified| match unverified {
                 Unverified::UnknownToken => status::invalid_credentials(),
-                Unverified::Lookup(LookupError::Busy) => status::rate_limited(
-                    "too many calls with tokens not verified lately; retry later",
-                    LOOKUP_RETRY,
-                ),
+                Unverified::Lookup(LookupError::Busy) => {
+                    metrics::refused("lookup_busy");
+                    status::rate_limited(
+                        "too many calls with tokens not verified lately; retry later",
+                        LOOKUP_RETRY,
+                    )
+                }
                 Unverified::Lookup(LookupError::Unavailable) => status::database_unavailable(),
             })?;
         self.admission.vouch(peer.key, &peer.info);
@@ -269,6 +276,7 @@ impl RideApi {
         if exists {
             return Ok(());
         }
+        metrics::refused("decline_budget");
         Err(status::rate_limited(
             "too many declined cards lately: new idempotency keys are refused for a while",
             refusal.retry_after,
