@@ -301,6 +301,7 @@ fn limits(vars: &Vars<'_>) -> Result<LimitsConfig, ConfigError> {
         token_lookup_wait: Duration::from_millis(
             vars.parse("TOKEN_LOOKUP_QUEUE_TIMEOUT_MS", 2000)?,
         ),
+        service_share_creates: vars.parse("SERVICE_SHARE_CREATES", 1024)?,
     };
     // Zero would refuse every call (or every new key) of every user: never what was meant.
     let zero = [
@@ -529,6 +530,7 @@ mod tests {
                 max_concurrent_token_lookups: None,
                 token_lookup_queue: 4096,
                 token_lookup_wait: Duration::from_secs(2),
+                service_share_creates: 1024,
             }
         );
         assert_eq!(config.trusted_proxies, TrustedProxies::default());

@@ -87,6 +87,9 @@ pub struct LimitsConfig {
     /// Calls that may wait for a lookup place at once, and how long each may wait.
     pub token_lookup_queue: usize,
     pub token_lookup_wait: Duration,
+    /// CreateRides in flight shared fairly among certificate-authenticated services
+    /// (`admission::shares`).
+    pub service_share_creates: usize,
 }
 
 /// A refused call, with how long to wait before trying again.
@@ -393,6 +396,7 @@ mod tests {
             max_concurrent_token_lookups: Some(4),
             token_lookup_queue: 4,
             token_lookup_wait: Duration::from_secs(1),
+            service_share_creates: 8,
         }
     }
 

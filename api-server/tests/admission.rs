@@ -429,3 +429,67 @@ async fn the_decline_budget_holds_across_replicas() {
     assert_eq!(refused_on.len(), 5);
     assert!(refused_on.contains(&0) && refused_on.contains(&1));
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn services_with_client_certificates_get_fair_shares_of_createride_concurrency() {
+    let server_ca = TestCa::new("server ca");
+    let client_ca = TestCa::new("client ca");
+    let files = TlsFiles::new(&server_ca, Some(&client_ca));
+    let mut vars: Vec<(&str, String)> = files.env();
+    vars.push(("SERVICE_SHARE_CREATES", "4".to_owned()));
+    vars.push(("STRIPE_TIMEOUT_MS", "20000".to_owned()));
+    let vars: Vec<(&str, &str)> = vars.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let stripe = fake_stripe::Config {
+        latency: Duration::from_secs(2),
+        ..fake_stripe::Config::default()
+    };
+    let app = spawn(stripe, &vars).await;
+    let service = |name: &str| {
+        let tls = server_ca
+            .client_tls()
+            .identity(client_ca.client_identity(name));
+        let app = &app;
+        async move { RideServiceClient::new(app.tls_channel(tls).await.unwrap()) }
+    };
+    let (noisy, quiet) = (
+        service("noisy-backend").await,
+        service("quiet-backend").await,
+    );
+    let rider = app.create_user(GOOD_CARD).await;
+    ok(noisy.clone().create_ride(create(&rider.token)).await);
+    let at_provider = app.stripe.create_calls();
+
+    // Alone, the noisy service may hold more than the whole budget of 4.
+    let noisy_calls: Vec<_> = (0..6)
+        .map(|_| {
+            let mut noisy = noisy.clone();
+            let token = rider.token.clone();
+            tokio::spawn(async move { noisy.create_ride(create(&token)).await })
+        })
+        .collect();
+    while app.stripe.create_calls() < at_provider + 6 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // Another service is still served...
+    let quiet_call = {
+        let mut quiet = quiet.clone();
+        let token = rider.token.clone();
+        tokio::spawn(async move { quiet.create_ride(create(&token)).await })
+    };
+    while app.stripe.create_calls() < at_provider + 7 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // ...and while it has a call in flight, the noisy one, over its share of 2, is refused.
+    let status = noisy
+        .clone()
+        .create_ride(create(&rider.token))
+        .await
+        .unwrap_err();
+    assert_status(&status, Code::ResourceExhausted, reason::RATE_LIMITED);
+    ok(quiet_call.await.unwrap());
+    for call in noisy_calls {
+        ok(call.await.unwrap());
+    }
+    // Alone again, it is served.
+    ok(noisy.clone().create_ride(create(&rider.token)).await);
+}

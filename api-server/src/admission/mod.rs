@@ -12,12 +12,15 @@
 //!   statement: the caches only decide who waits in the lookup queue.
 //! - Failed authentication counts against the peer ([`crate::penalty`]), keyed by [`peer`]: its
 //!   own address, the client a trusted proxy names, or its client certificate.
+//! - Services identified by a client certificate get fair [`shares`] of CreateRide concurrency
+//!   and of the token lookups.
 
 pub mod declines;
 pub mod known;
 pub mod lookup;
 pub mod peer;
 pub mod proxy_protocol;
+pub mod shares;
 
 use std::{net::IpAddr, sync::Arc};
 
@@ -31,6 +34,7 @@ use crate::{
 use known::KnownTokens;
 use lookup::{LookupConfig, LookupError, TokenLookups};
 use peer::{PeerInfo, PeerKey, TrustedProxies};
+use shares::{SharePermit, Shares};
 
 /// Why a caller's credential was not verified.
 #[derive(Debug, PartialEq, Eq, thiserror::Error)]
@@ -39,7 +43,14 @@ pub enum Unverified {
     UnknownToken,
     #[error(transparent)]
     Lookup(#[from] LookupError),
+    #[error("this service holds its share of the token lookups while others wait")]
+    ServiceShare,
 }
+
+/// A service is at its share of CreateRides in flight while others have calls too.
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+#[error("this service holds its share of the CreateRides in flight")]
+pub struct ShareTaken;
 
 pub struct Admission {
     pool: Pool,
@@ -50,6 +61,8 @@ pub struct Admission {
     lookups: TokenLookups,
     penalties: Arc<Penalties>,
     trusted_proxies: TrustedProxies,
+    create_shares: Arc<Shares>,
+    lookup_shares: Arc<Shares>,
 }
 
 impl Admission {
@@ -64,6 +77,9 @@ impl Admission {
             .max_concurrent_token_lookups
             .unwrap_or_else(|| default_lookup_places(pool_size));
         Admission {
+            create_shares: Shares::new(limits.service_share_creates),
+            // A service's share of the lookups counts its calls running and waiting.
+            lookup_shares: Shares::new(places.saturating_add(limits.token_lookup_queue)),
             lookups: TokenLookups::new(LookupConfig {
                 places,
                 max_waiting: limits.token_lookup_queue,
@@ -87,14 +103,23 @@ impl Admission {
     }
 
     /// Verifies a caller's credential, from memory when it was verified lately. The internal
-    /// credential was verified by comparison already.
-    pub async fn verify(&self, caller: Caller) -> Result<(), Unverified> {
+    /// credential was verified by comparison already. A call from a certificate-authenticated
+    /// service waits for a lookup only within its share.
+    pub async fn verify(&self, caller: Caller, peer: Option<PeerKey>) -> Result<(), Unverified> {
         let Caller::Token(digest) = caller else {
             return Ok(());
         };
         if self.known_tokens.get(&digest).is_some() {
             return Ok(());
         }
+        let _share = match peer {
+            Some(PeerKey::Service(service)) => Some(
+                self.lookup_shares
+                    .take(service)
+                    .ok_or(Unverified::ServiceShare)?,
+            ),
+            _ => None,
+        };
         match self.lookups.lookup(&self.pool, &digest).await? {
             Some(user_id) => {
                 self.known_tokens.insert(&digest, user_id);
@@ -182,6 +207,20 @@ impl Admission {
                 error = %telemetry::error_chain(&error),
                 "could not count a user's recent declines"
             ),
+        }
+    }
+
+    /// A place in the service's share of CreateRide concurrency; `Ok(None)` for a caller that is
+    /// not a certificate-authenticated service.
+    pub fn take_create_share(
+        &self,
+        peer: Option<PeerKey>,
+    ) -> Result<Option<SharePermit>, ShareTaken> {
+        match peer {
+            Some(PeerKey::Service(service)) => {
+                self.create_shares.take(service).map(Some).ok_or(ShareTaken)
+            }
+            _ => Ok(None),
         }
     }
 

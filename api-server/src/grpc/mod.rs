@@ -33,6 +33,7 @@ use crate::{
         Admission, Unverified,
         lookup::LookupError,
         peer::{PeerInfo, PeerKey},
+        shares::SharePermit,
     },
     auth::{self, Caller},
     config::Secret,
@@ -52,6 +53,13 @@ pub use proto::metadata::{
 };
 /// The retry hint when the token-lookup queue is full: lookups take milliseconds.
 const LOOKUP_RETRY: Duration = Duration::from_millis(200);
+/// The retry hint when a service holds its share of CreateRides in flight: about one provider
+/// call.
+const SHARE_RETRY: Duration = Duration::from_secs(1);
+
+/// What an admitted CreateRide holds until its attempt ends: its user's concurrency place and, for
+/// a certificate-authenticated service, a place in that service's share.
+type CreatePermits = (CreatePermit, Option<SharePermit>);
 
 /// The `rides.v1.RideService` implementation.
 pub struct RideApi {
@@ -177,11 +185,18 @@ impl RideApi {
             ));
         }
         let caller = caller?;
-        let permit = limit(caller).inspect_err(|_| metrics::refused("user_rate"))?;
+        let permit = limit(caller)?;
         self.admission
-            .verify(caller)
+            .verify(caller, peer.key)
             .await
             .map_err(|unverified| match unverified {
+                Unverified::ServiceShare => {
+                    metrics::refused("service_share");
+                    status::rate_limited(
+                        "this service holds its share of the token lookups; retry later",
+                        LOOKUP_RETRY,
+                    )
+                }
                 Unverified::UnknownToken => status::invalid_credentials(),
                 Unverified::Lookup(LookupError::Busy) => {
                     metrics::refused("lookup_busy");
@@ -196,20 +211,29 @@ impl RideApi {
         Ok(Admitted { caller, permit })
     }
 
-    /// Admits a CreateRide under its user's rate and concurrency.
+    /// Admits a CreateRide under its user's rate and concurrency, and its service's share.
     async fn admit_create(
         &self,
         metadata: &MetadataMap,
         peer: &CallPeer,
-    ) -> Result<Admitted<CreatePermit>, Status> {
-        let limiter = &self.admission.limiter;
+    ) -> Result<Admitted<CreatePermits>, Status> {
+        let admission = &self.admission;
         self.admit(peer, self.identify(metadata), |caller| {
-            limiter.admit_create(caller).map_err(|refusal| {
+            let user = admission.limiter.admit_create(caller).map_err(|refusal| {
+                metrics::refused("user_rate");
                 status::rate_limited(
                     "too many CreateRide calls for this user; retry later",
                     refusal.retry_after,
                 )
-            })
+            })?;
+            let service = admission.take_create_share(peer.key).map_err(|_| {
+                metrics::refused("service_share");
+                status::rate_limited(
+                    "this service holds its share of the CreateRides in flight; retry later",
+                    SHARE_RETRY,
+                )
+            })?;
+            Ok((user, service))
         })
         .await
     }
@@ -230,6 +254,7 @@ impl RideApi {
         let limiter = &self.admission.limiter;
         self.admit(peer, caller, |caller| {
             limiter.admit_get(caller).map_err(|refusal| {
+                metrics::refused("user_rate");
                 status::rate_limited(
                     "too many GetRide calls for this user; retry later",
                     refusal.retry_after,
@@ -462,7 +487,7 @@ impl RideApi {
         &self,
         request: Request<CreateRideRequest>,
         peer: &CallPeer,
-        admitted: Result<Admitted<CreatePermit>, Status>,
+        admitted: Result<Admitted<CreatePermits>, Status>,
     ) -> Result<Response<CreateRideResponse>, Status> {
         let fresh = |mut status: Status| {
             status
