@@ -288,3 +288,67 @@ async fn a_refused_credential_spends_no_attempts() {
     let good = Completer::new(app.pool.clone(), config(&app)).unwrap();
     assert_eq!(good.run_once().await.unwrap().completed, 1);
 }
+
+/// How many attempts the completer has counted on a key.
+async fn attempts(app: &TestApp, key_id: i64) -> i32 {
+    #[derive(diesel::QueryableByName)]
+    struct Attempts {
+        #[diesel(sql_type = diesel::sql_types::Integer)]
+        completer_attempts: i32,
+    }
+    let mut conn = app.pool.get().await.unwrap();
+    diesel::sql_query("SELECT completer_attempts FROM idempotency_keys WHERE id = $1")
+        .bind::<diesel::sql_types::BigInt, _>(key_id)
+        .get_result::<Attempts>(&mut conn)
+        .await
+        .unwrap()
+        .completer_attempts
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn rate_limits_and_an_unreachable_server_spend_no_attempts() {
+    // The completer's calls for one user share a bucket of one CreateRide.
+    let app = TestApp::spawn_with(
+        fake_stripe::Config::default(),
+        &[
+            ("RATE_LIMIT_CREATE_PER_SEC", "0.001"),
+            ("RATE_LIMIT_CREATE_BURST", "1"),
+        ],
+    )
+    .await;
+    let user = app.create_user(GOOD_CARD).await;
+    let (_, first) = abandoned_key(&app, &user, RecoveryPoint::Started).await;
+    let (second_key, second) = abandoned_key(&app, &user, RecoveryPoint::Started).await;
+    age(&app, second, "5 minutes", "2 minutes").await;
+    let completer = Completer::new(app.pool.clone(), config(&app)).unwrap();
+    let summary = completer.run_once().await.unwrap();
+    assert_eq!((summary.completed, summary.deferred), (1, 1), "{summary:?}");
+    assert_eq!(summary.gave_up, 0);
+    assert_eq!(attempts(&app, first).await, 1);
+    assert_eq!(attempts(&app, second).await, 0, "a rate limit counted");
+    assert_eq!(
+        point(&app, &user, &second_key).await,
+        RecoveryPoint::Started
+    );
+
+    // An api-server nobody answers at: deferred, not counted either.
+    make_due(&app, second).await;
+    let closed = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let nowhere = closed.local_addr().unwrap();
+    drop(closed);
+    let unreachable = Completer::new(
+        app.pool.clone(),
+        CompleterConfig {
+            api_server_url: format!("http://{nowhere}"),
+            ..config(&app)
+        },
+    )
+    .unwrap();
+    let summary = unreachable.run_once().await.unwrap();
+    assert_eq!(summary.deferred, 1, "{summary:?}");
+    assert_eq!(
+        attempts(&app, second).await,
+        0,
+        "an unreachable server counted"
+    );
+}
