@@ -646,6 +646,7 @@ mod tests {
     fn secrets_stay_out_of_debug_output() {
         let config = config(&[
             ("STRIPE_SECRET_KEY", "sk_live_very_secret"),
+            ("DEPLOYMENT_ID", "prod"),
             ("DATABASE_URL", "postgres://u:hunter2@db/x"),
             (
                 "INTERNAL_API_TOKEN",

@@ -17,6 +17,9 @@ pub struct Metrics {
     pub phase_duration: Histogram<f64>,
     /// The payment provider call, seconds, by `outcome` (succeeded, declined, unavailable, rejected).
     pub provider_duration: Histogram<f64>,
+    /// PaymentIntents the charge search found naming a ride that the ownership rule
+    /// (`contract::ownership`) refused, by `reason`: ignored, never recorded.
+    pub foreign_charges: Counter<u64>,
     /// Attempts refused because another attempt held the key, or fenced off after a takeover.
     pub lock_conflicts: Counter<u64>,
     /// Transactions re-run after a serialization failure or deadlock.
@@ -58,6 +61,10 @@ static METRICS: LazyLock<Metrics> = LazyLock::new(|| {
             .f64_histogram("rides.payment_provider.duration")
             .with_unit("s")
             .with_description("Duration of payment provider calls")
+            .build(),
+        foreign_charges: meter
+            .u64_counter("rides.payment_provider.foreign_charges")
+            .with_description("PaymentIntents found naming a ride that are not provably ours")
             .build(),
         lock_conflicts: meter
             .u64_counter("rides.idempotency.lock_conflicts")

@@ -114,6 +114,19 @@ impl TestApp {
         }
     }
 
+    /// The provider forgets idempotency keys after its window (Stripe: 24 h; here 1 s on both
+    /// sides), so a key resumed after a second searches for its earlier charge.
+    pub async fn spawn_with_a_short_provider_key_window() -> TestApp {
+        TestApp::spawn_with(
+            fake_stripe::Config {
+                idempotency_window: std::time::Duration::from_secs(1),
+                ..Default::default()
+            },
+            &[("STRIPE_IDEMPOTENCY_WINDOW_SECS", "1")],
+        )
+        .await
+    }
+
     pub async fn client(&self) -> RideServiceClient<Channel> {
         RideServiceClient::connect(format!("http://{}", self.addr))
             .await

@@ -34,6 +34,7 @@ fn first_ride(params: RideParams) -> FirstRide {
         currency: "usd".to_owned(),
         audit_data: serde_json::json!({"from": "claim_batching"}),
         origin_ip: "192.0.2.7/32".parse().unwrap(),
+        deployment_id: "test".to_owned(),
     }
 }
 

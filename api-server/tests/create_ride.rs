@@ -524,21 +524,9 @@ async fn a_charge_whose_response_was_lost_is_charged_once_in_total() {
     assert_eq!(app.stripe.payment_intents()[0].id, ride.charge_id);
 }
 
-/// The provider forgets idempotency keys after its window (Stripe: 24 h; here 1 s on both sides).
-async fn app_with_a_short_provider_key_window() -> TestApp {
-    TestApp::spawn_with(
-        fake_stripe::Config {
-            idempotency_window: Duration::from_secs(1),
-            ..Default::default()
-        },
-        &[("STRIPE_IDEMPOTENCY_WINDOW_SECS", "1")],
-    )
-    .await
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn an_unrecorded_charge_older_than_the_providers_key_window_is_found_not_repeated() {
-    let app = app_with_a_short_provider_key_window().await;
+    let app = TestApp::spawn_with_a_short_provider_key_window().await;
     let user = app.create_user(GOOD_CARD).await;
     let key = new_key();
     app.stripe.inject_faults(FaultMode::ChargeThenDrop, 1);
@@ -583,7 +571,7 @@ async fn an_unrecorded_charge_older_than_the_providers_key_window_is_found_not_r
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_ride_past_the_window_with_no_earlier_charge_is_charged_once() {
-    let app = app_with_a_short_provider_key_window().await;
+    let app = TestApp::spawn_with_a_short_provider_key_window().await;
     let user = app.create_user(GOOD_CARD).await;
     let key = new_key();
     // The first attempt never reached the provider's charge logic.

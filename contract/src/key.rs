@@ -29,18 +29,31 @@ use diesel::{QueryableByName, sql_types::BigInt};
 use schema::prepared::Statement;
 
 /// The idempotency key presented to the provider for the charge of idempotency key row
-/// `key_id`. Derived from the row, so every attempt at that ride, by any api-server or the
-/// completer, presents the same key, and an operator can find the charge (`workers admin`).
-pub fn provider_idempotency_key(key_id: i64) -> String {
-    format!("rocket-rides-{key_id}")
+/// `key_id`, created under `deployment_id` (the row's `deployment_id` column). Derived from the
+/// row, so every attempt at that ride, by any api-server or the completer, presents the same key,
+/// and an operator can find the charge (`workers admin`).
+///
+/// A row without a deployment id was created by a server that predates them: its charge may
+/// already have been attempted under the old key, `rocket-rides-{key_id}`, so it keeps exactly
+/// that key for good (another key would make the provider charge again). Every newer row has its
+/// deployment id, so two environments on one provider account, or a database restored from a
+/// backup under another deployment id, never present the same key.
+pub fn provider_idempotency_key(deployment_id: Option<&str>, key_id: i64) -> String {
+    match deployment_id {
+        Some(deployment_id) => format!("rocket-rides-{deployment_id}-{key_id}"),
+        None => format!("rocket-rides-{key_id}"),
+    }
 }
 
 /// The idempotency key presented to the provider for the refund of reconciliation finding
-/// `finding_id`. Derived from the finding, so every attempt at refunding it (any reconciler pass,
-/// a concurrent one, `workers admin findings refund`) presents the same key and the provider makes
-/// one refund.
-pub fn provider_refund_idempotency_key(finding_id: i64) -> String {
-    format!("rocket-rides-refund-{finding_id}")
+/// `finding_id` by deployment `deployment_id`. Derived from the finding, so every attempt at
+/// refunding it (any reconciler pass, a concurrent one, `workers admin findings refund`) presents
+/// the same key and the provider makes one refund. A refund tried under the older key
+/// (`rocket-rides-refund-{finding_id}`) and retried under this one is still made once: the
+/// provider refuses a second full refund, and the refunder then finds the first by its metadata
+/// (`workers::reconciler::refund`).
+pub fn provider_refund_idempotency_key(deployment_id: &str, finding_id: i64) -> String {
+    format!("rocket-rides-refund-{deployment_id}-{finding_id}")
 }
 
 /// Whether a key locked at `locked_at` is still held at `now`: a lock older than the lock timeout
@@ -176,6 +189,23 @@ impl Statement for FinishKey {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_key_without_a_deployment_id_keeps_the_old_provider_key() {
+        assert_eq!(provider_idempotency_key(None, 42), "rocket-rides-42");
+        assert_eq!(
+            provider_idempotency_key(Some("prod-eu"), 42),
+            "rocket-rides-prod-eu-42"
+        );
+        assert_ne!(
+            provider_idempotency_key(Some("staging"), 42),
+            provider_idempotency_key(Some("prod"), 42)
+        );
+        assert_eq!(
+            provider_refund_idempotency_key("prod", 7),
+            "rocket-rides-refund-prod-7"
+        );
+    }
 
     #[test]
     fn a_lock_is_live_until_the_timeout_has_passed() {

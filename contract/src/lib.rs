@@ -11,6 +11,8 @@
 //! - [`key`]: the rules of an idempotency key that more than one process applies: the key the
 //!   provider sees for its charge, when a lock is live, and the statement text that finishes a
 //!   key.
+//! - [`ownership`]: which PaymentIntents on the shared provider account are ours, the one rule
+//!   the api-server's charge search and the reconciler both apply.
 //!
 //! It sits above `schema` (the database crate, whose `Ride` the views are built from) and below
 //! both services, which is why neither service depends on the other.
@@ -19,6 +21,9 @@ pub mod jobs;
 pub mod key;
 pub mod message;
 pub mod outcome;
+pub mod ownership;
 
 pub use jobs::{BackgroundJob, ReceiptJob};
-pub use outcome::{CorruptStoredResponse, Outcome, PAYMENT_ACCEPTED, RideView, StoredResponse};
+pub use outcome::{
+    CorruptStoredResponse, Outcome, PAYMENT_ACCEPTED, PAYMENT_REFUNDED, RideView, StoredResponse,
+};

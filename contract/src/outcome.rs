@@ -8,6 +8,10 @@ use serde::{Deserialize, Serialize};
 /// The message of every successful CreateRide (and of its replays).
 pub const PAYMENT_ACCEPTED: &str = "Payment accepted. Your pilot is on their way!";
 
+/// The message of a key whose charge was refunded (and of its replays).
+pub const PAYMENT_REFUNDED: &str = "The payment for this ride was refunded; this request will not \
+     be charged again. Book again with a new idempotency key.";
+
 /// Stored response codes are gRPC status codes, because the stored outcome is replayed as the
 /// same gRPC answer.
 pub const CODE_OK: i32 = 0;
@@ -74,6 +78,16 @@ pub enum Outcome {
         message: String,
         decline_code: Option<String>,
     },
+    /// The key's charge was made but never recorded, and was then refunded (the reconciler's
+    /// `unrecorded_charge`, `workers::reconciler::refund`), in the same transaction that stored
+    /// this: the key is final, so a retry replays this instead of recording the refunded charge as
+    /// the ride's payment.
+    PaymentRefunded {
+        ride_id: Option<i64>,
+        payment_intent: String,
+        refund_id: String,
+        message: String,
+    },
 }
 
 impl Outcome {
@@ -89,7 +103,9 @@ impl Outcome {
     pub fn to_stored(&self) -> StoredResponse {
         let code = match self {
             Outcome::RideCreated { .. } => CODE_OK,
-            Outcome::CardDeclined { .. } => CODE_FAILED_PRECONDITION,
+            Outcome::CardDeclined { .. } | Outcome::PaymentRefunded { .. } => {
+                CODE_FAILED_PRECONDITION
+            }
         };
         // Plain fields only: serialising cannot fail.
         let body = serde_json::to_value(self).unwrap_or_default();
@@ -119,5 +135,15 @@ mod tests {
             body: serde_json::json!({"outcome": "teleported"}),
         };
         assert!(Outcome::from_stored(garbage).is_err());
+        let refunded = Outcome::PaymentRefunded {
+            ride_id: Some(3),
+            payment_intent: "pi_1".into(),
+            refund_id: "re_1".into(),
+            message: PAYMENT_REFUNDED.into(),
+        };
+        let stored = refunded.to_stored();
+        assert_eq!(stored.code, CODE_FAILED_PRECONDITION);
+        assert_eq!(stored.body["outcome"], "payment_refunded");
+        assert_eq!(Outcome::from_stored(stored).unwrap(), refunded);
     }
 }

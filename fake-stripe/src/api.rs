@@ -214,12 +214,17 @@ pub(crate) async fn handle(
         (_, Some("search")) if method == Method::GET => search(&state, &req),
         (_, Some(id)) if !id.is_empty() && !id.contains('/') => match method {
             Method::GET => authenticate(req.headers(), &state)
-                .and_then(|_| {
-                    state
+                .and_then(|_| query_params(&req, &["expand[]"]))
+                .and_then(|params| {
+                    let expand = expands_charge(&params, "latest_charge")?;
+                    let pi = state
                         .get(id)
-                        .ok_or_else(|| ApiError::no_such_intent("intent", id))
-                })
-                .map(|pi| json_response(StatusCode::OK, to_json(&pi))),
+                        .ok_or_else(|| ApiError::no_such_intent("intent", id))?;
+                    Ok(json_response(
+                        StatusCode::OK,
+                        to_json(&expanded(&state, &pi, expand)),
+                    ))
+                }),
             _ => method_not_allowed(&method, &path, "GET"),
         },
         ("/v1/refunds", _) => match method {
@@ -696,6 +701,39 @@ pub(crate) fn query_params(
     Ok(params)
 }
 
+/// Whether `expand[]` asks for the PaymentIntent's charge (`path`: `latest_charge`, or
+/// `data.latest_charge` on a list): the one expansion this fake supports, as Stripe refuses what
+/// it cannot expand.
+fn expands_charge(params: &BTreeMap<String, String>, path: &str) -> Result<bool, ApiError> {
+    match params.get("expand[]") {
+        None => Ok(false),
+        Some(value) if value == path => Ok(true),
+        Some(value) => Err(ApiError::invalid(
+            None,
+            "expand",
+            format!("This property cannot be expanded ({value})."),
+        )),
+    }
+}
+
+/// A PaymentIntent as JSON, with its charge expanded (`id`, `amount`, `amount_refunded`,
+/// `refunded`, as Stripe's Charge object has them) if asked.
+fn expanded(state: &State, pi: &PaymentIntent, expand: bool) -> serde_json::Value {
+    let mut value = serde_json::to_value(pi).unwrap_or_default();
+    if expand && let Some(charge) = &pi.latest_charge {
+        let amount_refunded = state.amount_refunded(&pi.id);
+        value["latest_charge"] = serde_json::json!({
+            "id": charge,
+            "object": "charge",
+            "amount": pi.amount_received,
+            "amount_refunded": amount_refunded,
+            "refunded": amount_refunded >= pi.amount_received,
+            "payment_intent": pi.id,
+        });
+    }
+    value
+}
+
 fn list(state: &State, req: &Request<Incoming>) -> Result<HttpResponse, ApiError> {
     authenticate(req.headers(), state)?;
     let params = query_params(
@@ -704,6 +742,7 @@ fn list(state: &State, req: &Request<Incoming>) -> Result<HttpResponse, ApiError
             "limit",
             "starting_after",
             "customer",
+            "expand[]",
             "created[gt]",
             "created[gte]",
             "created[lt]",
@@ -726,6 +765,8 @@ fn list(state: &State, req: &Request<Incoming>) -> Result<HttpResponse, ApiError
             created,
         )
         .ok_or_else(|| ApiError::no_such_intent("starting_after", starting_after.unwrap_or("")))?;
+    let expand = expands_charge(&params, "data.latest_charge")?;
+    let data: Vec<serde_json::Value> = data.iter().map(|pi| expanded(state, pi, expand)).collect();
     let body = ListBody {
         object: "list",
         data: &data,

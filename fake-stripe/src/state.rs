@@ -291,6 +291,17 @@ impl State {
         true
     }
 
+    /// What the refunds of a PaymentIntent gave back, in total (Stripe's `amount_refunded` of
+    /// its charge).
+    pub fn amount_refunded(&self, payment_intent: &str) -> i64 {
+        self.lock()
+            .refunds
+            .iter()
+            .filter(|refund| refund.payment_intent == payment_intent)
+            .map(|refund| refund.amount)
+            .sum()
+    }
+
     /// Every refund, oldest first.
     pub fn refunds(&self) -> Vec<Refund> {
         self.lock().refunds.clone()

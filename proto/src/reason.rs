@@ -19,6 +19,9 @@ pub const IDEMPOTENCY_KEY_IN_USE: &str = "IDEMPOTENCY_KEY_IN_USE";
 pub const IDEMPOTENCY_KEY_LOCK_LOST: &str = "IDEMPOTENCY_KEY_LOCK_LOST";
 pub const CONCURRENCY_CONFLICT: &str = "CONCURRENCY_CONFLICT";
 pub const CARD_DECLINED: &str = "CARD_DECLINED";
+/// Final, stored on the key and replayed (`FAILED_PRECONDITION`): the key's charge was refunded
+/// (docs/money-safety.md), so it will never be a paid ride; booking again needs a new key.
+pub const PAYMENT_REFUNDED: &str = "PAYMENT_REFUNDED";
 pub const PAYMENT_PROVIDER_UNAVAILABLE: &str = "PAYMENT_PROVIDER_UNAVAILABLE";
 pub const DATABASE_UNAVAILABLE: &str = "DATABASE_UNAVAILABLE";
 pub const RIDE_NOT_FOUND: &str = "RIDE_NOT_FOUND";

@@ -132,9 +132,11 @@ struct SearchResult {
 }
 
 impl StripeClient {
-    /// A succeeded PaymentIntent created for `ride_id` (by its `metadata[ride_id]`), if any. Used
-    /// when the provider may already have forgotten our idempotency key, so that a charge that
-    /// happened but was never recorded is found instead of repeated.
+    /// Every PaymentIntent on the account whose `metadata[ride_id]` is `ride_id`, whoever made
+    /// it. Used when the provider may already have forgotten our idempotency key, so that a
+    /// charge that happened but was never recorded is found instead of repeated. The account is
+    /// shared, so the caller keeps only what the ownership rule (`contract::ownership`) proves
+    /// ours.
     #[tracing::instrument(
         name = "stripe.search",
         skip_all,
@@ -146,10 +148,10 @@ impl StripeClient {
             rides.ride_id = ride_id,
         )
     )]
-    pub async fn find_succeeded_charge(
+    pub async fn search_charges_for_ride(
         &self,
         ride_id: i64,
-    ) -> Result<Option<PaymentIntent>, ChargeError> {
+    ) -> Result<Vec<PaymentIntent>, ChargeError> {
         let response = self
             .http
             .get(format!("{}/v1/payment_intents/search", self.api_base))
@@ -170,10 +172,7 @@ impl StripeClient {
                 error_type: "unreadable_response".into(),
                 message: error.to_string(),
             })?;
-        Ok(found
-            .data
-            .into_iter()
-            .find(|intent| intent.status == "succeeded"))
+        Ok(found.data)
     }
 }
 

@@ -84,10 +84,38 @@ pub struct ListedIntent {
     pub status: String,
     pub amount: i64,
     pub currency: String,
+    /// The Stripe customer charged (the ownership rule compares it with the key's user's).
+    #[serde(default)]
+    pub customer: Option<String>,
     /// Unix seconds.
     pub created: i64,
     #[serde(default)]
     pub metadata: BTreeMap<String, String>,
+    /// The PaymentIntent's charge, expanded by the reconciler's reads (`expand[]`): what was
+    /// refunded of it. A PaymentIntent that is refunded stays `succeeded`.
+    #[serde(default)]
+    pub latest_charge: Option<LatestCharge>,
+}
+
+/// A PaymentIntent's `latest_charge`: an id, or the Charge object when expanded.
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[serde(untagged)]
+pub enum LatestCharge {
+    Expanded { id: String, amount_refunded: i64 },
+    Id(String),
+}
+
+impl ListedIntent {
+    /// How much of the charge was refunded; `None` if the charge was not expanded (or there is
+    /// none).
+    pub fn amount_refunded(&self) -> Option<i64> {
+        match &self.latest_charge {
+            Some(LatestCharge::Expanded {
+                amount_refunded, ..
+            }) => Some(*amount_refunded),
+            Some(LatestCharge::Id(_)) | None => None,
+        }
+    }
 }
 
 /// `created[gte]` ≤ created < `created[lt]`, in Unix seconds.
@@ -129,7 +157,8 @@ struct Page<T> {
 
 impl StripeClient {
     /// Every PaymentIntent created in `window`, newest first, page by page (Stripe's cursor
-    /// pagination: each next page starts after the last id of the one before).
+    /// pagination: each next page starts after the last id of the one before), each with its
+    /// charge expanded (what was refunded of it).
     #[tracing::instrument(name = "stripe.list", skip_all, fields(
         otel.kind = "client",
         window.from = window.from,
@@ -143,6 +172,7 @@ impl StripeClient {
         let query = [
             ("created[gte]", window.from.to_string()),
             ("created[lt]", window.until.to_string()),
+            ("expand[]", "data.latest_charge".to_owned()),
         ];
         let (intents, pages) = self
             .list_all("/v1/payment_intents", &query, |intent: &ListedIntent| {
@@ -166,7 +196,8 @@ impl StripeClient {
             return Ok(None);
         }
         let path = format!("/v1/payment_intents/{id}");
-        match self.get_json(&path, &[]).await {
+        let expand = [("expand[]", "latest_charge".to_owned())];
+        match self.get_json(&path, &expand).await {
             Ok(intent) => Ok(Some(intent)),
             Err(error) if error.code() == Some("resource_missing") => Ok(None),
             Err(error) => Err(error),

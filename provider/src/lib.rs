@@ -15,6 +15,7 @@
 //! prints.
 
 mod charge;
+mod deployment;
 mod ledger;
 
 use std::time::Duration;
@@ -23,10 +24,12 @@ use serde::Deserialize;
 pub use telemetry::Secret;
 
 pub use charge::{ChargeError, ChargeRequest};
-pub use ledger::{CreatedWindow, ListedIntent, ProviderError, Refund, RefundRequest};
+pub use deployment::{DEVELOPMENT_DEPLOYMENT_ID, DeploymentId, MAX_DEPLOYMENT_ID_LEN};
+pub use ledger::{CreatedWindow, LatestCharge, ListedIntent, ProviderError, Refund, RefundRequest};
 
 /// Where and how to reach the provider (`STRIPE_API_BASE`, `STRIPE_SECRET_KEY`,
-/// `STRIPE_TIMEOUT_MS`, `STRIPE_IDEMPOTENCY_WINDOW_SECS`, read by each binary's configuration).
+/// `STRIPE_TIMEOUT_MS`, `STRIPE_IDEMPOTENCY_WINDOW_SECS`, `DEPLOYMENT_ID`, read by each binary's
+/// configuration).
 #[derive(Clone, Debug)]
 pub struct StripeConfig {
     pub api_base: String,
@@ -35,6 +38,8 @@ pub struct StripeConfig {
     /// How long the provider remembers an idempotency key (Stripe: 24 hours). A charge resumed
     /// later than that is looked up before it is retried.
     pub idempotency_window: Duration,
+    /// Which installation this is: in every provider idempotency key and PaymentIntent.
+    pub deployment_id: DeploymentId,
 }
 
 /// fake-stripe's default address: what a local run and the tests talk to.
@@ -51,9 +56,10 @@ pub struct InvalidVariable {
 }
 
 impl StripeConfig {
-    /// Reads `STRIPE_API_BASE`, `STRIPE_SECRET_KEY`, `STRIPE_TIMEOUT_MS` and
-    /// `STRIPE_IDEMPOTENCY_WINDOW_SECS` through `lookup` (empty counts as unset): the one reading
-    /// of these variables, for the api-server's and the workers' configuration alike.
+    /// Reads `STRIPE_API_BASE`, `STRIPE_SECRET_KEY`, `STRIPE_TIMEOUT_MS`,
+    /// `STRIPE_IDEMPOTENCY_WINDOW_SECS` and `DEPLOYMENT_ID` through `lookup` (empty counts as
+    /// unset): the one reading of these variables, for the api-server's and the workers'
+    /// configuration alike.
     pub fn from_lookup(
         lookup: &dyn Fn(&str) -> Option<String>,
     ) -> Result<StripeConfig, InvalidVariable> {
@@ -65,14 +71,16 @@ impl StripeConfig {
                 reason: error.to_string(),
             }),
         };
+        let api_base = value("STRIPE_API_BASE")
+            .unwrap_or_else(|| DEFAULT_STRIPE_API_BASE.to_owned())
+            .trim_end_matches('/')
+            .to_owned();
+        let secret_key =
+            value("STRIPE_SECRET_KEY").unwrap_or_else(|| DEFAULT_STRIPE_SECRET_KEY.to_owned());
         Ok(StripeConfig {
-            api_base: value("STRIPE_API_BASE")
-                .unwrap_or_else(|| DEFAULT_STRIPE_API_BASE.to_owned())
-                .trim_end_matches('/')
-                .to_owned(),
-            secret_key: Secret::new(
-                value("STRIPE_SECRET_KEY").unwrap_or_else(|| DEFAULT_STRIPE_SECRET_KEY.to_owned()),
-            ),
+            deployment_id: DeploymentId::from_lookup(lookup, &api_base, &secret_key)?,
+            api_base,
+            secret_key: Secret::new(secret_key),
             timeout: Duration::from_millis(number("STRIPE_TIMEOUT_MS", 30_000)?),
             idempotency_window: Duration::from_secs(number(
                 "STRIPE_IDEMPOTENCY_WINDOW_SECS",
@@ -88,6 +96,7 @@ pub struct StripeClient {
     api_base: String,
     secret_key: Secret,
     idempotency_window: Duration,
+    deployment_id: DeploymentId,
 }
 
 /// The fields of a PaymentIntent this service reads.
@@ -97,6 +106,10 @@ pub struct PaymentIntent {
     pub status: String,
     pub amount: i64,
     pub currency: String,
+    #[serde(default)]
+    pub customer: Option<String>,
+    #[serde(default)]
+    pub metadata: std::collections::BTreeMap<String, String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -128,7 +141,13 @@ impl StripeClient {
             api_base: config.api_base.clone(),
             secret_key: config.secret_key.clone(),
             idempotency_window: config.idempotency_window,
+            deployment_id: config.deployment_id.clone(),
         })
+    }
+
+    /// This installation's deployment id (`DEPLOYMENT_ID`).
+    pub fn deployment_id(&self) -> &DeploymentId {
+        &self.deployment_id
     }
 
     /// How long the provider remembers an idempotency key.

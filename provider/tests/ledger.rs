@@ -15,6 +15,7 @@ fn client(fs: &FakeStripe) -> StripeClient {
         secret_key: Secret::new(KEY),
         timeout: Duration::from_secs(5),
         idempotency_window: Duration::from_secs(86_400),
+        deployment_id: provider::DeploymentId::parse("test").unwrap(),
     })
     .unwrap()
 }
@@ -151,4 +152,33 @@ async fn every_refund_of_a_payment_intent_is_listed_across_pages_with_its_metada
         .collect();
     numbers.sort_unstable();
     assert_eq!(numbers, (0..130).collect::<Vec<_>>(), "each refund once");
+}
+
+#[tokio::test]
+async fn listed_and_retrieved_intents_say_how_much_of_their_charge_was_refunded() {
+    let fs = FakeStripe::spawn(Config::default()).await.unwrap();
+    let stripe = client(&fs);
+    let id = charge(&fs, 1).await;
+    assert!(fs.backdate(&id, 5000));
+    let window = CreatedWindow {
+        from: 5000,
+        until: 5001,
+    };
+    let listed = stripe.list_payment_intents(window).await.unwrap();
+    assert_eq!(listed[0].amount_refunded(), Some(0));
+    stripe
+        .refund(&RefundRequest {
+            payment_intent: id.clone(),
+            reason: "duplicate",
+            metadata: vec![],
+            idempotency_key: "refund-listed".to_owned(),
+        })
+        .await
+        .unwrap();
+    let listed = stripe.list_payment_intents(window).await.unwrap();
+    let amount = listed[0].amount;
+    assert_eq!(listed[0].amount_refunded(), Some(amount));
+    let retrieved = stripe.retrieve_payment_intent(&id).await.unwrap().unwrap();
+    assert_eq!(retrieved.amount_refunded(), Some(amount));
+    assert_eq!(retrieved.customer, None, "this charge names no customer");
 }

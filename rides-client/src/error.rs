@@ -47,6 +47,9 @@ pub enum RidesError {
         #[source]
         status: Box<Status>,
     },
+    /// Final, stored on the key and replayed: the key's charge was refunded.
+    #[error("the payment was refunded (PAYMENT_REFUNDED)")]
+    PaymentRefunded(#[source] Box<Status>),
     #[error("another attempt holds the key (IDEMPOTENCY_KEY_IN_USE)")]
     IdempotencyKeyInUse(#[source] Box<Status>),
     #[error("this attempt's lock on the key was taken over (IDEMPOTENCY_KEY_LOCK_LOST)")]
@@ -109,6 +112,7 @@ impl RidesError {
             | RidesError::InvalidRideParameters(_)
             | RidesError::IdempotencyKeyReused(_)
             | RidesError::CardDeclined { .. }
+            | RidesError::PaymentRefunded(_)
             | RidesError::RideNotFound(_)
             | RidesError::MissingRide
             | RidesError::InvalidMetadata(_) => false,
@@ -155,6 +159,7 @@ impl RidesError {
             | RidesError::InvalidRideParameters(status)
             | RidesError::IdempotencyKeyReused(status)
             | RidesError::CardDeclined { status, .. }
+            | RidesError::PaymentRefunded(status)
             | RidesError::IdempotencyKeyInUse(status)
             | RidesError::IdempotencyKeyLockLost(status)
             | RidesError::ConcurrencyConflict(status)
@@ -257,6 +262,7 @@ impl From<Status> for RidesError {
                 decline_code: info.metadata.get(reason::DECLINE_CODE).cloned(),
                 status,
             },
+            reason::PAYMENT_REFUNDED => RidesError::PaymentRefunded(status),
             reason::IDEMPOTENCY_KEY_IN_USE => RidesError::IdempotencyKeyInUse(status),
             reason::IDEMPOTENCY_KEY_LOCK_LOST => RidesError::IdempotencyKeyLockLost(status),
             reason::CONCURRENCY_CONFLICT => RidesError::ConcurrencyConflict(status),
@@ -343,6 +349,7 @@ mod tests {
             false,
         ),
         (Code::FailedPrecondition, reason::CARD_DECLINED, false),
+        (Code::FailedPrecondition, reason::PAYMENT_REFUNDED, false),
         (Code::Aborted, reason::IDEMPOTENCY_KEY_IN_USE, true),
         (Code::Aborted, reason::IDEMPOTENCY_KEY_LOCK_LOST, true),
         (Code::Aborted, reason::CONCURRENCY_CONFLICT, true),

@@ -14,8 +14,9 @@ pub enum FindingKind {
     /// A succeeded PaymentIntent whose ride exists but does not record it, and whose key is no
     /// longer live (reaped, given up by the completer, or finished otherwise).
     UnrecordedCharge,
-    /// A succeeded PaymentIntent carrying our metadata whose `ride_id` names no ride (or is
-    /// missing or unreadable).
+    /// A succeeded PaymentIntent carrying this deployment's marker that the ownership rule does
+    /// not prove ours (its key reaped or unknown, or another customer, ride or amount): for a
+    /// person to look into, never refunded by the tools.
     UnknownRide,
     /// A ride records a PaymentIntent the provider does not have.
     MissingCharge,
@@ -25,16 +26,20 @@ pub enum FindingKind {
     AmountMismatch,
     /// A ride records a PaymentIntent in another currency.
     CurrencyMismatch,
+    /// A ride records a PaymentIntent whose charge was (partly) refunded: the ride still counts
+    /// as paid.
+    RefundedCharge,
 }
 
 impl FindingKind {
-    pub const ALL: [FindingKind; 6] = [
+    pub const ALL: [FindingKind; 7] = [
         FindingKind::UnrecordedCharge,
         FindingKind::UnknownRide,
         FindingKind::MissingCharge,
         FindingKind::ChargeNotSucceeded,
         FindingKind::AmountMismatch,
         FindingKind::CurrencyMismatch,
+        FindingKind::RefundedCharge,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -45,18 +50,23 @@ impl FindingKind {
             FindingKind::ChargeNotSucceeded => "charge_not_succeeded",
             FindingKind::AmountMismatch => "amount_mismatch",
             FindingKind::CurrencyMismatch => "currency_mismatch",
+            FindingKind::RefundedCharge => "refunded_charge",
         }
     }
 
-    /// Whether the finding is money taken that no ride stands for, so that refunding it is the
-    /// remedy (only ever on an operator's explicit request).
+    /// Whether the finding is money of ours taken that no ride stands for, so that refunding it
+    /// is the remedy (only ever on an operator's explicit request, and only once the charge is
+    /// proven ours again when it is refunded). An `unknown_ride` is not: nothing proves whose
+    /// money it is, so a person settles it at the provider.
     pub fn is_refundable(self) -> bool {
         match self {
-            FindingKind::UnrecordedCharge | FindingKind::UnknownRide => true,
-            FindingKind::MissingCharge
+            FindingKind::UnrecordedCharge => true,
+            FindingKind::UnknownRide
+            | FindingKind::MissingCharge
             | FindingKind::ChargeNotSucceeded
             | FindingKind::AmountMismatch
-            | FindingKind::CurrencyMismatch => false,
+            | FindingKind::CurrencyMismatch
+            | FindingKind::RefundedCharge => false,
         }
     }
 }

@@ -77,6 +77,9 @@ pub struct Ride {
     pub currency: String,
     pub stripe_charge_id: Option<String>,
     pub user_id: i64,
+    /// The deployment the ride was created under; `None` for a ride from before deployment ids
+    /// (`contract::key::provider_idempotency_key` says what that changes for its charge).
+    pub deployment_id: Option<String>,
 }
 
 #[derive(Debug, Insertable)]

@@ -93,6 +93,7 @@ diesel::table! {
         currency -> Text,
         stripe_charge_id -> Nullable<Text>,
         user_id -> Int8,
+        deployment_id -> Nullable<Text>,
     }
 }
 

@@ -136,7 +136,8 @@ pub fn classify(result: &Result<Created, CallError>) -> Attempt {
         Err(call) => &call.error,
     };
     match error {
-        RidesError::CardDeclined { .. } => Attempt::Declined,
+        // Both final and stored on the key: nothing left to complete.
+        RidesError::CardDeclined { .. } | RidesError::PaymentRefunded(_) => Attempt::Declined,
         RidesError::IdempotencyKeyInUse(_) => Attempt::InUse,
         RidesError::MissingCredentials(status)
         | RidesError::InvalidCredentials(status)

@@ -2,8 +2,10 @@
 //! exactly one receipt per ride.
 //!
 //! Per delivery:
-//! - malformed message, unknown version, unknown ride, or a ride that is not the message's
-//!   user's → reject without requeue → dead-letter queue (never retried forever);
+//! - malformed message, unknown version, unknown ride, a ride that is not the message's user's,
+//!   or a ride that records no charge or another charge than the message's → reject without
+//!   requeue → dead-letter queue with the reason logged (never retried forever, never mailed: a
+//!   receipt is only ever for a charge the ride records);
 //! - otherwise the attempt *claims* the ride's receipt: a `receipt_claims` row, committed before
 //!   any SMTP traffic, holding an attempt count and a lease. While another attempt's lease runs,
 //!   this one waits (a duplicate message, or a redelivery after a crash, never sends in parallel);
@@ -489,7 +491,7 @@ impl ReceiptWorker {
     }
 
     /// The receipt for the message's ride, or the dead-letter disposition when the message names
-    /// a ride that does not exist or is not its user's.
+    /// a ride that does not exist, is not its user's, or does not record the message's charge.
     async fn receipt_for(
         &self,
         message: &ReceiptMessage,
@@ -521,13 +523,27 @@ impl ReceiptWorker {
                 message.ride_id, message.user_id
             ))));
         };
+        // The ride row is authoritative; the message only names the ride. A ride that records no
+        // charge was not paid (a charge never recorded, or refunded); one that records another
+        // charge than the message's is not what the message was staged for.
+        let Some(charge_id) = charge_id else {
+            return Ok(Err(Disposition::DeadLetter(format!(
+                "ride {} records no charge (the message names {})",
+                message.ride_id, message.charge_id
+            ))));
+        };
+        if charge_id != message.charge_id {
+            return Ok(Err(Disposition::DeadLetter(format!(
+                "ride {} records charge {charge_id}, not the message's {}",
+                message.ride_id, message.charge_id
+            ))));
+        }
         Ok(Ok(Receipt {
             ride_id: message.ride_id,
             to: email,
-            // The ride row is authoritative; the message only names the ride.
             amount,
             currency,
-            charge_id: charge_id.unwrap_or_else(|| message.charge_id.clone()),
+            charge_id,
             ride_created_at: created_at,
         }))
     }

@@ -610,6 +610,7 @@ fn into_response(reply: CreateRideReply) -> Result<Response<CreateRideResponse>,
             message,
             decline_code,
         }) => Err(status::card_declined(&message, decline_code.as_deref())),
+        Ok(Outcome::PaymentRefunded { message, .. }) => Err(status::payment_refunded(&message)),
         Err(error) => Err(status::create_ride_error(error)),
     };
     match result {

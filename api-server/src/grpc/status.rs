@@ -128,6 +128,16 @@ pub fn database_unavailable() -> Status {
     )
 }
 
+/// A key whose charge was refunded: final, replayed as stored (no metadata, so a replay encodes
+/// to the same bytes).
+pub fn payment_refunded(message: &str) -> Status {
+    Status::with_error_details(
+        Code::FailedPrecondition,
+        message,
+        error_info(reason::PAYMENT_REFUNDED, HashMap::new()),
+    )
+}
+
 pub fn ride_not_found() -> Status {
     simple(Code::NotFound, "ride not found", reason::RIDE_NOT_FOUND)
 }

@@ -48,6 +48,7 @@ impl Rides {
             currency: self.price.currency.clone(),
             audit_data: audit_data(params),
             origin_ip: IpNet::from(origin_ip),
+            deployment_id: self.stripe.deployment_id().as_str().to_owned(),
         }
     }
 
@@ -93,6 +94,7 @@ impl Rides {
                     .bind::<Text, _>(price.currency.as_str())
                     .bind::<Jsonb, _>(data)
                     .bind::<Cidr, _>(origin_ip)
+                    .bind::<Text, _>(self.stripe.deployment_id().as_str())
             })
             .get_result::<Ride>(conn)
             .map(OptionalExtension::optional)
@@ -117,10 +119,10 @@ impl Statement for CreateRideRecord {
         "WITH ",
         contract::fence!("started"),
         ", ride AS (INSERT INTO rides (idempotency_key_id, origin_lat, origin_lon, target_lat, \
-         target_lon, amount, currency, user_id) \
-         SELECT fence.id, $4, $5, $6, $7, $8, $9, fence.user_id FROM fence \
+         target_lon, amount, currency, user_id, deployment_id) \
+         SELECT fence.id, $4, $5, $6, $7, $8, $9, fence.user_id, $12 FROM fence \
          RETURNING id, created_at, idempotency_key_id, origin_lat, origin_lon, target_lat, \
-         target_lon, amount, currency, stripe_charge_id, user_id), \
+         target_lon, amount, currency, stripe_charge_id, user_id, deployment_id), \
          audit AS (INSERT INTO audit_records (action, data, origin_ip, resource_id, \
          resource_type, user_id) \
          SELECT 'ride.created', $10, $11, ride.id, 'ride', ride.user_id FROM ride) \
@@ -133,6 +135,8 @@ impl Statement for CreateRideRecord {
 /// Phase `started` for several keys: see [`CreateRideRecord`].
 pub struct CreateRideRecords {
     pub price: Price,
+    /// The server's `DEPLOYMENT_ID`, which every ride keeps.
+    pub deployment_id: String,
 }
 
 /// One request's part of [`CreateRideRecords`].
@@ -179,6 +183,7 @@ impl BatchStatement for CreateRideRecords {
                 .bind::<Array<Cidr>, _>(&origin_ips)
                 .bind::<BigInt, _>(self.price.amount)
                 .bind::<Text, _>(self.price.currency.as_str())
+                .bind::<Text, _>(self.deployment_id.as_str())
         })
         .load::<Ride>(conn)
         .await?;
@@ -203,11 +208,11 @@ impl Statement for CreateRideRecordBatch {
             "origin_lat, origin_lon, target_lat, target_lon, data, origin_ip"
         ),
         ", ride AS (INSERT INTO rides (idempotency_key_id, origin_lat, origin_lon, target_lat, \
-         target_lon, amount, currency, user_id) \
-         SELECT key_id, origin_lat, origin_lon, target_lat, target_lon, $10, $11, user_id \
+         target_lon, amount, currency, user_id, deployment_id) \
+         SELECT key_id, origin_lat, origin_lon, target_lat, target_lon, $10, $11, user_id, $12 \
          FROM fence ORDER BY key_id \
          RETURNING id, created_at, idempotency_key_id, origin_lat, origin_lon, target_lat, \
-         target_lon, amount, currency, stripe_charge_id, user_id), \
+         target_lon, amount, currency, stripe_charge_id, user_id, deployment_id), \
          audit AS (INSERT INTO audit_records (action, data, origin_ip, resource_id, \
          resource_type, user_id) \
          SELECT 'ride.created', fence.data, fence.origin_ip, ride.id, 'ride', ride.user_id \

@@ -151,6 +151,7 @@ impl Rides {
             new_rides: Batcher::new(
                 CreateRideRecords {
                     price: price.clone(),
+                    deployment_id: stripe.deployment_id().as_str().to_owned(),
                 },
                 pool.clone(),
                 retry,

@@ -7,7 +7,14 @@
 
 use std::time::{Duration, Instant};
 
-use contract::{BackgroundJob, Outcome, ReceiptJob, key::KeyMoved};
+use contract::{
+    BackgroundJob, Outcome, ReceiptJob,
+    key::KeyMoved,
+    ownership::{
+        self, IntentFacts, KeyRecord, METADATA_DEPLOYMENT_ID, METADATA_KEY_ID, METADATA_RIDE_ID,
+        METADATA_USER_ID,
+    },
+};
 use diesel::{
     OptionalExtension,
     result::Error as DieselError,
@@ -30,25 +37,75 @@ use super::{
 use crate::{
     idempotency::{self, BatchStatement, Fence, FenceArrays, Lease},
     metrics::metrics,
-    payments::{ChargeError, ChargeRequest},
+    payments::{ChargeError, ChargeRequest, PaymentIntent},
 };
 
 /// The charge of `ride` for the key `lease` holds: every attempt at that ride, by any process,
-/// asks the provider for exactly this, under the same idempotency key.
+/// asks the provider for exactly this, under the same idempotency key. A ride created under a
+/// deployment id carries it as the charge's marker and in its provider key; a ride from before
+/// deployment ids sends exactly what the older server sent (no marker, the old provider key), as
+/// the provider refuses a retry whose parameters differ and charges again under another key.
 pub(crate) fn charge_request(lease: &Lease, request: &RideRequest, ride: &Ride) -> ChargeRequest {
+    let deployment_id = ride.deployment_id.as_deref();
+    let mut metadata = vec![
+        (METADATA_RIDE_ID, ride.id.to_string()),
+        (METADATA_USER_ID, ride.user_id.to_string()),
+        (METADATA_KEY_ID, lease.key_id.to_string()),
+    ];
+    if let Some(deployment_id) = deployment_id {
+        metadata.push((METADATA_DEPLOYMENT_ID, deployment_id.to_owned()));
+    }
     ChargeRequest {
         amount: ride.amount,
         currency: ride.currency.clone(),
         customer: request.user.stripe_customer_id.clone(),
         payment_method: request.user.stripe_payment_method_id.clone(),
         description: format!("Rocket Rides ride {}", ride.id),
-        metadata: vec![
-            ("ride_id", ride.id.to_string()),
-            ("user_id", ride.user_id.to_string()),
-            ("idempotency_key_id", lease.key_id.to_string()),
-        ],
-        idempotency_key: contract::key::provider_idempotency_key(lease.key_id),
+        metadata,
+        idempotency_key: contract::key::provider_idempotency_key(deployment_id, lease.key_id),
     }
+}
+
+/// The first of `found` (the provider's PaymentIntents naming `ride`) that succeeded and that the
+/// ownership rule proves this key's charge; the others are someone else's and are only counted.
+fn our_charge(
+    deployment_id: &str,
+    lease: &Lease,
+    request: &RideRequest,
+    ride: &Ride,
+    found: Vec<PaymentIntent>,
+) -> Option<PaymentIntent> {
+    let key = KeyRecord {
+        key_id: lease.key_id,
+        deployment_id: ride.deployment_id.as_deref(),
+        customer: &request.user.stripe_customer_id,
+        ride_id: ride.id,
+        amount: ride.amount,
+        currency: &ride.currency,
+    };
+    found.into_iter().find(|intent| {
+        let facts = IntentFacts {
+            metadata: &intent.metadata,
+            customer: intent.customer.as_deref(),
+            amount: intent.amount,
+            currency: &intent.currency,
+        };
+        match ownership::verdict(deployment_id, &facts, Some(&key)) {
+            Ok(()) => intent.status == "succeeded",
+            Err(why) => {
+                metrics()
+                    .foreign_charges
+                    .add(1, &[attr("reason", why.as_str())]);
+                tracing::warn!(
+                    ride_id = ride.id,
+                    payment_intent = %intent.id,
+                    reason = %why,
+                    "charge search: a PaymentIntent naming this ride is not ours; ignored"
+                );
+                false
+            }
+        }
+    })
 }
 
 impl Rides {
@@ -60,6 +117,19 @@ impl Rides {
         request: &RideRequest,
         ride: Ride,
     ) -> Result<Outcome, CreateRideError> {
+        let ours = self.stripe.deployment_id().as_str();
+        if let Some(other) = ride.deployment_id.as_deref().filter(|id| *id != ours) {
+            // A ride another deployment created (a database restored or shared under another
+            // DEPLOYMENT_ID): its provider key and marker are that deployment's, and charging
+            // under them could replay or repeat that deployment's charge. Do not move money.
+            return Err(CreateRideError::Internal(
+                format!(
+                    "ride {} was created by deployment {other:?}, this is {ours:?}",
+                    ride.id
+                )
+                .into(),
+            ));
+        }
         let charge = charge_request(lease, request, &ride);
         // No transaction is open and no connection is held here: the call may take seconds.
         let started = Instant::now();
@@ -67,7 +137,12 @@ impl Rides {
         let charged = if self.beyond_provider_key_window(&ride) {
             // The provider may have forgotten our idempotency key: an earlier attempt that
             // charged but was never recorded would be charged again. Look for it first.
-            match self.stripe.find_succeeded_charge(ride.id).await {
+            let found = self
+                .stripe
+                .search_charges_for_ride(ride.id)
+                .await
+                .map(|found| our_charge(ours, lease, request, &ride, found));
+            match found {
                 Ok(Some(intent)) => {
                     tracing::warn!(
                         ride_id = ride.id,

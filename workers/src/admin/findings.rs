@@ -179,10 +179,12 @@ pub fn describe(f: &ReconciliationFinding) -> String {
              live (reaped, given up or finished)",
             optional(f.idempotency_key_id)
         ),
-        FindingKind::UnknownRide => match f.ride_id {
-            Some(_) => format!("{pi} took {provider} for ride {ride}, which does not exist"),
-            None => format!("{pi} took {provider} with our metadata but no ride id"),
-        },
+        FindingKind::UnknownRide => format!(
+            "{pi} took {provider}, carries this deployment's marker (ride {ride}, key {}) but is \
+             not provably ours (key reaped or unknown, or another customer, ride or amount); \
+             never refunded by the tools: check it at the provider, then `resolve`",
+            optional(f.idempotency_key_id)
+        ),
         FindingKind::MissingCharge => {
             format!("ride {ride} records {pi}, which the provider does not have")
         }
@@ -196,6 +198,10 @@ pub fn describe(f: &ReconciliationFinding) -> String {
         FindingKind::CurrencyMismatch => {
             format!("ride {ride} is in {recorded} but {pi} charged {provider}")
         }
+        FindingKind::RefundedCharge => format!(
+            "ride {ride} records {pi} as its payment, but the charge was refunded; the ride \
+             still counts as paid"
+        ),
     }
 }
 

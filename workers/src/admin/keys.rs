@@ -99,8 +99,10 @@ pub struct KeyDetails {
     pub last_run_at: DateTime<Utc>,
     pub recovery_point: RecoveryPoint,
     /// The idempotency key every charge attempt for this key presented to the provider: search
-    /// the provider's PaymentIntents for it (or for metadata `idempotency_key_id`).
-    pub provider_idempotency_key: String,
+    /// the provider's PaymentIntents for it (or for metadata `idempotency_key_id`). Fixed when
+    /// the key's ride is created (by the ride's deployment id); `None` while it has no ride, and
+    /// so no charge.
+    pub provider_idempotency_key: Option<String>,
     pub lock: LockState,
     pub completer: CompleterState,
     pub stored_outcome: Option<StoredOutcome>,
@@ -196,13 +198,18 @@ pub async fn show(
                 .optional()?
                 .map(|email| redact::email(&email));
             let ride = ride_for_key(conn, &key, false).await?;
+            let provider_key = ride
+                .as_ref()
+                .map(|ride| provider_idempotency_key(ride.deployment_id.as_deref(), key.id));
             let ride = match ride {
                 Some(ride) => Some(ride_details(conn, ride).await?),
                 None => None,
             };
+            let mut details = key_details(&key, user_email, now, settings);
+            details.provider_idempotency_key = provider_key;
             Ok(KeyReport {
                 now,
-                key: Some(key_details(&key, user_email, now, settings)),
+                key: Some(details),
                 ride,
                 attention,
             })
@@ -240,7 +247,7 @@ fn key_details(
         expires_at: key.created_at.checked_add_signed(key_ttl),
         last_run_at: key.last_run_at,
         recovery_point: key.recovery_point,
-        provider_idempotency_key: provider_idempotency_key(key.id),
+        provider_idempotency_key: None,
         lock: LockState {
             state: if key.locked_at.is_some() {
                 "held"
@@ -758,7 +765,7 @@ async fn plan_succeeded(
                  with --charge-id pi_…. If there is none, the charge never happened: finish with \
                  --outcome declined, or unlock the key so that the charge is retried.",
                 ride.id,
-                provider_idempotency_key(key.id),
+                provider_idempotency_key(ride.deployment_id.as_deref(), key.id),
                 ride.id,
                 key.id
             )));
@@ -919,10 +926,12 @@ impl KeyReport {
                 line(
                     &mut out,
                     "provider key",
-                    format!(
-                        "{} (the charge's idempotency key at the provider)",
-                        key.provider_idempotency_key
-                    ),
+                    match &key.provider_idempotency_key {
+                        Some(provider_key) => {
+                            format!("{provider_key} (the charge's idempotency key at the provider)")
+                        }
+                        None => "none yet (no ride, so no charge)".to_owned(),
+                    },
                 );
                 line(
                     &mut out,

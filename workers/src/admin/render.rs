@@ -64,6 +64,15 @@ pub fn outcome(outcome: &Outcome) -> String {
             "FAILED_PRECONDITION CARD_DECLINED {message:?} (decline_code {})",
             decline_code.as_deref().unwrap_or("none")
         ),
+        Outcome::PaymentRefunded {
+            payment_intent,
+            refund_id,
+            message,
+            ..
+        } => format!(
+            "FAILED_PRECONDITION PAYMENT_REFUNDED {message:?} ({payment_intent} refunded as \
+             {refund_id})"
+        ),
     }
 }
 

@@ -4,25 +4,29 @@
 //!
 //! The rules (docs/workers.md, "Reconciler"):
 //! - A PaymentIntent a ride records (matched by id) must be `succeeded`, of the ride's amount and
-//!   currency: otherwise `charge_not_succeeded`, `amount_mismatch`, `currency_mismatch`.
+//!   currency, and not refunded (its expanded charge's `amount_refunded` is 0): otherwise
+//!   `charge_not_succeeded`, `amount_mismatch`, `currency_mismatch`, `refunded_charge` (the ride
+//!   still counts as paid).
 //! - A ride of the window that records a PaymentIntent the provider does not have:
 //!   `missing_charge`.
-//! - A succeeded PaymentIntent that no ride records is matched by its `metadata.ride_id`. While
-//!   its key is live (exists, unfinished, not given up by the completer) it is *pending*: the
-//!   completer will record it. Otherwise: `unrecorded_charge` if the ride exists, `unknown_ride`
-//!   if it does not (or the metadata names none).
-//! - PaymentIntents without any of our metadata keys are someone else's on the same account and
-//!   are left alone; ones that took no money (declines, unconfirmed) need nothing.
+//! - A PaymentIntent that no ride records must first be proven ours by the ownership rule
+//!   (`contract::ownership`: deployment marker, key id resolving in our database, the key's
+//!   customer, ride and amount). One that is not is someone else's on the shared account: it is
+//!   counted (`foreign`, and `look_alikes` for those that carry any of our metadata keys) and
+//!   left alone, never a finding that could be refunded. One that carries this deployment's
+//!   marker but fails the rest of the proof is an `unknown_ride` finding for a person: never
+//!   refunded by the tools.
+//! - A succeeded PaymentIntent proven ours that no ride records: while its key is live (exists,
+//!   unfinished, not given up by the completer) it is *pending*: the completer will record it.
+//!   Otherwise `unrecorded_charge`. Ones that took no money (declines, unconfirmed) need nothing.
 
 use std::collections::{HashMap, HashSet};
 
+use contract::ownership::{
+    self, IntentFacts, KeyRecord, METADATA_KEY_ID, METADATA_RIDE_ID, METADATA_USER_ID, NotOurs,
+};
 use provider::ListedIntent;
 use schema::{FindingKind, RecoveryPoint, models::NewReconciliationFinding};
-
-/// The metadata keys the api-server puts on every charge.
-pub const METADATA_RIDE_ID: &str = "ride_id";
-pub const METADATA_USER_ID: &str = "user_id";
-pub const METADATA_KEY_ID: &str = "idempotency_key_id";
 
 const SUCCEEDED: &str = "succeeded";
 
@@ -36,6 +40,8 @@ pub struct RideFacts {
     pub amount: i64,
     pub currency: String,
     pub stripe_charge_id: Option<String>,
+    /// The deployment the ride was created under (`None`: before deployment ids).
+    pub deployment_id: Option<String>,
 }
 
 /// An idempotency key that still exists.
@@ -59,9 +65,17 @@ impl KeyFacts {
     }
 }
 
+/// Who a key that still exists belongs to: what the ownership rule compares.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KeyOwner {
+    pub user_id: i64,
+}
+
 /// Everything one pass knows about its window.
 #[derive(Clone, Debug, Default)]
 pub struct Ledger {
+    /// This installation's `DEPLOYMENT_ID`.
+    pub deployment_id: String,
     /// The provider's PaymentIntents of the window, plus those pending from earlier passes.
     pub intents: Vec<ListedIntent>,
     /// The rides created in the window that record a charge.
@@ -71,6 +85,10 @@ pub struct Ledger {
     pub rides: HashMap<i64, RideFacts>,
     /// Keys that still exist, by id (a missing id was reaped).
     pub keys: HashMap<i64, KeyFacts>,
+    /// The owners of the keys the intents' metadata names, by key id.
+    pub owners: HashMap<i64, KeyOwner>,
+    /// The Stripe customer of each of those owners, by user id.
+    pub customers: HashMap<i64, String>,
     /// PaymentIntents the window's rides record that were not listed, looked up by id: `None`
     /// when the provider has no such PaymentIntent.
     pub looked_up: HashMap<String, Option<ListedIntent>>,
@@ -88,8 +106,11 @@ pub struct Classified {
     pub pending: Vec<Pending>,
     /// PaymentIntents a ride records, with nothing wrong.
     pub matched: u64,
-    /// PaymentIntents without our metadata.
+    /// PaymentIntents no ride records that the ownership rule does not prove ours.
     pub foreign: u64,
+    /// Of those, the ones carrying any of our metadata keys (someone else's look-alike, or a
+    /// charge of ours that can no longer be proven, e.g. of a reaped key), by reason.
+    pub look_alikes: HashMap<NotOurs, u64>,
 }
 
 pub fn classify(ledger: &Ledger) -> Classified {
@@ -99,6 +120,11 @@ pub fn classify(ledger: &Ledger) -> Classified {
         .values()
         .filter_map(|ride| Some((ride.stripe_charge_id.as_deref()?, ride)))
         .collect();
+    let by_key: HashMap<i64, &RideFacts> = ledger
+        .rides
+        .values()
+        .filter_map(|ride| Some((ride.idempotency_key_id?, ride)))
+        .collect();
     let mut seen: HashSet<&str> = HashSet::new();
     for intent in &ledger.intents {
         if !seen.insert(intent.id.as_str()) {
@@ -106,7 +132,7 @@ pub fn classify(ledger: &Ledger) -> Classified {
         }
         match by_charge.get(intent.id.as_str()) {
             Some(ride) => compare(ride, intent, &mut out),
-            None => unrecorded(ledger, intent, &mut out),
+            None => unrecorded(ledger, &by_key, intent, &mut out),
         }
     }
     for ride in &ledger.window_rides {
@@ -158,29 +184,57 @@ fn compare(ride: &RideFacts, intent: &ListedIntent, out: &mut Classified) {
             Some(intent),
         ));
     }
+    if intent
+        .amount_refunded()
+        .is_some_and(|refunded| refunded > 0)
+    {
+        out.findings.push(finding(
+            FindingKind::RefundedCharge,
+            &intent.id,
+            Some(ride),
+            Some(intent),
+        ));
+    }
     if out.findings.len() == before {
         out.matched += 1;
     }
 }
 
 /// A PaymentIntent no ride records.
-fn unrecorded(ledger: &Ledger, intent: &ListedIntent, out: &mut Classified) {
-    let metadata = &intent.metadata;
-    let ours = [METADATA_RIDE_ID, METADATA_USER_ID, METADATA_KEY_ID]
-        .iter()
-        .any(|key| metadata.contains_key(*key));
-    if !ours {
-        out.foreign += 1;
+fn unrecorded(
+    ledger: &Ledger,
+    by_key: &HashMap<i64, &RideFacts>,
+    intent: &ListedIntent,
+    out: &mut Classified,
+) {
+    let key_id = ownership::key_id(&intent.metadata);
+    let ride = key_id.and_then(|id| by_key.get(&id).copied());
+    let record = key_id.and_then(|id| {
+        let owner = ledger.owners.get(&id)?;
+        let ride = ride?;
+        Some(KeyRecord {
+            key_id: id,
+            deployment_id: ride.deployment_id.as_deref(),
+            customer: ledger.customers.get(&owner.user_id)?,
+            ride_id: ride.id,
+            amount: ride.amount,
+            currency: &ride.currency,
+        })
+    });
+    let facts = IntentFacts {
+        metadata: &intent.metadata,
+        customer: intent.customer.as_deref(),
+        amount: intent.amount,
+        currency: &intent.currency,
+    };
+    if let Err(why) = ownership::verdict(&ledger.deployment_id, &facts, record.as_ref()) {
+        not_ours(ledger, intent, why, out);
         return;
     }
     if intent.status != SUCCEEDED {
-        // A decline or an unconfirmed intent took no money; the ride (if any) says so itself.
+        // A decline or an unconfirmed intent took no money; the ride says so itself.
         return;
     }
-    let ride = metadata_id(intent, METADATA_RIDE_ID).and_then(|id| ledger.rides.get(&id));
-    let key_id = ride
-        .and_then(|ride| ride.idempotency_key_id)
-        .or_else(|| metadata_id(intent, METADATA_KEY_ID));
     let live = key_id
         .and_then(|id| ledger.keys.get(&id))
         .is_some_and(|key| key.is_live());
@@ -190,27 +244,44 @@ fn unrecorded(ledger: &Ledger, intent: &ListedIntent, out: &mut Classified) {
         });
         return;
     }
-    let mut new = match ride {
-        Some(ride) => finding(
-            FindingKind::UnrecordedCharge,
-            &intent.id,
-            Some(ride),
-            Some(intent),
-        ),
-        None => finding(FindingKind::UnknownRide, &intent.id, None, Some(intent)),
-    };
-    new.ride_id = new
-        .ride_id
-        .or_else(|| metadata_id(intent, METADATA_RIDE_ID));
-    new.user_id = new
-        .user_id
-        .or_else(|| metadata_id(intent, METADATA_USER_ID));
-    new.idempotency_key_id = key_id;
-    out.findings.push(new);
+    out.findings.push(finding(
+        FindingKind::UnrecordedCharge,
+        &intent.id,
+        ride,
+        Some(intent),
+    ));
 }
 
-fn metadata_id(intent: &ListedIntent, key: &str) -> Option<i64> {
-    intent.metadata.get(key)?.parse().ok()
+/// A PaymentIntent the ownership rule refused: counted and left alone, or, if it carries this
+/// deployment's marker and took money, an `unknown_ride` finding for a person (never refunded by
+/// the tools: nothing proves whose it is).
+fn not_ours(ledger: &Ledger, intent: &ListedIntent, why: NotOurs, out: &mut Classified) {
+    let metadata = &intent.metadata;
+    if ownership::carries_marker(metadata, &ledger.deployment_id) && intent.status == SUCCEEDED {
+        tracing::warn!(
+            payment_intent = %intent.id,
+            reason = %why,
+            "reconciler: a charge carries our deployment marker but is not provably ours"
+        );
+        let mut new = finding(FindingKind::UnknownRide, &intent.id, None, Some(intent));
+        new.ride_id = ownership::metadata_id(metadata, METADATA_RIDE_ID);
+        new.user_id = ownership::metadata_id(metadata, METADATA_USER_ID);
+        new.idempotency_key_id = ownership::key_id(metadata);
+        out.findings.push(new);
+        return;
+    }
+    out.foreign += 1;
+    let look_alike = [METADATA_RIDE_ID, METADATA_USER_ID, METADATA_KEY_ID]
+        .iter()
+        .any(|key| metadata.contains_key(*key));
+    if look_alike {
+        *out.look_alikes.entry(why).or_default() += 1;
+        tracing::info!(
+            payment_intent = %intent.id,
+            reason = %why,
+            "reconciler: a PaymentIntent with our metadata keys is not ours; ignored"
+        );
+    }
 }
 
 fn finding(
@@ -237,7 +308,11 @@ fn finding(
 mod tests {
     use std::collections::BTreeMap;
 
+    use contract::ownership::METADATA_DEPLOYMENT_ID;
+
     use super::*;
+
+    const DEPLOYMENT: &str = "prod";
 
     fn intent(id: &str, ride: Option<i64>, key: Option<i64>) -> ListedIntent {
         let mut metadata = BTreeMap::new();
@@ -247,14 +322,20 @@ mod tests {
         }
         if let Some(key) = key {
             metadata.insert(METADATA_KEY_ID.to_owned(), key.to_string());
+            metadata.insert(METADATA_DEPLOYMENT_ID.to_owned(), DEPLOYMENT.to_owned());
         }
         ListedIntent {
             id: id.to_owned(),
             status: SUCCEEDED.to_owned(),
             amount: 2000,
             currency: "usd".to_owned(),
+            customer: Some("cus_7".to_owned()),
             created: 0,
             metadata,
+            latest_charge: Some(provider::LatestCharge::Expanded {
+                id: format!("ch_{id}"),
+                amount_refunded: 0,
+            }),
         }
     }
 
@@ -266,15 +347,29 @@ mod tests {
             amount: 2000,
             currency: "usd".to_owned(),
             stripe_charge_id: charge.map(str::to_owned),
+            deployment_id: Some(DEPLOYMENT.to_owned()),
         }
     }
 
+    /// A ledger whose rides' keys exist and belong to user 7 (customer `cus_7`).
     fn ledger(intents: Vec<ListedIntent>, rides: Vec<RideFacts>) -> Ledger {
+        let owners = rides
+            .iter()
+            .filter_map(|ride| ride.idempotency_key_id)
+            .map(|key| (key, KeyOwner { user_id: 7 }))
+            .collect();
         Ledger {
+            deployment_id: DEPLOYMENT.to_owned(),
             intents,
             rides: rides.into_iter().map(|ride| (ride.id, ride)).collect(),
+            owners,
+            customers: HashMap::from([(7, "cus_7".to_owned())]),
             ..Ledger::default()
         }
+    }
+
+    fn ledger_of(intents: Vec<ListedIntent>, rides: Vec<RideFacts>) -> Ledger {
+        ledger(intents, rides)
     }
 
     fn kinds(classified: &Classified) -> Vec<FindingKind> {
@@ -315,8 +410,6 @@ mod tests {
                 completer_gave_up: true,
             },
         );
-        assert_eq!(kinds(&classify(&ledger)), [FindingKind::UnrecordedCharge]);
-        ledger.keys.clear();
         let out = classify(&ledger);
         assert_eq!(kinds(&out), [FindingKind::UnrecordedCharge]);
         assert_eq!(out.findings[0].idempotency_key_id, Some(10));
@@ -324,25 +417,75 @@ mod tests {
     }
 
     #[test]
-    fn foreign_and_unsuccessful_intents_are_left_alone() {
-        let mut declined = intent("pi_d", Some(1), Some(10));
-        declined.status = "requires_payment_method".to_owned();
-        let out = classify(&ledger(
-            vec![intent("pi_f", None, None), declined],
-            vec![ride(1, None, None)],
-        ));
-        assert_eq!(kinds(&out), []);
-        assert_eq!(out.foreign, 1);
+    fn a_charge_of_a_reaped_key_can_no_longer_be_proven_ours() {
+        let mut ledger = ledger(
+            vec![intent("pi_a", Some(1), Some(10))],
+            vec![ride(1, Some(10), None)],
+        );
+        ledger.owners.clear();
+        let out = classify(&ledger);
+        // It carries our marker: a finding for a person, never a refundable one.
+        assert_eq!(kinds(&out), [FindingKind::UnknownRide]);
+        assert!(!out.findings[0].kind.is_refundable());
     }
 
     #[test]
-    fn an_unknown_ride_carries_the_metadata_ids() {
-        let out = classify(&ledger(vec![intent("pi_u", Some(99), Some(5))], vec![]));
+    fn look_alikes_of_another_product_are_counted_and_left_alone() {
+        // The three, on a ride and key of ours: a bare user_id, our ride id with another
+        // customer and amount, our key id without our marker.
+        let mut user_only = intent("pi_u", None, None);
+        user_only
+            .metadata
+            .insert(METADATA_USER_ID.to_owned(), "7".to_owned());
+        let mut other_ride = intent("pi_r", Some(1), None);
+        other_ride.customer = Some("cus_other".to_owned());
+        other_ride.amount = 4500;
+        let mut key_only = intent("pi_k", None, None);
+        key_only
+            .metadata
+            .insert(METADATA_KEY_ID.to_owned(), "10".to_owned());
+        // Even with our marker copied, another customer is not ours (an unknown_ride for a
+        // person, not a refund).
+        let mut forged = intent("pi_f", Some(1), Some(10));
+        forged.customer = Some("cus_other".to_owned());
+        let out = classify(&ledger(
+            vec![
+                user_only,
+                other_ride,
+                key_only,
+                forged,
+                intent("pi_x", None, None),
+            ],
+            vec![ride(1, Some(10), None)],
+        ));
         assert_eq!(kinds(&out), [FindingKind::UnknownRide]);
-        assert_eq!(out.findings[0].ride_id, Some(99));
-        assert_eq!(out.findings[0].user_id, Some(7));
-        assert_eq!(out.findings[0].idempotency_key_id, Some(5));
-        assert_eq!(out.findings[0].ride_amount, None);
+        assert_eq!(out.findings[0].payment_intent_id, "pi_f");
+        assert_eq!(out.foreign, 4);
+        assert_eq!(out.look_alikes.values().sum::<u64>(), 3);
+        assert_eq!(out.look_alikes.get(&NotOurs::NoKeyId), Some(&2));
+        assert_eq!(out.look_alikes.get(&NotOurs::MarkerMismatch), Some(&1));
+    }
+
+    #[test]
+    fn a_charge_of_a_key_from_before_deployment_ids_is_still_ours() {
+        let mut unmarked = intent("pi_a", Some(1), Some(10));
+        unmarked.metadata.remove(METADATA_DEPLOYMENT_ID);
+        let mut old_ride = ride(1, Some(10), None);
+        old_ride.deployment_id = None;
+        let ledger = ledger(vec![unmarked.clone()], vec![old_ride]);
+        assert_eq!(kinds(&classify(&ledger)), [FindingKind::UnrecordedCharge]);
+        // The same unmarked charge naming a ride created under a deployment id is not ours.
+        let ledger = ledger_of(vec![unmarked], vec![ride(1, Some(10), None)]);
+        assert_eq!(kinds(&classify(&ledger)), []);
+    }
+
+    #[test]
+    fn unsuccessful_intents_are_left_alone() {
+        let mut declined = intent("pi_d", Some(1), Some(10));
+        declined.status = "requires_payment_method".to_owned();
+        let out = classify(&ledger(vec![declined], vec![ride(1, Some(10), None)]));
+        assert_eq!(kinds(&out), []);
+        assert_eq!(out.foreign, 0);
     }
 
     #[test]
@@ -360,6 +503,22 @@ mod tests {
                 FindingKind::CurrencyMismatch
             ]
         );
+        assert_eq!(out.matched, 0);
+    }
+
+    #[test]
+    fn a_refunded_charge_a_ride_records_is_reported() {
+        let mut refunded = intent("pi_a", Some(1), Some(10));
+        refunded.latest_charge = Some(provider::LatestCharge::Expanded {
+            id: "ch_a".to_owned(),
+            amount_refunded: 500,
+        });
+        let out = classify(&ledger(
+            vec![refunded],
+            vec![ride(1, Some(10), Some("pi_a"))],
+        ));
+        assert_eq!(kinds(&out), [FindingKind::RefundedCharge]);
+        assert!(!FindingKind::RefundedCharge.is_refundable());
         assert_eq!(out.matched, 0);
     }
 

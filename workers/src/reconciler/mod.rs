@@ -68,8 +68,11 @@ pub struct ReconcileSummary {
     pub matched: u64,
     /// Unrecorded charges of live keys: not findings yet, looked at again next pass.
     pub pending: u64,
-    /// PaymentIntents without our metadata (not ours to reconcile).
+    /// PaymentIntents no ride records that the ownership rule (`contract::ownership`) does not
+    /// prove ours: someone else's on the shared account, left alone.
     pub foreign: u64,
+    /// Of those, the ones carrying any of our metadata keys (look-alikes), by reason.
+    pub look_alikes: std::collections::BTreeMap<String, u64>,
     /// Mismatches seen by this pass, and how many of them were recorded for the first time.
     pub findings: u64,
     pub new_findings: u64,
@@ -149,6 +152,11 @@ impl Reconciler {
                     matched: classified.matched,
                     pending: classified.pending.len() as u64,
                     foreign: classified.foreign,
+                    look_alikes: classified
+                        .look_alikes
+                        .iter()
+                        .map(|(why, count)| (why.as_str().to_owned(), *count))
+                        .collect(),
                     findings: classified.findings.len() as u64,
                     new_findings,
                     refunded: 0,
@@ -229,6 +237,9 @@ impl Passes for ReconcilerPasses<'_> {
         total.matched += summary.matched;
         total.pending = summary.pending;
         total.foreign += summary.foreign;
+        for (why, count) in &summary.look_alikes {
+            *total.look_alikes.entry(why.clone()).or_default() += count;
+        }
         total.findings += summary.findings;
         total.new_findings += summary.new_findings;
         total.refunded += summary.refunded;

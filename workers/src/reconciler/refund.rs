@@ -1,6 +1,11 @@
-//! Refunding a finding's charge: money taken that no ride stands for (`unrecorded_charge`,
-//! `unknown_ride`). Never by default: only `workers reconciler --refund` or
+//! Refunding a finding's charge: money of ours taken that no ride stands for
+//! (`unrecorded_charge`). Never by default: only `workers reconciler --refund` or
 //! `workers admin findings refund <id> --yes` get here, and both go through [`refund_finding`].
+//!
+//! The charge is proven ours again first, with the provider's PaymentIntent as it is now and the
+//! database's key, ride and customer as they are now, by the one ownership rule
+//! (`contract::ownership`): a finding recorded by an older reconciler (whose rule trusted any of
+//! our metadata keys), or one whose key has since been reaped, is refused, and a person decides.
 //!
 //! Made once, whatever runs it how often: the refund carries the provider idempotency key
 //! derived from the finding (`contract::key::provider_refund_idempotency_key`), so a re-run, a
@@ -15,19 +20,34 @@
 //! does not record the charge, and its key is not live (a key an operator handed back to the
 //! completer may yet record it). The ride and key rows stay locked until the refund is recorded,
 //! so neither can change in between.
+//!
+//! A refunded key is final: the transaction that records the refund also finishes the key, if
+//! it is unfinished, with the stored outcome [`Outcome::PaymentRefunded`] (replayed as
+//! `FAILED_PRECONDITION`/`PAYMENT_REFUNDED`) and clears its lock. A rider's retry of that key then
+//! replays the refusal instead of resuming the key (the provider would hand the same, refunded,
+//! PaymentIntent back and it would be recorded as the ride's payment); an attempt in flight is
+//! fenced off at its next phase; the completer only picks unfinished keys.
 
-use diesel::{ExpressionMethods, OptionalExtension, QueryDsl};
+use contract::{
+    Outcome, PAYMENT_REFUNDED,
+    key::KeyMoved,
+    ownership::{self, IntentFacts, KeyRecord},
+};
+use diesel::{
+    ExpressionMethods, OptionalExtension, QueryDsl,
+    sql_types::{BigInt, Integer, Jsonb},
+};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use provider::{Refund, RefundRequest, StripeClient};
 use schema::{
     Pool, RecoveryPoint,
     models::ReconciliationFinding,
-    schema::{idempotency_keys, reconciliation_findings, rides},
+    schema::{idempotency_keys, reconciliation_findings, rides, users},
 };
 use serde_json::json;
 
 use super::classify::KeyFacts;
-use crate::admin::{AdminError, Change, ChangeReport, Mode, bound_waits};
+use crate::admin::{AdminError, Change, ChangeReport, Mode, bound_waits, render};
 
 /// Refunds finding `id`'s charge (`Mode::Apply`), or shows what would be done.
 pub async fn refund_finding(
@@ -41,11 +61,13 @@ pub async fn refund_finding(
         .run(async |conn| {
             bound_waits(conn).await?;
             let finding = lock_refundable(conn, id, mode).await?;
+            let proven = prove_ours(conn, stripe, &finding, mode).await?;
             let mut report = ChangeReport::new("findings refund", mode, id);
             report
                 .notes
                 .push(crate::admin::findings::describe(&finding));
-            let key = contract::key::provider_refund_idempotency_key(id);
+            let key =
+                contract::key::provider_refund_idempotency_key(stripe.deployment_id().as_str(), id);
             let planned = |refund_id: Option<&str>| {
                 Change::insert(
                     "provider refunds",
@@ -60,6 +82,11 @@ pub async fn refund_finding(
             };
             if !mode.applies() {
                 report.changes.push(planned(None));
+                if let Some(change) =
+                    proven.tombstone_change("payment_refunded (refund id after --yes)")
+                {
+                    report.changes.push(change);
+                }
                 report
                     .changes
                     .push(resolution_change(id, "refund (id after --yes)"));
@@ -67,6 +94,33 @@ pub async fn refund_finding(
             }
             let refund = make_refund(stripe, &finding, key.clone()).await?;
             report.changes.push(planned(Some(&refund.id)));
+            // The key is final in the same commit that records the refund: a rider's retry
+            // replays PAYMENT_REFUNDED instead of resuming it, which would get the same (now
+            // refunded) PaymentIntent back from the provider and record it as the ride's payment.
+            if proven.key_unfinished {
+                let outcome = Outcome::PaymentRefunded {
+                    ride_id: Some(proven.ride_id),
+                    payment_intent: finding.payment_intent_id.clone(),
+                    refund_id: refund.id.clone(),
+                    message: PAYMENT_REFUNDED.to_owned(),
+                };
+                let stored = outcome.to_stored();
+                let finished: Vec<KeyMoved> = diesel::sql_query(TOMBSTONE_REFUNDED_KEY)
+                    .bind::<BigInt, _>(proven.key_id)
+                    .bind::<Integer, _>(stored.code)
+                    .bind::<Jsonb, _>(&stored.body)
+                    .load(conn)
+                    .await?;
+                if finished.is_empty() {
+                    return Err(AdminError::Internal(format!(
+                        "key {} changed while locked; the refund {} is not recorded",
+                        proven.key_id, refund.id
+                    )));
+                }
+                if let Some(change) = proven.tombstone_change(&render::outcome(&outcome)) {
+                    report.changes.push(change);
+                }
+            }
             let resolution = format!(
                 "refunded {} {} as {}",
                 refund.amount, refund.currency, refund.id
@@ -118,8 +172,8 @@ async fn lock_refundable(
     }
     if !finding.kind.is_refundable() {
         return Err(AdminError::Refused(format!(
-            "finding {id} is {}: a ride stands for that charge; only unrecorded_charge and \
-             unknown_ride findings are refunded",
+            "finding {id} is {}: only unrecorded_charge findings (charges proven ours that no \
+             ride stands for) are refunded; settle others at the provider and `resolve` them",
             finding.kind
         )));
     }
@@ -184,6 +238,140 @@ async fn check_key_not_live(
     Ok(())
 }
 
+/// Finishes a refunded charge's key (`$1`) with the stored outcome `$2`, `$3`
+/// ([`Outcome::PaymentRefunded`]) if it is still unfinished; its lock, if an attempt holds one,
+/// is cleared, so that attempt's next phase is fenced off and records nothing.
+const TOMBSTONE_REFUNDED_KEY: &str = concat!(
+    contract::finish_key!("$2", "$3"),
+    " WHERE id = $1 AND recovery_point <> 'finished' RETURNING id"
+);
+
+/// What [`prove_ours`] proved: whose charge it is.
+struct Proven {
+    key_id: i64,
+    ride_id: i64,
+    /// The key is not finished: the refund finishes it ([`TOMBSTONE_REFUNDED_KEY`]). A finished
+    /// key already has its final outcome (another charge recorded for the ride, a decline an
+    /// operator stored) and keeps it.
+    key_unfinished: bool,
+}
+
+impl Proven {
+    fn tombstone_change(&self, outcome: &str) -> Option<Change> {
+        self.key_unfinished.then(|| {
+            Change::update(
+                "idempotency_keys",
+                self.key_id,
+                "outcome",
+                serde_json::Value::Null,
+                json!(outcome),
+            )
+        })
+    }
+}
+
+/// Proves the finding's PaymentIntent ours, as it stands now at the provider and in the
+/// database (the key row and its ride are locked when applying, so they stay so until the
+/// refund is recorded); refuses otherwise.
+async fn prove_ours(
+    conn: &mut AsyncPgConnection,
+    stripe: &StripeClient,
+    finding: &ReconciliationFinding,
+    mode: Mode,
+) -> Result<Proven, AdminError> {
+    let pi = &finding.payment_intent_id;
+    let Some(intent) = stripe.retrieve_payment_intent(pi).await? else {
+        return Err(AdminError::Refused(format!(
+            "the provider has no PaymentIntent {pi}; nothing is refunded"
+        )));
+    };
+    let key_id = ownership::key_id(&intent.metadata);
+    let key: Option<(i64, RecoveryPoint)> = match key_id {
+        Some(key_id) => {
+            let query = idempotency_keys::table
+                .find(key_id)
+                .select((idempotency_keys::user_id, idempotency_keys::recovery_point));
+            if mode.applies() {
+                query.for_update().first(conn).await.optional()?
+            } else {
+                query.first(conn).await.optional()?
+            }
+        }
+        None => None,
+    };
+    let ride: Option<(i64, i64, String, Option<String>)> = match key_id {
+        Some(key_id) => rides::table
+            .filter(rides::idempotency_key_id.eq(key_id))
+            .select((
+                rides::id,
+                rides::amount,
+                rides::currency,
+                rides::deployment_id,
+            ))
+            .first(conn)
+            .await
+            .optional()?,
+        None => None,
+    };
+    let customer: Option<String> = match &key {
+        Some((user_id, _)) => users::table
+            .find(user_id)
+            .select(users::stripe_customer_id)
+            .first(conn)
+            .await
+            .optional()?,
+        None => None,
+    };
+    let record = match (key_id, &key, &ride, &customer) {
+        (
+            Some(key_id),
+            Some(_),
+            Some((ride_id, amount, currency, deployment_id)),
+            Some(customer),
+        ) => Some(KeyRecord {
+            key_id,
+            deployment_id: deployment_id.as_deref(),
+            customer,
+            ride_id: *ride_id,
+            amount: *amount,
+            currency,
+        }),
+        _ => None,
+    };
+    let facts = IntentFacts {
+        metadata: &intent.metadata,
+        customer: intent.customer.as_deref(),
+        amount: intent.amount,
+        currency: &intent.currency,
+    };
+    if let Err(why) = ownership::verdict(stripe.deployment_id().as_str(), &facts, record.as_ref()) {
+        return Err(AdminError::Refused(format!(
+            "PaymentIntent {pi} is not provably ours ({why}): nothing is refunded; check it at the \
+             provider and `resolve` the finding"
+        )));
+    }
+    if let (Some(named), Some((ride_id, _, _, _))) = (finding.ride_id, &ride)
+        && named != *ride_id
+    {
+        return Err(AdminError::Refused(format!(
+            "finding {} names ride {named}, but PaymentIntent {pi} is the charge of ride \
+             {ride_id}; nothing is refunded",
+            finding.id
+        )));
+    }
+    match (key_id, key, ride) {
+        (Some(key_id), Some((_, recovery_point)), Some((ride_id, _, _, _))) => Ok(Proven {
+            key_id,
+            ride_id,
+            key_unfinished: recovery_point != RecoveryPoint::Finished,
+        }),
+        // The verdict above needs all three.
+        _ => Err(AdminError::Internal(format!(
+            "PaymentIntent {pi} was proven ours without a key"
+        ))),
+    }
+}
+
 /// The provider call: one refund per finding, however often it is asked for.
 async fn make_refund(
     stripe: &StripeClient,
@@ -196,6 +384,10 @@ async fn make_refund(
         metadata: vec![
             ("finding_id", finding.id.to_string()),
             ("finding_kind", finding.kind.to_string()),
+            (
+                ownership::METADATA_DEPLOYMENT_ID,
+                stripe.deployment_id().as_str().to_owned(),
+            ),
         ],
         idempotency_key,
     };
@@ -205,11 +397,15 @@ async fn make_refund(
             // Our key expired at the provider after an earlier refund whose recording was lost,
             // or someone else refunded the charge: only a refund carrying this finding's id is
             // ours to record; anyone else's leaves the finding open for a person to resolve.
+            // A refund made before deployment ids carries no marker; one made since carries
+            // ours (another deployment's finding of the same id carries its own).
             let finding_id = finding.id.to_string();
             let refunds = stripe.list_refunds(&finding.payment_intent_id).await?;
             let ours = refunds.into_iter().find(|refund| {
+                let marker = refund.metadata.get(ownership::METADATA_DEPLOYMENT_ID);
                 refund.status == "succeeded"
                     && refund.metadata.get("finding_id") == Some(&finding_id)
+                    && marker.is_none_or(|marker| marker == stripe.deployment_id().as_str())
             });
             ours.ok_or(AdminError::Provider(error))
         }

@@ -6,17 +6,18 @@
 
 use std::collections::{HashMap, HashSet};
 
+use contract::ownership;
 use diesel::{ExpressionMethods, QueryDsl, SelectableHelper};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use provider::{CreatedWindow, ListedIntent, StripeClient};
 use schema::{
     RecoveryPoint,
-    schema::{idempotency_keys, rides},
+    schema::{idempotency_keys, rides, users},
 };
 
 use super::{
     ReconcileError,
-    classify::{KeyFacts, Ledger, METADATA_KEY_ID, METADATA_RIDE_ID, RideFacts},
+    classify::{KeyFacts, KeyOwner, Ledger, RideFacts},
     window::Window,
 };
 
@@ -48,6 +49,7 @@ pub(super) async fn walk(
         .load(conn)
         .await?;
     let mut ledger = Ledger {
+        deployment_id: stripe.deployment_id().as_str().to_owned(),
         rides: related_rides(conn, &intents).await?,
         intents,
         window_rides,
@@ -56,7 +58,15 @@ pub(super) async fn walk(
     for ride in &ledger.window_rides {
         ledger.rides.insert(ride.id, ride.clone());
     }
-    ledger.keys = keys(conn, &ledger).await?;
+    (ledger.keys, ledger.owners) = keys(conn, &ledger).await?;
+    let owners: Vec<i64> = ledger.owners.values().map(|owner| owner.user_id).collect();
+    ledger.customers = users::table
+        .filter(users::id.eq_any(&owners))
+        .select((users::id, users::stripe_customer_id))
+        .load::<(i64, String)>(conn)
+        .await?
+        .into_iter()
+        .collect();
     let known: HashSet<&str> = ledger.intents.iter().map(|i| i.id.as_str()).collect();
     let unlisted: Vec<String> = ledger
         .window_rides
@@ -73,7 +83,7 @@ pub(super) async fn walk(
     Ok(ledger)
 }
 
-/// The rides that record one of `intents` or that their metadata names.
+/// The rides that record one of `intents` or whose key their metadata names.
 async fn related_rides(
     conn: &mut AsyncPgConnection,
     intents: &[ListedIntent],
@@ -81,7 +91,7 @@ async fn related_rides(
     let ids: Vec<&str> = intents.iter().map(|intent| intent.id.as_str()).collect();
     let named: Vec<i64> = intents
         .iter()
-        .filter_map(|intent| intent.metadata.get(METADATA_RIDE_ID)?.parse().ok())
+        .filter_map(|intent| ownership::key_id(&intent.metadata))
         .collect();
     let recording: Vec<RideFacts> = rides::table
         .filter(rides::stripe_charge_id.eq_any(&ids))
@@ -89,7 +99,7 @@ async fn related_rides(
         .load(conn)
         .await?;
     let named: Vec<RideFacts> = rides::table
-        .filter(rides::id.eq_any(&named))
+        .filter(rides::idempotency_key_id.eq_any(&named))
         .select(RideFacts::as_select())
         .load(conn)
         .await?;
@@ -100,11 +110,20 @@ async fn related_rides(
         .collect())
 }
 
-/// The keys (still existing) of the ledger's rides and of the intents' metadata.
+/// A key's row as the walk reads it.
+type KeyRowFacts = (
+    i64,
+    RecoveryPoint,
+    Option<chrono::DateTime<chrono::Utc>>,
+    i64,
+);
+
+/// The keys (still existing) of the ledger's rides and of the intents' metadata: whether each is
+/// live, and whose it is.
 async fn keys(
     conn: &mut AsyncPgConnection,
     ledger: &Ledger,
-) -> Result<HashMap<i64, KeyFacts>, ReconcileError> {
+) -> Result<(HashMap<i64, KeyFacts>, HashMap<i64, KeyOwner>), ReconcileError> {
     let ids: Vec<i64> = ledger
         .rides
         .values()
@@ -113,29 +132,30 @@ async fn keys(
             ledger
                 .intents
                 .iter()
-                .filter_map(|intent| intent.metadata.get(METADATA_KEY_ID)?.parse().ok()),
+                .filter_map(|intent| ownership::key_id(&intent.metadata)),
         )
         .collect();
-    let rows: Vec<(i64, RecoveryPoint, Option<chrono::DateTime<chrono::Utc>>)> =
-        idempotency_keys::table
-            .filter(idempotency_keys::id.eq_any(&ids))
-            .select((
-                idempotency_keys::id,
-                idempotency_keys::recovery_point,
-                idempotency_keys::completer_gave_up_at,
-            ))
-            .load(conn)
-            .await?;
-    Ok(rows
-        .into_iter()
-        .map(|(id, recovery_point, gave_up_at)| {
-            (
-                id,
-                KeyFacts {
-                    recovery_point,
-                    completer_gave_up: gave_up_at.is_some(),
-                },
-            )
-        })
-        .collect())
+    let rows: Vec<KeyRowFacts> = idempotency_keys::table
+        .filter(idempotency_keys::id.eq_any(&ids))
+        .select((
+            idempotency_keys::id,
+            idempotency_keys::recovery_point,
+            idempotency_keys::completer_gave_up_at,
+            idempotency_keys::user_id,
+        ))
+        .load(conn)
+        .await?;
+    let mut facts = HashMap::new();
+    let mut owners = HashMap::new();
+    for (id, recovery_point, gave_up_at, user_id) in rows {
+        facts.insert(
+            id,
+            KeyFacts {
+                recovery_point,
+                completer_gave_up: gave_up_at.is_some(),
+            },
+        );
+        owners.insert(id, KeyOwner { user_id });
+    }
+    Ok((facts, owners))
 }

@@ -137,6 +137,7 @@ mod tests {
                 secret_key: provider::Secret::new("sk_test_x"),
                 timeout: Duration::from_secs(1),
                 idempotency_window: Duration::from_secs(1),
+                deployment_id: provider::DeploymentId::parse("test").unwrap(),
             },
             settle_delay: Duration::from_secs(600),
             overlap: Duration::from_secs(3600),

@@ -152,8 +152,8 @@ async fn show_reports_a_key_at_every_state() {
     assert_eq!((key.lock.state, key.lock.live), ("held", true));
     assert!(key.stored_outcome.is_none());
     assert_eq!(
-        key.provider_idempotency_key,
-        format!("rocket-rides-{}", started.key_id)
+        key.provider_idempotency_key, None,
+        "no ride, so no charge yet"
     );
     assert!(report.ride.is_none());
     // Neither the lock token nor the rider's address is ever printed, in either form.
@@ -461,7 +461,7 @@ async fn finish_succeeded_with_a_found_charge_replays_ok_and_stages_one_receipt(
             Mode::DryRun,
         )
         .await,
-        &format!("rocket-rides-{key_id}"),
+        &format!("rocket-rides-dev-{key_id}"),
     );
     let mut request = finish_request(key_id, FinishOutcome::Succeeded);
     request.charge_id = Some(charge_id.to_owned());

@@ -131,6 +131,49 @@ async fn poison_messages_are_dead_lettered_not_retried() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn a_receipt_for_a_ride_without_its_recorded_charge_is_dead_lettered_not_mailed() {
+    let app = TestApp::spawn().await;
+    let broker = TestBroker::new().await;
+    let sink = common::mail_sink().await;
+    let ride_id = paid_ride(&app, &broker).await;
+    let valid =
+        ReceiptMessage::decode(&broker.take_all(&broker.topology.receipts_queue).await[0].body)
+            .unwrap();
+    // Another charge id than the ride records (a forged or stale message).
+    let mut other_charge = valid.clone();
+    other_charge.charge_id = "pi_not_this_rides".to_owned();
+    broker
+        .publish_raw("c1", &other_charge.encode().unwrap())
+        .await;
+    let worker = common::receipt_worker(&app.pool, &broker, &sink);
+    let summary = worker.run_once(&broker.session.channel).await.unwrap();
+    assert_eq!((summary.received, summary.dead_lettered), (1, 1));
+
+    // The ride's charge is not recorded (never, or no longer): its own message is refused too.
+    let mut conn = app.pool.get().await.unwrap();
+    diesel::sql_query(format!(
+        "UPDATE rides SET stripe_charge_id = NULL WHERE id = {ride_id}"
+    ))
+    .execute(&mut conn)
+    .await
+    .unwrap();
+    broker.publish_raw("c2", &valid.encode().unwrap()).await;
+    let summary = worker.run_once(&broker.session.channel).await.unwrap();
+    assert_eq!((summary.received, summary.dead_lettered), (1, 1));
+    assert_eq!(summary.sent, 0);
+    let dead: Vec<String> = broker
+        .take_all(&broker.topology.dead_letter_queue)
+        .await
+        .into_iter()
+        .map(|t| t.message_id)
+        .collect();
+    assert_eq!(dead.len(), 2, "{dead:?}");
+    assert!(sink.received().is_empty(), "nothing mailed");
+    assert_eq!(sent_count(&app).await, 0);
+    broker.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn a_temporary_smtp_failure_is_retried_then_delivered_once() {
     let app = TestApp::spawn().await;
     let broker = TestBroker::new().await;

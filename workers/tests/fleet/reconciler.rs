@@ -1,11 +1,12 @@
 //! The reconciler against the real api-server, PostgreSQL and fake-stripe over HTTP: a clean
 //! ledger yields nothing, each mismatch kind is found and recorded once, pending charges wait for
-//! their key, a second pass at the same time skips, and a refund is made once however often it is
-//! asked for.
+//! their key, a second pass at the same time skips, a refund is made once however often it is
+//! asked for and only of a charge proven ours, another product's look-alikes are counted and left
+//! alone, and a refunded key is final.
 
 use std::time::Duration;
 
-use api_server::testing::{GOOD_CARD, TestApp, TestUser, new_key, ride_request};
+use api_server::testing::{GOOD_CARD, TestApp, TestUser, assert_status, new_key, ride_request};
 use diesel::{ExpressionMethods, QueryDsl, SelectableHelper};
 use diesel_async::RunQueryDsl;
 use fake_stripe::FaultMode;
@@ -28,6 +29,7 @@ fn config(app: &TestApp) -> ReconcilerConfig {
             secret_key: provider::Secret::new("sk_test_harness"),
             timeout: Duration::from_secs(5),
             idempotency_window: Duration::from_secs(86_400),
+            deployment_id: app.config.stripe.deployment_id.clone(),
         },
         settle_delay: Duration::ZERO,
         overlap: Duration::from_secs(3600),
@@ -96,6 +98,22 @@ async fn charge_directly(app: &TestApp, extra: &[(&str, &str)]) -> Value {
         .await
         .unwrap();
     response.json().await.unwrap()
+}
+
+/// A charge of ours that no ride records: made for a fresh key whose response was lost
+/// (`charge_then_drop`), on a key the completer then gave up. Returns (key, PaymentIntent id).
+async fn unrecorded_charge(app: &TestApp, user: &TestUser) -> (String, String) {
+    let key = new_key();
+    app.stripe.inject_faults(FaultMode::ChargeThenDrop, 1);
+    assert!(app.create_ride(user, &key, ride_request()).await.is_err());
+    sql(
+        app,
+        "UPDATE idempotency_keys SET completer_gave_up_at = now() \
+         WHERE recovery_point <> 'finished' AND completer_gave_up_at IS NULL",
+    )
+    .await;
+    let pi = app.stripe.payment_intents().pop().unwrap().id;
+    (key, pi)
 }
 
 fn kinds(findings: &[ReconciliationFinding]) -> Vec<FindingKind> {
@@ -176,45 +194,92 @@ async fn a_charge_of_an_abandoned_key_is_pending_while_the_key_is_live_then_unre
     );
     assert!(finding.resolved_at.is_none());
 
-    // Reaped instead (the key gone): still the same one finding, seen again.
-    sql(&app, "DELETE FROM idempotency_keys").await;
+    // Seen again: the same one finding, recorded once.
     let summary = pass(&app, false).await;
     assert_eq!((summary.findings, summary.new_findings), (1, 0));
     let again = findings_of(&app).await;
     assert_eq!(again.len(), 1, "recorded once");
     assert!(again[0].last_seen_at > again[0].first_seen_at);
-}
 
-#[tokio::test(flavor = "multi_thread")]
-async fn a_charge_naming_no_ride_is_an_unknown_ride() {
-    let app = TestApp::spawn().await;
-    let pi = charge_directly(
-        &app,
-        &[("metadata[ride_id]", "987654"), ("metadata[user_id]", "3")],
-    )
-    .await;
-    let without_ride = charge_directly(&app, &[("metadata[idempotency_key_id]", "555")]).await;
+    // Reaped: the charge carries our marker but can no longer be proven ours. A person is told
+    // (`unknown_ride`, never refunded by the tools); the unrecorded_charge finding stays open.
+    sql(&app, "DELETE FROM idempotency_keys").await;
     let summary = pass(&app, false).await;
-    assert_eq!(summary.findings, 2, "{summary:?}");
+    assert_eq!(
+        (summary.findings, summary.new_findings),
+        (1, 1),
+        "{summary:?}"
+    );
     let found = findings_of(&app).await;
     assert_eq!(
         kinds(&found),
-        [FindingKind::UnknownRide, FindingKind::UnknownRide]
+        [FindingKind::UnrecordedCharge, FindingKind::UnknownRide]
     );
-    let named = found
-        .iter()
-        .find(|finding| finding.payment_intent_id == pi["id"].as_str().unwrap())
-        .unwrap();
-    assert_eq!((named.ride_id, named.user_id), (Some(987_654), Some(3)));
-    assert_eq!(named.ride_amount, None);
-    let unnamed = found
-        .iter()
-        .find(|finding| finding.payment_intent_id == without_ride["id"].as_str().unwrap())
-        .unwrap();
+    assert!(!found[1].kind.is_refundable());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn another_products_look_alikes_are_counted_never_findings_nor_refunded() {
+    let app = TestApp::spawn().await;
+    let user = app.create_user(GOOD_CARD).await;
+    let (ride_id, _) = charged_ride(&app, &user).await;
+    let key_id = app.rides().await[0].idempotency_key_id.unwrap();
+    // The issue's three, seen live: a `user_id`; a `ride_id` naming one of our rides with another
+    // customer and amount; an `idempotency_key_id` of ours.
+    let ride = ride_id.to_string();
+    let key = key_id.to_string();
+    let user_id = user.id.to_string();
+    charge_directly(&app, &[("metadata[user_id]", &user_id)]).await;
+    charge_directly(&app, &[("metadata[ride_id]", &ride), ("amount", "4500")]).await;
+    charge_directly(&app, &[("metadata[idempotency_key_id]", &key)]).await;
+
+    let summary = pass(&app, true).await;
+    assert_eq!((summary.findings, summary.refunded), (0, 0), "{summary:?}");
+    assert_eq!(summary.matched, 1);
+    assert_eq!(summary.foreign, 3);
+    assert_eq!(summary.look_alikes.values().sum::<u64>(), 3);
+    assert!(findings_of(&app).await.is_empty());
+    assert!(app.stripe.refunds().is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_charge_with_our_marker_that_is_not_provably_ours_is_an_unknown_ride() {
+    let app = TestApp::spawn().await;
+    let pi = charge_directly(
+        &app,
+        &[
+            ("metadata[deployment_id]", "dev"),
+            ("metadata[ride_id]", "987654"),
+            ("metadata[idempotency_key_id]", "555"),
+        ],
+    )
+    .await;
+    // Another environment's marker is not ours at all.
+    charge_directly(
+        &app,
+        &[
+            ("metadata[deployment_id]", "staging"),
+            ("metadata[idempotency_key_id]", "555"),
+        ],
+    )
+    .await;
+    let summary = pass(&app, true).await;
+    assert_eq!((summary.findings, summary.foreign), (1, 1), "{summary:?}");
+    let found = findings_of(&app).await;
+    assert_eq!(kinds(&found), [FindingKind::UnknownRide]);
+    assert_eq!(found[0].payment_intent_id, pi["id"].as_str().unwrap());
     assert_eq!(
-        (unnamed.ride_id, unnamed.idempotency_key_id),
-        (None, Some(555))
+        (found[0].ride_id, found[0].idempotency_key_id),
+        (Some(987_654), Some(555))
     );
+    assert_eq!(summary.refunded, 0, "never refunded in bulk");
+    let stripe = provider::StripeClient::new(&config(&app).stripe).unwrap();
+    let refused = refund_finding(&app.pool, &stripe, found[0].id, Mode::Apply).await;
+    assert!(
+        matches!(refused, Err(AdminError::Refused(_))),
+        "{refused:?}"
+    );
+    assert!(app.stripe.refunds().is_empty());
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -311,7 +376,8 @@ async fn a_ride_whose_currency_differs_from_its_charge_is_a_currency_mismatch() 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_refund_is_made_once_however_often_the_reconciler_runs_and_never_by_default() {
     let app = TestApp::spawn().await;
-    charge_directly(&app, &[("metadata[ride_id]", "424242")]).await;
+    let user = app.create_user(GOOD_CARD).await;
+    unrecorded_charge(&app, &user).await;
     let summary = pass(&app, false).await;
     assert_eq!((summary.findings, summary.refunded), (1, 0));
     assert!(
@@ -325,7 +391,11 @@ async fn a_refund_is_made_once_however_often_the_reconciler_runs_and_never_by_de
     let plan = refund_finding(&app.pool, &stripe, finding_id, Mode::DryRun)
         .await
         .unwrap();
-    assert_eq!(plan.changes.len(), 2);
+    assert_eq!(
+        plan.changes.len(),
+        3,
+        "the refund, the key finished, the finding"
+    );
     assert!(app.stripe.refunds().is_empty());
 
     // Two refunding passes at once, then more, then the admin command.
@@ -385,15 +455,16 @@ async fn refund_directly(
 #[tokio::test(flavor = "multi_thread")]
 async fn an_already_refunded_charge_is_recorded_only_if_the_refund_names_the_finding() {
     let app = TestApp::spawn().await;
-    let ours = charge_directly(&app, &[("metadata[ride_id]", "515151")]).await;
-    let theirs = charge_directly(&app, &[("metadata[ride_id]", "525252")]).await;
+    let user = app.create_user(GOOD_CARD).await;
+    let (_, ours) = unrecorded_charge(&app, &user).await;
+    let (_, theirs) = unrecorded_charge(&app, &user).await;
     pass(&app, false).await;
     let found = findings_of(&app).await;
     assert_eq!(found.len(), 2);
-    let finding_of = |intent: &Value| {
+    let finding_of = |intent: &str| {
         found
             .iter()
-            .find(|finding| finding.payment_intent_id == intent["id"].as_str().unwrap())
+            .find(|finding| finding.payment_intent_id == intent)
             .unwrap()
             .clone()
     };
@@ -500,7 +571,14 @@ async fn a_refund_is_refused_for_a_recorded_ride_or_a_live_key() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_second_pass_while_one_holds_the_watermark_skips() {
     let app = TestApp::spawn().await;
-    charge_directly(&app, &[("metadata[ride_id]", "1")]).await;
+    charge_directly(
+        &app,
+        &[
+            ("metadata[deployment_id]", "dev"),
+            ("metadata[idempotency_key_id]", "1"),
+        ],
+    )
+    .await;
     let first = pass(&app, false).await;
     assert!(!first.skipped);
     let mut holder = app.db.connect().await;
@@ -527,12 +605,13 @@ async fn a_second_pass_while_one_holds_the_watermark_skips() {
 #[tokio::test(flavor = "multi_thread")]
 async fn findings_are_listed_shown_and_resolved_by_the_admin_commands() {
     let app = TestApp::spawn().await;
-    charge_directly(&app, &[("metadata[ride_id]", "77")]).await;
+    let user = app.create_user(GOOD_CARD).await;
+    unrecorded_charge(&app, &user).await;
     pass(&app, false).await;
     let list = findings::list(&app.pool, false, 10).await.unwrap();
     assert_eq!(list.total, 1);
     let id = list.findings[0].id;
-    assert!(list.render().contains("unknown_ride"));
+    assert!(list.render().contains("unrecorded_charge"));
     let shown = findings::show(&app.pool, id).await.unwrap();
     assert!(shown.refundable);
     assert!(shown.render().contains("findings refund"));
@@ -590,4 +669,102 @@ async fn findings_are_listed_shown_and_resolved_by_the_admin_commands() {
         .await
         .unwrap();
     assert_eq!(open, 0);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_refunded_key_is_final_and_a_retry_never_records_the_refunded_charge() {
+    let app = TestApp::spawn().await;
+    let user = app.create_user(GOOD_CARD).await;
+    let (key, pi) = unrecorded_charge(&app, &user).await;
+    let summary = pass(&app, true).await;
+    assert_eq!((summary.findings, summary.refunded), (1, 1), "{summary:?}");
+    let refunds = app.stripe.refunds();
+    assert_eq!(refunds.len(), 1);
+    assert_eq!(refunds[0].payment_intent, pi);
+
+    // The key was finished in the refund's transaction, with the refunded outcome.
+    let row = app.key_row(&user, &key).await.unwrap();
+    assert_eq!(row.recovery_point, schema::RecoveryPoint::Finished);
+    assert_eq!(
+        row.response_body.as_ref().unwrap()["outcome"],
+        "payment_refunded"
+    );
+    assert_eq!(
+        row.response_body.as_ref().unwrap()["refund_id"],
+        refunds[0].id
+    );
+
+    // The rider's retry with the same key: the provider would hand the same (now refunded)
+    // PaymentIntent back; the key replays PAYMENT_REFUNDED instead, every time.
+    for _ in 0..2 {
+        let status = app
+            .create_ride(&user, &key, ride_request())
+            .await
+            .unwrap_err();
+        assert_status(
+            &status,
+            tonic::Code::FailedPrecondition,
+            api_server::grpc::reason::PAYMENT_REFUNDED,
+        );
+    }
+    assert!(app.rides().await[0].stripe_charge_id.is_none(), "not paid");
+    assert!(app.staged_jobs().await.is_empty(), "no receipt");
+    assert_eq!(app.stripe.create_calls(), 1, "never charged again");
+
+    // Later passes see the charge again: recorded once, resolved, never refunded twice.
+    let summary = pass(&app, true).await;
+    assert_eq!(
+        (summary.new_findings, summary.refunded),
+        (0, 0),
+        "{summary:?}"
+    );
+    assert_eq!(app.stripe.refunds().len(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_refunded_charge_a_ride_still_counts_as_paid_is_reported() {
+    let app = TestApp::spawn().await;
+    let user = app.create_user(GOOD_CARD).await;
+    let (ride_id, charge_id) = charged_ride(&app, &user).await;
+    charged_ride(&app, &user).await;
+    refund_directly(&app, &charge_id, "dashboard-refund", &[("amount", "500")]).await;
+    let summary = pass(&app, true).await;
+    assert_eq!((summary.matched, summary.findings), (1, 1), "{summary:?}");
+    assert_eq!(summary.refunded, 0);
+    let found = findings_of(&app).await;
+    assert_eq!(kinds(&found), [FindingKind::RefundedCharge]);
+    assert_eq!(found[0].payment_intent_id, charge_id);
+    assert_eq!(found[0].ride_id, Some(ride_id));
+    assert_eq!(app.stripe.refunds().len(), 1, "nothing more refunded");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_finding_an_older_rule_recorded_is_refunded_only_if_proven_ours_now() {
+    let app = TestApp::spawn().await;
+    // An older reconciler trusted any of our metadata keys: its open finding names another
+    // product's charge.
+    let theirs = charge_directly(&app, &[("metadata[ride_id]", "424242")]).await;
+    sql(
+        &app,
+        &format!(
+            "INSERT INTO reconciliation_findings (kind, payment_intent_id, ride_id, \
+             provider_amount, provider_currency, provider_status) \
+             VALUES ('unrecorded_charge', '{}', 424242, 2000, 'usd', 'succeeded')",
+            theirs["id"].as_str().unwrap()
+        ),
+    )
+    .await;
+    let id = findings_of(&app).await[0].id;
+    let stripe = provider::StripeClient::new(&config(&app).stripe).unwrap();
+    for mode in [Mode::DryRun, Mode::Apply] {
+        let refused = refund_finding(&app.pool, &stripe, id, mode).await;
+        assert!(
+            matches!(&refused, Err(AdminError::Refused(why)) if why.contains("not provably ours")),
+            "{refused:?}"
+        );
+    }
+    let summary = reconciler(&app).run_once(true).await.unwrap();
+    assert_eq!((summary.refunded, summary.refunds_failed), (0, 1));
+    assert!(app.stripe.refunds().is_empty());
+    assert!(findings_of(&app).await[0].resolved_at.is_none());
 }

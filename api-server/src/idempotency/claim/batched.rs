@@ -129,6 +129,7 @@ impl BatchStatement for Claims {
                 .bind::<Array<Nullable<Text>>, _>(&rides.currencies)
                 .bind::<Array<Nullable<Jsonb>>, _>(&rides.audit_data)
                 .bind::<Array<Nullable<Cidr>>, _>(&rides.origin_ips)
+                .bind::<Array<Nullable<Text>>, _>(&rides.deployment_ids)
         })
         .load::<BatchRow>(conn)
         .await?;
@@ -143,7 +144,7 @@ impl BatchStatement for Claims {
     }
 }
 
-/// The `$7`–`$15` arrays of [`ClaimBatchByToken`]: whether each claim carries a first ride, and
+/// The `$7`–`$16` arrays of [`ClaimBatchByToken`]: whether each claim carries a first ride, and
 /// its columns (NULL where it carries none).
 struct FirstRideArrays<'a> {
     with_ride: Vec<bool>,
@@ -155,6 +156,7 @@ struct FirstRideArrays<'a> {
     currencies: Vec<Option<&'a str>>,
     audit_data: Vec<Option<&'a serde_json::Value>>,
     origin_ips: Vec<Option<ipnet::IpNet>>,
+    deployment_ids: Vec<Option<&'a str>>,
 }
 
 impl<'a> FirstRideArrays<'a> {
@@ -171,6 +173,9 @@ impl<'a> FirstRideArrays<'a> {
             currencies: rides().map(|r| r.map(|r| r.currency.as_str())).collect(),
             audit_data: rides().map(|r| r.map(|r| &r.audit_data)).collect(),
             origin_ips: rides().map(|r| r.map(|r| r.origin_ip)).collect(),
+            deployment_ids: rides()
+                .map(|r| r.map(|r| r.deployment_id.as_str()))
+                .collect(),
         }
     }
 }
@@ -190,7 +195,7 @@ struct BatchRow {
 /// and for a new key only to the claim whose lock token the inserted row carries. The lookups
 /// are `LATERAL … LIMIT 1` so that the plan, which is generic once prepared and cannot know how
 /// many claims a batch holds, stays one index probe per claim instead of hashing whole tables.
-/// The first rides (`$7`–`$15`, [`FirstRideArrays`]) are inserted for the claims that carry one
+/// The first rides (`$7`–`$16`, [`FirstRideArrays`]) are inserted for the claims that carry one
 /// and inserted their key; the commit waits for the WAL flush, as the one-claim statement's.
 struct ClaimBatchByToken;
 
@@ -198,9 +203,9 @@ impl Statement for ClaimBatchByToken {
     const SQL: &'static str = concat!(
         "WITH input AS (SELECT * FROM unnest($1::bytea[], $2::text[], $3::uuid[], $4::text[], \
          $5::text[], $6::jsonb[], $7::bool[], $8::float8[], $9::float8[], $10::float8[], \
-         $11::float8[], $12::int8[], $13::text[], $14::jsonb[], $15::cidr[]) \
+         $11::float8[], $12::int8[], $13::text[], $14::jsonb[], $15::cidr[], $16::text[]) \
          AS i(digest, key, token, method, path, params, with_ride, origin_lat, origin_lon, \
-         target_lat, target_lon, amount, currency, data, origin_ip)), \
+         target_lat, target_lon, amount, currency, data, origin_ip, deployment_id)), \
          caller AS (SELECT input.token AS req, input.key AS req_key, u.* FROM input \
          CROSS JOIN LATERAL (SELECT id, created_at, email, stripe_customer_id, \
          stripe_payment_method_id, api_token_digest FROM users \
@@ -221,7 +226,7 @@ impl Statement for ClaimBatchByToken {
         key_columns!(""),
         "), first_ride AS (SELECT inserted.id AS key_id, inserted.user_id, input.origin_lat, \
          input.origin_lon, input.target_lat, input.target_lon, input.amount, input.currency, \
-         input.data, input.origin_ip FROM inserted JOIN input ON input.token = inserted.lock_token \
+         input.data, input.origin_ip, input.deployment_id FROM inserted JOIN input ON input.token = inserted.lock_token \
          WHERE input.with_ride), ",
         first_ride_writes!(),
         ", found AS (SELECT lock_token AS found_req, ",

@@ -31,6 +31,9 @@ pub struct FirstRide {
     /// The audit record's data.
     pub audit_data: serde_json::Value,
     pub origin_ip: IpNet,
+    /// The server's `DEPLOYMENT_ID`, which the ride keeps (its charge's provider key and
+    /// marker).
+    pub deployment_id: String,
 }
 
 impl FirstRide {
@@ -55,20 +58,22 @@ impl FirstRide {
             currency: self.currency.clone(),
             stripe_charge_id: None,
             user_id,
+            deployment_id: Some(self.deployment_id.clone()),
         }
     }
 }
 
 /// The claim statements' CTEs that insert a first ride and its audit record for every row of a
 /// CTE named `first_ride` (key_id, user_id, origin_lat, origin_lon, target_lat, target_lon,
-/// amount, currency, data, origin_ip), defined by each statement from the keys it inserted. The
+/// amount, currency, data, origin_ip, deployment_id), defined by each statement from the keys it
+/// inserted. The
 /// rides come back in a CTE named `ride` (id, created_at, idempotency_key_id).
 macro_rules! first_ride_writes {
     () => {
         "ride AS (INSERT INTO rides (idempotency_key_id, origin_lat, origin_lon, target_lat, \
-         target_lon, amount, currency, user_id) \
-         SELECT key_id, origin_lat, origin_lon, target_lat, target_lon, amount, currency, user_id \
-         FROM first_ride ORDER BY key_id RETURNING id, created_at, idempotency_key_id, user_id), \
+         target_lon, amount, currency, user_id, deployment_id) \
+         SELECT key_id, origin_lat, origin_lon, target_lat, target_lon, amount, currency, user_id, \
+         deployment_id FROM first_ride ORDER BY key_id RETURNING id, created_at, idempotency_key_id, user_id), \
          audit AS (INSERT INTO audit_records (action, data, origin_ip, resource_id, \
          resource_type, user_id) \
          SELECT 'ride.created', first_ride.data, first_ride.origin_ip, ride.id, 'ride', \

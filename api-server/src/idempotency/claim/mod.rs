@@ -199,7 +199,7 @@ impl Attempt<'_> {
     /// under the row lock otherwise. `None` if the key was reaped meanwhile.
     async fn decide(&self, user_id: i64, found: KeyFound) -> Result<Option<Claimed>, StoreError> {
         let row = match found {
-            KeyFound::Inserted(claimed) => return Ok(Some(claimed)),
+            KeyFound::Inserted(claimed) => return Ok(Some(*claimed)),
             KeyFound::Existing(row) => row,
         };
         if let Some(claimed) = decide_without_lock(*row, self.request)? {
@@ -266,7 +266,7 @@ pub(super) use key_columns;
 /// the same key and then yields to it; that key is newer than this statement's snapshot, so no
 /// row comes back and the claim looks again. A key that exists inserts nothing, so a replay
 /// writes nothing and burns no sequence value; no user, no row and nothing written. If `$7` is
-/// true, the inserted key's first ride is inserted with it (`$8`–`$15`, [`FirstRide`]) and the key
+/// true, the inserted key's first ride is inserted with it (`$8`–`$16`, [`FirstRide`]) and the key
 /// is born at `ride_created`; that commit waits for the WAL flush, as the first phase's own does.
 macro_rules! claim_sql {
     ($caller:literal) => {
@@ -288,7 +288,8 @@ macro_rules! claim_sql {
             "), first_ride AS (SELECT inserted.id AS key_id, inserted.user_id, \
              $8::float8 AS origin_lat, $9::float8 AS origin_lon, $10::float8 AS target_lat, \
              $11::float8 AS target_lon, $12::int8 AS amount, $13::text AS currency, \
-             $14::jsonb AS data, $15::cidr AS origin_ip FROM inserted WHERE $7::bool), ",
+             $14::jsonb AS data, $15::cidr AS origin_ip, $16::text AS deployment_id \
+             FROM inserted WHERE $7::bool), ",
             first_ride_writes!(),
             ", found AS (SELECT ",
             key_columns!(),
@@ -347,7 +348,7 @@ pub struct CallerAndKey {
 /// What a claim's statement found: the key it inserted (so this attempt owns it), or the key
 /// that was already there, to be decided.
 enum KeyFound {
-    Inserted(Claimed),
+    Inserted(Box<Claimed>),
     Existing(Box<KeyRow>),
 }
 
@@ -396,6 +397,7 @@ async fn insert_or_read(
                     .bind::<Nullable<Text>, _>(first_ride.map(|r| r.currency.as_str()))
                     .bind::<Nullable<Jsonb>, _>(first_ride.map(|r| &r.audit_data))
                     .bind::<Nullable<Cidr>, _>(first_ride.map(|r| r.origin_ip))
+                    .bind::<Nullable<Text>, _>(first_ride.map(|r| r.deployment_id.as_str()))
             })
             .get_result::<CallerAndKey>(conn)
             .await
@@ -429,7 +431,7 @@ impl CallerAndKey {
                 }
                 _ => None,
             };
-            KeyFound::Inserted(Claimed {
+            KeyFound::Inserted(Box::new(Claimed {
                 decision: Decision::Execute(Lease {
                     key_id: self.key.id,
                     user_id: user.id,
@@ -440,7 +442,7 @@ impl CallerAndKey {
                 }),
                 key_created_at: self.key.created_at,
                 first_ride: ride,
-            })
+            }))
         } else {
             KeyFound::Existing(Box::new(self.key))
         };

@@ -1,0 +1,7 @@
+-- A ride that records a PaymentIntent whose charge was (partly) refunded still counts as paid:
+-- the reconciler reports it as `refunded_charge` (docs/money-safety.md), for a person to settle.
+ALTER TABLE reconciliation_findings DROP CONSTRAINT reconciliation_findings_kind_check;
+ALTER TABLE reconciliation_findings ADD CONSTRAINT reconciliation_findings_kind_check
+    CHECK (kind IN (
+        'unrecorded_charge', 'unknown_ride', 'missing_charge', 'charge_not_succeeded',
+        'amount_mismatch', 'currency_mismatch', 'refunded_charge'));
