@@ -6,7 +6,9 @@
 # Then drives traffic through every path the rules read (CreateRide with replays, charges refused
 # by the provider and left to the completer, expired keys for the reaper, a connection that is not
 # HTTP/2, receipts mailed) and asserts through Prometheus's HTTP API (deploy/monitoring/live_check.py)
-# that every metric and label the rules name exists and that every recording rule returns data.
+# that every metric and label the rules name exists and that every recording rule returns data,
+# and that every query of the Grafana dashboard (deploy/monitoring/dashboards/rocket-rides.json) names only
+# metrics and labels that exist and returns data.
 # Exits non-zero otherwise; a renamed metric fails it. Stops everything it started.
 #
 # The rules on other exporters (rocket-rides-kubernetes and rocket-rides-ha: kube-state-metrics,
@@ -16,8 +18,12 @@
 #   LIVE_CHECK_KEEP=1  keep the logs and Prometheus's data (.run/live-check) and the database
 #                      (kept on failure too); the queues of the topology prefix
 #                      monitoring-live-check stay on the broker, reused by the next run
+#   LIVE_CHECK_CHARTS=DIR  after the checks pass, run a minute of load (8 clients, replays, one
+#                      burst of provider errors) and draw the dashboard's panels from this
+#                      Prometheus into DIR as PNGs (deploy/monitoring/charts.py; deploy/monitoring/charts.sh)
 #   RULES=FILE         check another rule file (path from the repository root), e.g. a copy with a
 #                      metric renamed, which must fail
+#   DASHBOARD=FILE     check another dashboard (default deploy/monitoring/dashboards/rocket-rides.json)
 set -euo pipefail
 # shellcheck source=deploy/local/lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/../local/lib.sh"
@@ -36,6 +42,7 @@ WORKER_PORTS=(19465 19466 19467 19468 19469)
 DATABASE=monitoring_live_check
 ADMIN_URL="postgres://postgres:postgres@127.0.0.1:5432/postgres"
 RULES="$(realpath "${RULES:-deploy/monitoring/rules/rocket-rides.rules.yaml}")"
+DASHBOARD="$(realpath "${DASHBOARD:-deploy/monitoring/dashboards/rocket-rides.json}")"
 
 ensure_postgres
 ensure_rabbitmq
@@ -137,6 +144,11 @@ curl -fsS -X POST "http://$STRIPE_ADDR/_faults" -H 'content-type: application/js
 loadgen --requests 4 --max-attempts 1 --scenario live-check-faults >"$WORK/logs/loadgen-faults.log" 2>&1 || true
 log "traffic: a connection that is not HTTP/2 (refused: handshake_failed)"
 (exec 3<>"/dev/tcp/${GRPC_ADDR%:*}/${GRPC_ADDR##*:}"; printf 'GET / HTTP/1.0\r\n\r\n' >&3; cat <&3 >/dev/null) || true
+log "traffic: a call with a token nobody issued (refused: failed_auth, a token lookup)"
+# A gRPC call by hand: an empty GetRideRequest in one length-prefixed frame.
+printf '\0\0\0\0\0' | curl -sS --http2-prior-knowledge -o /dev/null -H 'content-type: application/grpc' \
+  -H 'te: trailers' -H 'authorization: Bearer live-check-not-a-token' --data-binary @- \
+  "http://$GRPC_ADDR/rides.v1.RideService/GetRide" || die "the gRPC call by curl failed"
 log "traffic: three finished keys aged past IDEMPOTENCY_KEY_TTL_HOURS for the reaper"
 psql "$DATABASE_URL" -Xq -c "UPDATE idempotency_keys SET created_at = now() - interval '1000 hours'
   WHERE id IN (SELECT id FROM idempotency_keys WHERE recovery_point = 'finished' ORDER BY id LIMIT 3)" >/dev/null
@@ -149,5 +161,20 @@ done
 
 log "waiting for Prometheus to scrape and evaluate (assertions: deploy/monitoring/live_check.py)"
 "$PYTHON" deploy/monitoring/live_check.py --prometheus "http://$PROM_ADDR" \
-  --deadline-secs "${LIVE_CHECK_DEADLINE_SECS:-90}" "$RULES"
-echo "deploy/monitoring/live-check.sh: every metric and label the rules name is exported" >&2
+  --deadline-secs "${LIVE_CHECK_DEADLINE_SECS:-90}" --dashboard "$DASHBOARD" "$RULES"
+echo "deploy/monitoring/live-check.sh: every metric and label the rules and the dashboard name is exported" >&2
+
+if [ -n "${LIVE_CHECK_CHARTS:-}" ]; then
+  charts_start=$(date +%s)
+  log "load run for the charts: 8 clients for 60 s with replays, a burst of provider errors at 30 s"
+  (sleep 30; curl -fsS -X POST "http://$STRIPE_ADDR/_faults" -H 'content-type: application/json' \
+    -d '{"mode": "error_500", "count": 20}' >/dev/null) &
+  pids+=($!)
+  "$bin/loadgen" --target "http://$GRPC_ADDR" --stripe-base "http://$STRIPE_ADDR" \
+    --database-url "$DATABASE_URL" --clients 8 --duration-secs 60 --warmup-secs 0 --replay-ratio 0.1 \
+    --seed-keys-per-client 2 --scenario live-check-charts --no-check >"$WORK/logs/loadgen-charts.log" 2>&1 \
+    || die "loadgen failed: $WORK/logs/loadgen-charts.log"
+  sleep 20 # the workers drain what the load left; Prometheus scrapes it
+  "${CHARTS_PYTHON:-$PYTHON}" deploy/monitoring/charts.py --prometheus "http://$PROM_ADDR" \
+    --start "$charts_start" --end "$(date +%s)" --out "$LIVE_CHECK_CHARTS" "$DASHBOARD"
+fi

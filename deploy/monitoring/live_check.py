@@ -3,12 +3,16 @@ api-server and workers and loads deploy/monitoring/rules/rocket-rides.rules.yaml
 
   - every metric name the rules read exists in what Prometheus scraped;
   - every label name the rules select, group or match on exists on the series they read;
-  - every recording rule returns data, and no rule reports an evaluation error.
+  - every recording rule returns data, and no rule reports an evaluation error;
+  - with --dashboard: every query of the Grafana dashboard (each panel's `expr`, the template
+    variables' label_values) names only metrics and labels that exist and returns data, with the
+    dashboard's variables set as Grafana sets them for "All" ($namespace = .*, $__rate_interval = 1m).
 
 Retries until --deadline-secs (counters appear only once the traffic has reached them), then
 prints what is missing and exits 1.
 
-Usage: python3 live_check.py --prometheus http://127.0.0.1:19090 --deadline-secs 90 RULES.yaml
+Usage: python3 live_check.py --prometheus http://127.0.0.1:19090 --deadline-secs 90 \
+           [--dashboard deploy/monitoring/dashboards/rocket-rides.json] RULES.yaml
 """
 
 import argparse
@@ -49,6 +53,44 @@ def names_and_labels(expr: str) -> tuple[set[str], set[str]]:
     return names, labels
 
 
+# What Grafana substitutes for the dashboard's variables when "All" namespaces are shown; the
+# scrape interval here is 2 s, so one minute holds many samples.
+VARIABLES = {"$__rate_interval": "1m", "$__interval": "1m", "$namespace": ".*"}
+
+
+def dashboard_queries(dashboard: dict) -> list[dict]:
+    """Every query of a Grafana dashboard as a pseudo-rule {"panel", "expr"}: each target's
+    `expr` (rows' nested panels included) and each query variable's label_values(METRIC, LABEL),
+    checked as the selector METRIC with LABEL grouped on."""
+    queries: list[dict] = []
+
+    def substitute(expr: str) -> str:
+        for variable, value in VARIABLES.items():
+            expr = expr.replace(variable, value)
+        if "$" in expr:
+            raise ValueError(f"dashboard query uses a variable live_check.py does not know: {expr}")
+        return expr
+
+    def walk(panels: list[dict]) -> None:
+        for panel in panels:
+            for target in panel.get("targets", []):
+                if target.get("expr"):
+                    queries.append({"panel": panel["title"], "expr": substitute(target["expr"])})
+            walk(panel.get("panels", []))
+
+    walk(dashboard.get("panels", []))
+    for variable in dashboard.get("templating", {}).get("list", []):
+        if variable.get("type") != "query":
+            continue
+        query = variable["query"]["query"] if isinstance(variable["query"], dict) else variable["query"]
+        match = re.fullmatch(r"\s*label_values\(\s*([a-zA-Z_:][a-zA-Z0-9_:]*)\s*,\s*(\w+)\s*\)\s*", query)
+        if not match:
+            raise ValueError(f"variable {variable['name']}: only label_values(METRIC, LABEL) is checked")
+        queries.append({"panel": f"variable {variable['name']}",
+                        "expr": f"count by ({match.group(2)}) ({match.group(1)})"})
+    return queries
+
+
 def api(base: str, path: str, **params: str) -> object:
     url = f"{base}/api/v1/{path}"
     if params:
@@ -60,10 +102,12 @@ def api(base: str, path: str, **params: str) -> object:
     return body["data"]
 
 
-def problems_now(base: str, rules: list[dict]) -> tuple[list[str], int]:
+def problems_now(base: str, rules: list[dict],
+                 queries: list[dict] | None = None) -> tuple[list[str], int]:
     problems: list[str] = []
     scraped = set(api(base, "label/__name__/values"))
     recorded = {rule["record"] for rule in rules if "record" in rule}
+    queries = queries or []
     label_cache: dict[str, set[str]] = {}
 
     def labels_of(name: str) -> set[str]:
@@ -73,8 +117,8 @@ def problems_now(base: str, rules: list[dict]) -> tuple[list[str], int]:
         return label_cache[name]
 
     checked = 0
-    for rule in rules:
-        what = rule.get("record") or rule.get("alert")
+    for rule in rules + queries:
+        what = rule.get("record") or rule.get("alert") or f"dashboard panel {rule['panel']!r}"
         names, labels = names_and_labels(rule["expr"])
         for name in sorted(names):
             checked += 1
@@ -91,6 +135,10 @@ def problems_now(base: str, rules: list[dict]) -> tuple[list[str], int]:
         if not api(base, "query", query=name)["result"]:
             problems.append(f"recording rule {name} returns no data")
 
+    for query in queries:
+        if not api(base, "query", query=query["expr"])["result"]:
+            problems.append(f"dashboard panel {query['panel']!r}: {query['expr']} returns no data")
+
     for group in api(base, "rules")["groups"]:
         for rule in group["rules"]:
             if rule.get("health") == "err":
@@ -102,10 +150,13 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--prometheus", required=True)
     parser.add_argument("--deadline-secs", type=float, default=90)
+    parser.add_argument("--dashboard", type=Path, action="append", default=[])
     parser.add_argument("rules", type=Path)
     args = parser.parse_args()
     rules = [rule for group in yaml.safe_load(args.rules.read_text(encoding="utf-8"))["groups"]
              for rule in group["rules"]]
+    queries = [query for path in args.dashboard
+               for query in dashboard_queries(json.loads(path.read_text(encoding="utf-8")))]
     deadline = time.monotonic() + args.deadline_secs
     # The check must be able to fail: a rule reading a name nothing exports is reported.
     decoy = {"record": "live_check:decoy:absent", "expr": "rides_live_check_decoy_total"}
@@ -114,13 +165,21 @@ def main() -> int:
         print("live_check: a rule on a missing metric was not reported: the check is broken",
               file=sys.stderr)
         return 1
+    # The same for a dashboard query: one on a missing metric, or one returning nothing, is reported.
+    decoy_query = {"panel": "decoy", "expr": 'sum(rides_live_check_decoy_total{namespace=~".*"})'}
+    decoy_problems, _ = problems_now(args.prometheus, [], [decoy_query])
+    if not (any("which no process exports" in problem for problem in decoy_problems)
+            and any("returns no data" in problem for problem in decoy_problems)):
+        print("live_check: a dashboard query on a missing metric was not reported: the check is "
+              "broken", file=sys.stderr)
+        return 1
     while True:
-        problems, checked = problems_now(args.prometheus, rules)
+        problems, checked = problems_now(args.prometheus, rules, queries)
         if not problems:
             records = sum(1 for rule in rules if "record" in rule)
-            print(f"live_check: {len(rules)} rules, {checked} series names read by them: every "
-                  f"name and label exists, all {records} recording rules return data",
-                  file=sys.stderr)
+            print(f"live_check: {len(rules)} rules and {len(queries)} dashboard queries, {checked} "
+                  f"series names read by them: every name and label exists, all {records} "
+                  f"recording rules and every dashboard query return data", file=sys.stderr)
             return 0
         if time.monotonic() > deadline:
             for problem in problems:

@@ -7,7 +7,8 @@
 #   3. deploy/monitoring/check_rules.py: runbook links resolve, every alert and severity is tested,
 #      the numbers copied from the manifests still match them
 #   4. the Kubernetes PrometheusRule copies equal the rule files (render-prometheusrule.sh --check)
-#   5. deploy/monitoring/live-check.sh: the metric and label names against the real processes,
+#   5. deploy/monitoring/live-check.sh: the metric and label names of the rules and of the Grafana
+#      dashboard (deploy/monitoring/dashboards) against the real processes,
 #      scraped by a real Prometheus (builds the binaries, uses the local PostgreSQL and RabbitMQ;
 #      about a minute after the build). MONITORING_LIVE=0 skips it (steps 1-4 are offline).
 #
