@@ -21,6 +21,7 @@ cargo clippy --workspace --all-targets --locked -- -D warnings
 log "deploy/validate.sh (Dockerfile, compose, Kubernetes manifests, offline)"
 deploy/validate.sh
 log "deploy/monitoring/test.sh (Prometheus rules: promtool unit tests, then a live scrape)" && deploy/monitoring/test.sh
+log "deploy/local/deny.sh (cargo deny: licenses, bans, sources)" && deploy/local/deny.sh
 deploy/local/buf-lint.sh
 log "cargo nextest run --workspace"
 cargo nextest run --workspace --locked --profile "${NEXTEST_PROFILE:-default}" "$@"
