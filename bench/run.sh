@@ -5,9 +5,19 @@
 # runs the pgbench ceiling and the load generator per scenario, prints the table and writes it to
 # a file, then kills its processes, drops its database and deletes its RabbitMQ queues.
 #
-#   bench/run.sh [all | new | replay | latency | receipts | enqueuer | batched-ceiling | new-1 | new-8 | new-32 | new-64 ...]
+#   bench/run.sh [all | riders | new | replay | latency | receipts | enqueuer | batched-ceiling | new-1 | new-8 | new-32 | new-64 ...]
 #
-# Environment: DURATION (s per loadgen run, default 15), PG_DURATION (s per pgbench run, default
+# The headline (issue 28) is `riders`: a rider-facing backend at the api-server's production
+# defaults (no limit lifted), RIDERS riders (default 10,000) created cold on a freshly started
+# api-server, each request taking a random one, 64 in flight over one connection from one
+# address, fake provider latency 250 ms, no client retry (--max-attempts 1); then, back to back,
+# the same on an api-server with every defence lifted (riders-64-lifted, bench/lib.sh's
+# LIFTED_ENV). The table's last lines divide the first by the second (goal: throughput >= 0.9,
+# p99 <= 1.5x, no request failed). Every other scenario is a closed loop on a few users, far
+# above the per-user limits, which are lifted for them.
+#
+# Environment: DURATION (s per loadgen run, default 15), RIDERS (the riders scenario's pool,
+# default 10000), PG_DURATION (s per pgbench run, default
 # 15), ENQUEUER_JOBS (default 100000), RECEIPT_JOBS (receipts mailed in the receipts scenario,
 # default 5000), PG_URL (server, default postgres://postgres@127.0.0.1:5432),
 # AMQP_URL (default amqp://guest:guest@127.0.0.1:5672/%2f), RUNTIME_THREADS (tokio worker threads of
@@ -35,6 +45,7 @@ cd "$REPO_ROOT"
 export PATH="$HOME/.cargo/bin:$PATH"
 
 DURATION=${DURATION:-15}
+RIDERS=${RIDERS:-10000}
 PG_DURATION=${PG_DURATION:-15}
 ENQUEUER_JOBS=${ENQUEUER_JOBS:-100000}
 RECEIPT_JOBS=${RECEIPT_JOBS:-5000}
@@ -64,11 +75,15 @@ export STRIPE_SECRET_KEY=sk_test_rocket_rides_development
 export STRIPE_API_BASE="http://$STRIPE_ADDR"
 export GRPC_LISTEN_ADDR=$GRPC_ADDR
 export SMTP_URL="smtp://$SMTP_ADDR"
-# loadgen's clients are closed loops, each far above the api-server's per-user defaults (50
-# CreateRide/s, 16 in flight): the benchmark measures throughput, so the limits are lifted.
-export RATE_LIMIT_CREATE_PER_SEC=1000000 RATE_LIMIT_CREATE_BURST=1000000
-export RATE_LIMIT_GET_PER_SEC=1000000 RATE_LIMIT_GET_BURST=1000000
-export MAX_CONCURRENT_CREATES_PER_USER=1000000 DECLINE_BUDGET_PER_10_MIN=1000000
+# The closed-loop scenarios' clients are each far above the api-server's per-user defaults (50
+# CreateRide/s, 16 in flight): those scenarios measure throughput, so the per-user limits are
+# lifted for them (start_stack's "closed-loop"). The riders scenarios run at the defaults and
+# with every defence lifted (LIFTED_ENV, bench/lib.sh).
+CLOSED_LOOP_ENV=(
+  RATE_LIMIT_CREATE_PER_SEC=1000000 RATE_LIMIT_CREATE_BURST=1000000
+  RATE_LIMIT_GET_PER_SEC=1000000 RATE_LIMIT_GET_BURST=1000000
+  MAX_CONCURRENT_CREATES_PER_USER=1000000 DECLINE_BUDGET_PER_10_MIN=1000000
+)
 
 SCENARIOS=("$@")
 [ ${#SCENARIOS[@]} -gt 0 ] || SCENARIOS=(all)
@@ -136,12 +151,20 @@ stop() { # name
   wait "$pid" 2>/dev/null || true
   unset "PIDS[$1]"
 }
-start_stack() { # provider latency ms, pool size
+start_stack() { # provider latency ms, pool size, [closed-loop (default) | defaults | lifted]
+  local limits=()
+  case "${3:-closed-loop}" in
+    closed-loop) limits=("${CLOSED_LOOP_ENV[@]}") ;;
+    defaults) ;;
+    lifted) limits=("${LIFTED_ENV[@]}") ;;
+    *) die "start_stack: unknown limits $3" ;;
+  esac
   stop api-server; stop fake-stripe
   TOKIO_WORKER_THREADS=$RUNTIME_THREADS start fake-stripe "$BIN/fake-stripe" --listen "$STRIPE_ADDR" --latency-ms "$1"
   wait_for_port "$STRIPE_ADDR" fake-stripe
+  # env execs the api-server: its pid stays the one --server-pid and perf watch.
   METRICS_LISTEN_ADDR=$API_METRICS_ADDR DATABASE_POOL_SIZE=$2 TOKIO_WORKER_THREADS=$RUNTIME_THREADS \
-    start api-server "$API_SERVER_BIN" serve
+    start api-server env ${limits[@]+"${limits[@]}"} "$API_SERVER_BIN" serve
   wait_for_port "$GRPC_ADDR" api-server
   STACK_LATENCY=$1
 }
@@ -271,6 +294,22 @@ if wants replay-32; then
   pgbench_ceiling replay-32-as-served bench/pgbench/replay_claim.sql 32
   measure replay-32 bench/pgbench/replay_reads.sql 32 --clients 32 --duration-secs "$DURATION" \
     --replay-ratio 1 --seed-keys-per-client 50
+fi
+
+# The headline (issue 28): the rider pool at the production defaults, then the same with every
+# defence lifted, back to back, ROUNDS times. Each run starts a fresh api-server (every token
+# cold) and loadgen creates fresh riders. The pool is the default size (16).
+if wants riders; then
+  for ((round = 1; round <= ROUNDS; round++)); do
+    for limits in defaults lifted; do
+      scenario=riders-64
+      [ "$limits" = defaults ] || scenario=riders-64-lifted
+      start_stack 250 16 "$limits"
+      loadgen "$scenario" --riders "$RIDERS" --clients 64 --connections 1 --max-attempts 1 \
+        --duration-secs "$DURATION"
+    done
+  done
+  start_stack 0 16
 fi
 
 # Provider latency 250 ms, 500 clients, pool 16. The database sees at most 16 connections, so

@@ -506,6 +506,19 @@ pub fn render(records: &[Record]) -> String {
             ));
         }
     }
+    for pair in defaults_vs_lifted(records) {
+        out.push_str(&format!(
+            "\n{} at the defaults ÷ every defence lifted (run back to back, round {}): throughput \
+             {:.2} (goal >= {LIFTED_THROUGHPUT_GOAL}), p99 {:.2}× (goal <= {LIFTED_P99_GOAL}×), \
+             {} of its requests failed: {}\n",
+            pair.scenario,
+            pair.round,
+            pair.throughput_ratio,
+            pair.p99_ratio,
+            pair.failed,
+            pair.verdict.as_str()
+        ));
+    }
     for (scenario, mb, verdict) in rss_rows(records) {
         out.push_str(&format!(
             "\napi-server peak VmRSS during {scenario}: {mb:.1} MB (goal < {RSS_GOAL_MB} MB: {})\n",
@@ -515,9 +528,100 @@ pub fn render(records: &[Record]) -> String {
     out
 }
 
+/// A scenario named `X-lifted` is `X` on an api-server with every defence lifted, and `X` is
+/// judged against it (issue 28): throughput at least this fraction of the lifted run's, p99 at
+/// most this multiple, and no request failed.
+pub const LIFTED_SUFFIX: &str = "-lifted";
+pub const LIFTED_THROUGHPUT_GOAL: f64 = 0.9;
+pub const LIFTED_P99_GOAL: f64 = 1.5;
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct LiftedPair {
+    pub scenario: String,
+    /// 1-based: with `ROUNDS=n` the k-th run at the defaults is paired with the k-th lifted one.
+    pub round: usize,
+    pub throughput_ratio: f64,
+    pub p99_ratio: f64,
+    pub failed: u64,
+    pub verdict: Verdict,
+}
+
+/// Every run at the defaults beside its lifted twin, in order.
+pub fn defaults_vs_lifted(records: &[Record]) -> Vec<LiftedPair> {
+    let runs = |name: &str| -> Vec<&LoadgenRecord> {
+        records
+            .iter()
+            .filter_map(|record| match record {
+                Record::Loadgen(run) if run.scenario == name => Some(run),
+                _ => None,
+            })
+            .collect()
+    };
+    let mut names: Vec<&str> = Vec::new();
+    for record in records {
+        if let Record::Loadgen(run) = record
+            && let Some(name) = run.scenario.strip_suffix(LIFTED_SUFFIX)
+            && !names.contains(&name)
+        {
+            names.push(name);
+        }
+    }
+    let mut pairs = Vec::new();
+    for name in names {
+        let lifted = runs(&format!("{name}{LIFTED_SUFFIX}"));
+        for (round, (defaults, lifted)) in runs(name).into_iter().zip(lifted).enumerate() {
+            let throughput_ratio = defaults.throughput / lifted.throughput.max(1e-9);
+            let p99_ratio = defaults.p99_ms / lifted.p99_ms.max(1e-9);
+            let met = throughput_ratio >= LIFTED_THROUGHPUT_GOAL
+                && p99_ratio <= LIFTED_P99_GOAL
+                && defaults.failed == 0;
+            pairs.push(LiftedPair {
+                scenario: name.to_owned(),
+                round: round + 1,
+                throughput_ratio,
+                p99_ratio,
+                failed: defaults.failed,
+                verdict: if met { Verdict::Met } else { Verdict::Missed },
+            });
+        }
+    }
+    pairs
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_run_at_the_defaults_is_judged_against_its_lifted_twin() {
+        let line = |scenario: &str, throughput: f64, p99: f64, failed: u64| {
+            format!(
+                r#"{{"kind":"loadgen","scenario":"{scenario}","clients":64,"throughput":{throughput},"p50_ms":260.0,"p99_ms":{p99},"max_ms":900.0,"failed":{failed}}}"#
+            )
+        };
+        let text = [
+            line("riders-64", 230.0, 300.0, 0),
+            line("riders-64-lifted", 250.0, 280.0, 0),
+            line("riders-64", 200.0, 300.0, 0),
+            line("riders-64-lifted", 250.0, 180.0, 0),
+            line("riders-64", 240.0, 280.0, 3),
+            line("riders-64-lifted", 250.0, 280.0, 0),
+        ]
+        .join("\n");
+        let pairs = defaults_vs_lifted(&parse_records(&text).unwrap());
+        let verdicts: Vec<(usize, Verdict)> = pairs.iter().map(|p| (p.round, p.verdict)).collect();
+        // 0.92 and 1.07×; 0.80; 300/180 = 1.67× too; then failed requests.
+        assert_eq!(
+            verdicts,
+            vec![
+                (1, Verdict::Met),
+                (2, Verdict::Missed),
+                (3, Verdict::Missed)
+            ]
+        );
+        assert!((pairs[0].throughput_ratio - 0.92).abs() < 1e-9);
+        assert_eq!(pairs[2].failed, 3);
+    }
 
     const RESULTS: &str = r#"
 {"kind":"pgbench","scenario":"new-32","script":"create_ride.sql","clients":32,"tps":1000.0,"load_avg":"2.0"}

@@ -9,8 +9,14 @@
 //!
 //! Each client is a closed loop on one user (by default), hundreds of calls per second: far
 //! above the api-server's per-user limits (`RATE_LIMIT_*`, `MAX_CONCURRENT_CREATES_PER_USER`),
-//! which `bench/run.sh` lifts on the api-server it starts. Against a server with the defaults,
-//! expect `RESOURCE_EXHAUSTED` answers.
+//! which `bench/run.sh` lifts on the api-server it starts for those scenarios. Against a server
+//! with the defaults, expect `RESOURCE_EXHAUSTED` answers.
+//!
+//! With `--riders N` the clients are instead a rider-facing backend: N users are created (their
+//! tokens cold on a freshly started api-server, which has never seen them) and each request
+//! takes a random one of them, so each rider calls rarely, as real riders do. That is the shape
+//! the api-server's defaults are meant to serve (issue 28), and `bench/run.sh` measures it at
+//! the defaults.
 //!
 //! While the load runs it samples the scratch database's `pg_stat_activity` (what the server's
 //! connections wait on), the api-server's VmRSS, and the CPU time of the processes involved; over
@@ -43,6 +49,7 @@ use diesel::{
     sql_types::{Array, BigInt, Text},
 };
 use diesel_async::RunQueryDsl;
+use futures_util::{StreamExt, TryStreamExt};
 use proto::v1::CreateRideRequest;
 use rand::Rng;
 use rides_client::{AttemptRecord, Credential, RetryPolicy, RidesClient};
@@ -93,8 +100,15 @@ struct Args {
     #[arg(long, default_value_t = 0)]
     seed_keys_per_client: u32,
     /// Users to create (clients share them round-robin). Default: one per client.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "riders")]
     users: Option<u32>,
+    /// A rider pool instead of closed-loop users: this many users, and each request takes a
+    /// random one of them. Not with replays (a key belongs to the rider that made it).
+    #[arg(long)]
+    riders: Option<u32>,
+    /// Users created at once (each is one INSERT): 10,000 riders one at a time take a while.
+    #[arg(long, default_value_t = 4)]
+    create_users_concurrency: usize,
     /// HTTP/2 connections to the server (clients share them round-robin). Default: one per 50
     /// clients, so that the server's concurrent-stream limit never throttles the clients.
     #[arg(long)]
@@ -185,32 +199,48 @@ async fn main() -> anyhow::Result<()> {
     if !(0.0..=1.0).contains(&args.replay_ratio) {
         bail!("--replay-ratio must be within 0..=1");
     }
+    if args.riders.is_some() && (args.replay_ratio > 0.0 || args.seed_keys_per_client > 0) {
+        bail!("--riders takes no replays: a key belongs to the rider that made it");
+    }
     let run_id = format!("{:08x}", rand::rng().random::<u32>());
     let started_at_load = load_average();
 
+    let concurrency = args.create_users_concurrency.max(1);
     let pool = schema::build_pool(
         &args.database_url,
-        4,
+        u32::try_from(concurrency).unwrap_or(u32::MAX),
         Duration::from_secs(30),
         schema::PlanCache::Auto,
     );
-    let user_count = args.users.unwrap_or(args.clients).max(1);
-    let mut users = Vec::new();
-    for i in 0..user_count {
-        let customer = format!("cus_bench_{run_id}_{i}");
-        let (user, token) = api_server::auth::create_user(
-            &pool,
-            &format!("bench-{run_id}-{i}@bench.rocketrides.test"),
-            &customer,
-            "pm_card_visa",
-        )
-        .await
-        .with_context(|| format!("cannot create bench user {i}"))?;
-        users.push(Arc::new(BenchUser {
-            id: user.id,
-            token,
-            customer,
-        }));
+    let user_count = args.riders.or(args.users).unwrap_or(args.clients).max(1);
+    let created_from = Instant::now();
+    let riders = args.riders.is_some();
+    let users: Vec<Arc<BenchUser>> = futures_util::stream::iter(0..user_count)
+        .map(|i| {
+            let pool = &pool;
+            let customer = format!("cus_bench_{run_id}_{i}");
+            let email = format!("bench-{run_id}-{i}@bench.rocketrides.test");
+            async move {
+                let (user, token) =
+                    api_server::auth::create_user(pool, &email, &customer, "pm_card_visa")
+                        .await
+                        .with_context(|| format!("cannot create bench user {i}"))?;
+                anyhow::Ok(Arc::new(BenchUser {
+                    id: user.id,
+                    token,
+                    customer,
+                }))
+            }
+        })
+        .buffer_unordered(concurrency)
+        .try_collect()
+        .await?;
+    if riders {
+        eprintln!(
+            "created {} riders in {:.1} s",
+            users.len(),
+            created_from.elapsed().as_secs_f64()
+        );
     }
 
     let connections = args
@@ -330,14 +360,13 @@ async fn main() -> anyhow::Result<()> {
     });
     let mut seeded = seeded.into_iter();
     let mut tasks = Vec::new();
+    let rider_pool = riders.then(|| Arc::new(users.clone()));
     for client in 0..args.clients {
         let shared = Arc::clone(&shared);
         let user = Arc::clone(&users[client as usize % users.len()]);
-        let rpc = rides_client(
-            &channels[client as usize % channels.len()],
-            &user,
-            &shared.policy,
-        );
+        let channel = channels[client as usize % channels.len()].clone();
+        let rpc = rides_client(&channel, &user, &shared.policy);
+        let rider_pool = rider_pool.clone();
         let (seed_stats, finished) = seeded.next().unwrap_or_default();
         tasks.push(tokio::spawn(async move {
             let mut stats = ClientStats::default();
@@ -365,7 +394,14 @@ async fn main() -> anyhow::Result<()> {
                     n += 1;
                     format!("bench-{}-c{client:05}-{n:012}", shared.run_id)
                 };
-                let outcome = request(&shared, &rpc, &key, &mut stats, replay).await;
+                let outcome = match &rider_pool {
+                    Some(riders) => {
+                        let rider = &riders[rand::rng().random_range(0..riders.len())];
+                        let rpc = rides_client(&channel, rider, &shared.policy);
+                        request(&shared, &rpc, &key, &mut stats, replay).await
+                    }
+                    None => request(&shared, &rpc, &key, &mut stats, replay).await,
+                };
                 if !replay
                     && shared.replay_ratio > 0.0
                     && matches!(outcome, Final::Ok { .. })
@@ -454,6 +490,16 @@ async fn main() -> anyhow::Result<()> {
         "latency ms: p50 {:.2}  p90 {:.2}  p99 {:.2}  max {:.2}  mean {:.2}",
         p.p50_ms, p.p90_ms, p.p99_ms, p.max_ms, p.mean_ms
     );
+    let not_ok: BTreeMap<&String, &u64> = total
+        .attempts
+        .iter()
+        .filter(|(label, _)| !label.starts_with("OK"))
+        .collect();
+    println!(
+        "non-OK answers (every attempt, warm-up included): {} {:?}",
+        not_ok.values().copied().sum::<u64>(),
+        not_ok
+    );
     println!("attempt outcomes (code/reason):");
     for (outcome, count) in &total.attempts {
         println!("  {outcome:<55} {count}");
@@ -514,6 +560,8 @@ async fn main() -> anyhow::Result<()> {
         "scenario": args.scenario,
         "clients": args.clients,
         "users": users.len(),
+        "riders": args.riders,
+        "max_attempts": args.max_attempts,
         "connections": connections,
         "replay_ratio": args.replay_ratio,
         "provider_latency_ms": args.provider_latency_ms,
@@ -836,46 +884,58 @@ async fn check(
     ))
 }
 
-/// PaymentIntents of this run's customers, paginated 100 at a time.
+/// PaymentIntents of this run's customers, paginated 100 at a time; 8 customers at once (a
+/// rider pool has 10,000).
 async fn ledger_count(args: &Args, users: &[Arc<BenchUser>]) -> anyhow::Result<i64> {
     let http = reqwest::Client::new();
+    let counts: Vec<i64> = futures_util::stream::iter(users)
+        .map(|user| customer_intents(args, &http, &user.customer))
+        .buffer_unordered(8)
+        .try_collect()
+        .await?;
+    Ok(counts.iter().sum())
+}
+
+async fn customer_intents(
+    args: &Args,
+    http: &reqwest::Client,
+    customer: &str,
+) -> anyhow::Result<i64> {
     let mut total = 0_i64;
-    for user in users {
-        let mut starting_after: Option<String> = None;
-        for _page in 0..100_000 {
-            let mut query: Vec<(&str, String)> = vec![
-                ("limit", "100".to_owned()),
-                ("customer", user.customer.clone()),
-            ];
-            if let Some(after) = &starting_after {
-                query.push(("starting_after", after.clone()));
-            }
-            let page: HashMap<String, serde_json::Value> = http
-                .get(format!("{}/v1/payment_intents", args.stripe_base))
-                .bearer_auth(&args.stripe_key)
-                .query(&query)
-                .send()
-                .await?
-                .error_for_status()?
-                .json()
-                .await?;
-            let data = page
-                .get("data")
-                .and_then(|d| d.as_array())
-                .context("payment_intents list without data")?;
-            total += i64::try_from(data.len())?;
-            let has_more = page
-                .get("has_more")
-                .and_then(serde_json::Value::as_bool)
-                .unwrap_or(false);
-            starting_after = data
-                .last()
-                .and_then(|pi| pi.get("id"))
-                .and_then(|id| id.as_str())
-                .map(str::to_owned);
-            if !has_more || starting_after.is_none() {
-                break;
-            }
+    let mut starting_after: Option<String> = None;
+    for _page in 0..100_000 {
+        let mut query: Vec<(&str, String)> = vec![
+            ("limit", "100".to_owned()),
+            ("customer", customer.to_owned()),
+        ];
+        if let Some(after) = &starting_after {
+            query.push(("starting_after", after.clone()));
+        }
+        let page: HashMap<String, serde_json::Value> = http
+            .get(format!("{}/v1/payment_intents", args.stripe_base))
+            .bearer_auth(&args.stripe_key)
+            .query(&query)
+            .send()
+            .await?
+            .error_for_status()?
+            .json()
+            .await?;
+        let data = page
+            .get("data")
+            .and_then(|d| d.as_array())
+            .context("payment_intents list without data")?;
+        total += i64::try_from(data.len())?;
+        let has_more = page
+            .get("has_more")
+            .and_then(serde_json::Value::as_bool)
+            .unwrap_or(false);
+        starting_after = data
+            .last()
+            .and_then(|pi| pi.get("id"))
+            .and_then(|id| id.as_str())
+            .map(str::to_owned);
+        if !has_more || starting_after.is_none() {
+            break;
         }
     }
     Ok(total)

@@ -66,7 +66,7 @@ impl Probe {
 
     async fn run(self, target: &Target) -> anyhow::Result<Value> {
         match self {
-            Probe::Tokens(_, tokens, _) => bad_tokens::run(target, tokens).await,
+            Probe::Tokens(_, tokens, _) => bad_tokens::run(target, tokens, None).await,
             Probe::BigMessages => Attack::BigMessages.run(target).await,
         }
     }

@@ -12,11 +12,19 @@
 //! Last, with the legitimate clients paused, it runs each unauthenticated attack that speaks
 //! gRPC alone and counts the database transactions it caused (`footprint`).
 //!
-//! Layout: `traffic` (legitimate clients, phases), `observe` (process, metrics and database
-//! readings), `attacks/` (one file per attack), `footprint`, `report` (the table and the
-//! verdicts).
+//! Beside the 16 legitimate clients runs a rider-facing backend (issue 28, `backend`): 10,000
+//! cold riders per run over one connection from its own address. It runs first against
+//! `--reference-target` (an api-server with every defence lifted), then alone against the
+//! defaults (that window is also the quiet baseline), then under every attack, and once more
+//! against the reference at the end; each run is judged against the mean of the two reference
+//! runs.
+//!
+//! Layout: `traffic` (legitimate clients, phases), `backend`, `observe` (process, metrics and
+//! database readings), `attacks/` (one file per attack), `footprint`, `report` (the table and
+//! the verdicts).
 
 mod attacks;
+mod backend;
 mod footprint;
 mod observe;
 mod report;
@@ -69,6 +77,13 @@ struct Args {
     /// Where to write the JSON results.
     #[arg(long)]
     json_out: Option<PathBuf>,
+    /// An api-server with every defence lifted, against the same database: the backend's
+    /// reference runs. Without it the backend is judged on its refusals alone.
+    #[arg(long)]
+    reference_target: Option<SocketAddr>,
+    /// Leave the backend out (the campaign as it was before issue 28).
+    #[arg(long)]
+    no_backend: bool,
 }
 
 /// A new connection must be served within this long after an attack ends.
@@ -115,14 +130,8 @@ async fn campaign(args: Args) -> anyhow::Result<()> {
         .with_context(|| format!("creating legitimate user {i}"))?;
         legitimate.push((user.id, token));
     }
-    let (_, tester_token) = api_server::auth::create_user(
-        &pool,
-        &format!("abuse-{run}-tester@abuse.rocketrides.test"),
-        &format!("cus_abuse_{run}_tester"),
-        "pm_card_chargeDeclined",
-    )
-    .await
-    .context("creating the card tester")?;
+    let tester_token = attacker(&pool, &run, "tester", "pm_card_chargeDeclined").await?;
+    let flood_token = attacker(&pool, &run, "flood", "pm_card_visa").await?;
     let legitimate_ids: Vec<i64> = legitimate.iter().map(|(id, _)| *id).collect();
     let tokens: Vec<String> = legitimate.into_iter().map(|(_, token)| token).collect();
     let probe_token = tokens
@@ -135,6 +144,7 @@ async fn campaign(args: Args) -> anyhow::Result<()> {
         probe_token,
         probe_ride,
         tester_token,
+        flood_token,
         server_pid: args.server_pid,
         secs: args.attack_secs,
     };
@@ -156,20 +166,47 @@ async fn campaign(args: Args) -> anyhow::Result<()> {
     phases.begin();
     tokio::time::sleep(WARM_UP).await;
 
+    let backend_on = !args.no_backend;
+    let mut references = Vec::new();
+    let secs = Duration::from_secs(args.quiet_secs);
+    if backend_on && let Some(reference) = args.reference_target {
+        phases.begin();
+        references
+            .push(backend::reference_run(&pool, &run, "reference-start", reference, secs).await?);
+    }
+    let alone_riders = match backend_on {
+        true => Some(backend::riders(&pool, &run, "alone").await?),
+        false => None,
+    };
     println!(
-        "abuse: run {run}, {} legitimate clients; quiet baseline for {} s",
-        args.clients, args.quiet_secs
+        "abuse: run {run}, {} legitimate clients{}; quiet baseline for {} s",
+        args.clients,
+        if backend_on { " and the backend" } else { "" },
+        args.quiet_secs
     );
     let window =
         |index: usize, from: Instant, db: Database| Window::new(&phases, &sampler, index, from, db);
     let db = Database::read(&pool, &legitimate_ids).await?;
     let (quiet, from) = (phases.begin(), Instant::now());
+    let running = alone_riders
+        .map(|riders| backend::start(args.target, riders))
+        .transpose()?;
     tokio::time::sleep(Duration::from_secs(args.quiet_secs)).await;
+    let backend_alone = match running {
+        Some(running) => Some(running.finish().await?),
+        None => None,
+    };
     let baseline = window(
         quiet,
         from,
         Database::read(&pool, &legitimate_ids).await?.since(&db),
     );
+    if let Some(alone) = &backend_alone {
+        println!(
+            "abuse: backend at the defaults, alone: {}",
+            alone.cells(references.first())
+        );
+    }
 
     let attacks = if args.only.is_empty() {
         Attack::ALL.to_vec()
@@ -178,14 +215,25 @@ async fn campaign(args: Args) -> anyhow::Result<()> {
     };
     let mut results = Vec::new();
     for attack in attacks {
+        let riders = match backend_on {
+            true => Some(backend::riders(&pool, &run, attack.name()).await?),
+            false => None,
+        };
         println!("abuse: {} ...", attack.name());
         let refused_before = observe::refused_connections(&http, args.metrics).await?;
         let db = Database::read(&pool, &legitimate_ids).await?;
         let (index, from) = (phases.begin(), Instant::now());
+        let running = riders
+            .map(|riders| backend::start(args.target, riders))
+            .transpose()?;
         let attacker = attack
             .run(&target)
             .await
             .with_context(|| format!("attack {}", attack.name()));
+        let backend_seen = match running {
+            Some(running) => Some(running.finish().await?),
+            None => None,
+        };
         let during = window(
             index,
             from,
@@ -212,19 +260,35 @@ async fn campaign(args: Args) -> anyhow::Result<()> {
             report::difference(&refused_before, &refused_after),
             recovery,
             attacker,
+            backend_seen,
         );
         println!("{}", result.line(&baseline));
         results.push(result);
         tokio::time::sleep(SETTLE).await;
     }
+    if backend_on && let Some(reference) = args.reference_target {
+        phases.begin();
+        references
+            .push(backend::reference_run(&pool, &run, "reference-end", reference, secs).await?);
+    }
     let footprints = footprint::measure(&pool, &legitimate_ids, &phases, &target).await?;
     stop.store(true, Ordering::SeqCst);
     let _ = tokio::task::spawn_blocking(move || clients.join()).await;
-    let verdict = report::print(&baseline, &results, RECOVERY_GOAL) & footprint::print(&footprints);
+    let reference = backend::BackendRun::mean(&references);
+    let verdict = report::print(&baseline, &results, RECOVERY_GOAL)
+        & report::print_backend(
+            backend_alone.as_ref(),
+            &results,
+            &references,
+            reference.as_ref(),
+        )
+        & footprint::print(&footprints);
     if let Some(path) = &args.json_out {
         let json = serde_json::json!({
             "run": run,
             "quiet": baseline,
+            "backend_alone": backend_alone,
+            "backend_references": references,
             "attacks": results,
             "database_footprint": footprints,
         });
@@ -235,6 +299,24 @@ async fn campaign(args: Args) -> anyhow::Result<()> {
         std::process::exit(1);
     }
     Ok(())
+}
+
+/// An authenticated attacker's token: a user whose rows count as an attacker's.
+async fn attacker(
+    pool: &schema::Pool,
+    run: &str,
+    name: &str,
+    card: &str,
+) -> anyhow::Result<String> {
+    let (_, token) = api_server::auth::create_user(
+        pool,
+        &format!("abuse-{run}-{name}@abuse.rocketrides.test"),
+        &format!("cus_abuse_{run}_{name}"),
+        card,
+    )
+    .await
+    .with_context(|| format!("creating the attacker {name}"))?;
+    Ok(token)
 }
 
 /// Creates one ride for the probes to read back.

@@ -12,6 +12,7 @@ use serde_json::Value;
 
 use crate::{
     attacks::Attack,
+    backend::BackendRun,
     observe::{Database, Sampler, Usage},
     traffic::Phases,
 };
@@ -71,6 +72,8 @@ pub struct AttackResult {
     pub connections_refused: BTreeMap<String, f64>,
     pub recovery_ms: Option<u64>,
     pub attacker: Value,
+    /// The legitimate backend's run during the attack.
+    pub backend: Option<BackendRun>,
 }
 
 pub fn difference(
@@ -97,6 +100,7 @@ impl AttackResult {
         connections_refused: BTreeMap<String, f64>,
         recovery: Option<Duration>,
         attacker: Value,
+        backend: Option<BackendRun>,
     ) -> AttackResult {
         AttackResult {
             attack: attack.name(),
@@ -106,6 +110,7 @@ impl AttackResult {
             connections_refused,
             recovery_ms: recovery.map(|d| d.as_millis() as u64),
             attacker,
+            backend,
         }
     }
 
@@ -228,5 +233,49 @@ pub fn print(baseline: &Window, results: &[AttackResult], recovery_goal: Duratio
             "goals missed (see above)"
         }
     );
+    all_met
+}
+
+/// The backend's table (issue 28) and its verdicts: every call OK without a retry, and against
+/// `reference` (the mean of the runs with every defence lifted) throughput and p99 within the
+/// goals. Whether every goal was met.
+pub fn print_backend(
+    alone: Option<&BackendRun>,
+    results: &[AttackResult],
+    references: &[BackendRun],
+    reference: Option<&BackendRun>,
+) -> bool {
+    let Some(alone) = alone else {
+        return true;
+    };
+    println!(
+        "\n| backend run | OK / calls | OK/s (× lifted) | p50 / p99 ms (× lifted) | not OK |\n|---|---|---|---|---|"
+    );
+    for (n, run) in references.iter().enumerate() {
+        println!("| every defence lifted #{} | {} |", n + 1, run.cells(None));
+    }
+    let runs = std::iter::once(("alone", alone)).chain(
+        results
+            .iter()
+            .filter_map(|result| Some((result.attack, result.backend.as_ref()?))),
+    );
+    let runs: Vec<_> = runs.collect();
+    for (name, run) in &runs {
+        println!("| {name} | {} |", run.cells(reference));
+    }
+    let mut all_met = true;
+    println!();
+    for (name, run) in &runs {
+        let misses = match reference {
+            Some(reference) => run.misses(reference),
+            None => run.misses(&BackendRun::default()),
+        };
+        if misses.is_empty() {
+            println!("backend {name}: PASS");
+        } else {
+            all_met = false;
+            println!("backend {name}: MISSED: {}", misses.join("; "));
+        }
+    }
     all_met
 }

@@ -2,9 +2,12 @@
 //! are not ours: malformed ones (refused from their shape alone), one well-shaped unknown token
 //! (looked up once, then answered from the unknown-token cache; calls already in flight when
 //! the first answer comes are looked up too), or a fresh well-shaped token on every call (the
-//! worst case for the cache: each costs one indexed read, and must write nothing).
+//! worst case for the cache: each costs one indexed read, and must write nothing). With `from`,
+//! every connection comes from that one address instead (the legitimate backend's, for
+//! `bad-tokens-random-own`).
 
 use std::{
+    net::Ipv4Addr,
     sync::{
         Arc,
         atomic::{AtomicBool, Ordering},
@@ -61,13 +64,13 @@ async fn caller(
     tally
 }
 
-pub async fn run(target: &Target, tokens: Tokens) -> anyhow::Result<Value> {
+pub async fn run(target: &Target, tokens: Tokens, from: Option<Ipv4Addr>) -> anyhow::Result<Value> {
     let range = match tokens {
         Tokens::Malformed | Tokens::Repeated | Tokens::Mixed => 50,
         Tokens::Random => 51,
     };
     let connections = (0..CONNECTIONS)
-        .map(|n| client(target.addr, Some(source(range, n).into())))
+        .map(|n| client(target.addr, Some(from.unwrap_or(source(range, n)).into())))
         .collect::<anyhow::Result<Vec<_>>>()?;
     let unknown = well_shaped();
     let stop = Arc::new(AtomicBool::new(false));

@@ -1,7 +1,9 @@
 //! The attacks, one file each. Every attack is bounded in count and time, comes from source
 //! addresses of its own on loopback (127.x.y.z, never the legitimate clients' 127.0.0.1, so the
 //! per-IP connection cap is measured for what it is: a bound on one peer), drops everything it
-//! holds when it returns, and reports what it saw from its side as JSON.
+//! holds when it returns, and reports what it saw from its side as JSON. The `-own` attacks are
+//! the exception on purpose: they come from the legitimate backend's own address
+//! (`backend::BACKEND_ADDR`), as everything does behind a proxy that names no client.
 
 pub mod bad_tokens;
 mod big_messages;
@@ -9,6 +11,7 @@ mod card_testing;
 mod fd_exhaustion;
 mod idle;
 mod resets;
+mod rider_flood;
 mod streams;
 
 use std::{
@@ -37,6 +40,8 @@ pub struct Target {
     pub probe_ride: i64,
     /// The card tester: an authenticated user whose card is declined.
     pub tester_token: String,
+    /// The flooding rider: an authenticated user with a good card.
+    pub flood_token: String,
     pub server_pid: u32,
     /// How long the attacks that are not bounded by the server's own timers last.
     pub secs: u64,
@@ -50,6 +55,7 @@ impl Target {
             probe_token: self.probe_token.clone(),
             probe_ride: self.probe_ride,
             tester_token: self.tester_token.clone(),
+            flood_token: self.flood_token.clone(),
             server_pid: self.server_pid,
             secs,
         }
@@ -70,6 +76,12 @@ pub enum Attack {
     BadTokens,
     /// 200 concurrent callers with a fresh well-shaped token each call.
     BadTokensRandom,
+    /// The same, from the legitimate backend's own address.
+    BadTokensRandomOwn,
+    /// One rider with a valid token flooding CreateRide, 64 in flight, from another address.
+    RiderFlood,
+    /// The same rider flooding from the legitimate backend's own address.
+    RiderFloodOwn,
     /// One user with a declining card flooding new keys.
     CardTesting,
     /// The server's open-file limit lowered and its descriptors used up.
@@ -77,14 +89,17 @@ pub enum Attack {
 }
 
 impl Attack {
-    pub const ALL: [Attack; 8] = [
+    pub const ALL: [Attack; 11] = [
         Attack::Streams,
         Attack::Idle,
         Attack::BigMessages,
         Attack::ResetFlood,
         Attack::BadTokens,
         Attack::BadTokensRandom,
+        Attack::BadTokensRandomOwn,
         Attack::CardTesting,
+        Attack::RiderFlood,
+        Attack::RiderFloodOwn,
         Attack::FdExhaustion,
     ];
 
@@ -96,6 +111,9 @@ impl Attack {
             Attack::ResetFlood => "reset-flood",
             Attack::BadTokens => "bad-tokens",
             Attack::BadTokensRandom => "bad-tokens-random",
+            Attack::BadTokensRandomOwn => "bad-tokens-random-own",
+            Attack::RiderFlood => "rider-flood",
+            Attack::RiderFloodOwn => "rider-flood-own",
             Attack::CardTesting => "card-testing",
             Attack::FdExhaustion => "fd-exhaustion",
         }
@@ -104,13 +122,14 @@ impl Attack {
     /// Whether the attacker holds a valid token (its rows are expected, within its limits).
     pub fn authenticated(self) -> bool {
         match self {
-            Attack::CardTesting => true,
+            Attack::CardTesting | Attack::RiderFlood | Attack::RiderFloodOwn => true,
             Attack::Streams
             | Attack::Idle
             | Attack::BigMessages
             | Attack::ResetFlood
             | Attack::BadTokens
             | Attack::BadTokensRandom
+            | Attack::BadTokensRandomOwn
             | Attack::FdExhaustion => false,
         }
     }
@@ -121,8 +140,16 @@ impl Attack {
             Attack::Idle => idle::run(target).await,
             Attack::BigMessages => big_messages::run(target).await,
             Attack::ResetFlood => resets::run(target).await,
-            Attack::BadTokens => bad_tokens::run(target, bad_tokens::Tokens::Mixed).await,
-            Attack::BadTokensRandom => bad_tokens::run(target, bad_tokens::Tokens::Random).await,
+            Attack::BadTokens => bad_tokens::run(target, bad_tokens::Tokens::Mixed, None).await,
+            Attack::BadTokensRandom => {
+                bad_tokens::run(target, bad_tokens::Tokens::Random, None).await
+            }
+            Attack::BadTokensRandomOwn => {
+                let own = Some(crate::backend::BACKEND_ADDR);
+                bad_tokens::run(target, bad_tokens::Tokens::Random, own).await
+            }
+            Attack::RiderFlood => rider_flood::run(target, crate::backend::OTHER_ADDR).await,
+            Attack::RiderFloodOwn => rider_flood::run(target, crate::backend::BACKEND_ADDR).await,
             Attack::CardTesting => card_testing::run(target).await,
             Attack::FdExhaustion => fd_exhaustion::run(target).await,
         }
@@ -273,6 +300,49 @@ fn answer(frame: &Frame, seen: &Seen, manners: Manners) -> Option<Vec<u8>> {
         _ => {}
     }
     (!out.is_empty()).then_some(out)
+}
+
+/// One authenticated user flooding CreateRide: `callers` concurrent callers on one connection
+/// from `from`, a new key every call, for the attack's length; their answers by code/reason.
+pub async fn flood(
+    target: &Target,
+    from: Ipv4Addr,
+    token: &str,
+    callers: u32,
+) -> anyhow::Result<Value> {
+    use crate::traffic::{PARAMS, authorized, client, label};
+    let rpc = client(target.addr, Some(from.into()))?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let tasks: Vec<_> = (0..callers)
+        .map(|_| {
+            let (mut rpc, token, stop) = (rpc.clone(), token.to_owned(), Arc::clone(&stop));
+            tokio::spawn(async move {
+                let mut tally = Tally::new();
+                while !stop.load(Ordering::SeqCst) {
+                    let outcome = match rpc.create_ride(authorized(PARAMS, &token, true)).await {
+                        Ok(_) => "OK".to_owned(),
+                        Err(status) => label(&status),
+                    };
+                    add(&mut tally, outcome);
+                }
+                tally
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_secs(target.secs)).await;
+    stop.store(true, Ordering::SeqCst);
+    let outcomes = merge(
+        futures_util::future::join_all(tasks)
+            .await
+            .into_iter()
+            .flatten(),
+    );
+    Ok(serde_json::json!({
+        "from": from.to_string(),
+        "callers": callers,
+        "calls": outcomes.values().sum::<u64>(),
+        "outcomes": outcomes,
+    }))
 }
 
 /// Counts of labelled outcomes, for reports.
