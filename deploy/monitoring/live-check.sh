@@ -18,8 +18,8 @@
 #   LIVE_CHECK_KEEP=1  keep the logs and Prometheus's data (.run/live-check) and the database
 #                      (kept on failure too); the queues of the topology prefix
 #                      monitoring-live-check stay on the broker, reused by the next run
-#   LIVE_CHECK_CHARTS=DIR  after the checks pass, run a minute of load (8 clients, replays, one
-#                      burst of provider errors) and draw the dashboard's panels from this
+#   LIVE_CHECK_CHARTS=DIR  after the checks pass, run a minute of load (8 clients, replays, three
+#                      calls with a bad token, one burst of provider errors) and draw the dashboard's panels from this
 #                      Prometheus into DIR as PNGs (deploy/monitoring/charts.py; deploy/monitoring/charts.sh)
 #   RULES=FILE         check another rule file (path from the repository root), e.g. a copy with a
 #                      metric renamed, which must fail
@@ -145,10 +145,13 @@ loadgen --requests 4 --max-attempts 1 --scenario live-check-faults >"$WORK/logs/
 log "traffic: a connection that is not HTTP/2 (refused: handshake_failed)"
 (exec 3<>"/dev/tcp/${GRPC_ADDR%:*}/${GRPC_ADDR##*:}"; printf 'GET / HTTP/1.0\r\n\r\n' >&3; cat <&3 >/dev/null) || true
 log "traffic: a call with a token nobody issued (refused: failed_auth, a token lookup)"
-# A gRPC call by hand: an empty GetRideRequest in one length-prefixed frame.
-printf '\0\0\0\0\0' | curl -sS --http2-prior-knowledge -o /dev/null -H 'content-type: application/grpc' \
-  -H 'te: trailers' -H 'authorization: Bearer live-check-not-a-token' --data-binary @- \
-  "http://$GRPC_ADDR/rides.v1.RideService/GetRide" || die "the gRPC call by curl failed"
+bad_token_call() {
+  # A gRPC call by hand: an empty GetRideRequest in one length-prefixed frame.
+  printf '\0\0\0\0\0' | curl -sS --http2-prior-knowledge -o /dev/null -H 'content-type: application/grpc' \
+    -H 'te: trailers' -H 'authorization: Bearer live-check-not-a-token' --data-binary @- \
+    "http://$GRPC_ADDR/rides.v1.RideService/GetRide"
+}
+bad_token_call || die "the gRPC call by curl failed"
 log "traffic: three finished keys aged past IDEMPOTENCY_KEY_TTL_HOURS for the reaper"
 psql "$DATABASE_URL" -Xq -c "UPDATE idempotency_keys SET created_at = now() - interval '1000 hours'
   WHERE id IN (SELECT id FROM idempotency_keys WHERE recovery_point = 'finished' ORDER BY id LIMIT 3)" >/dev/null
@@ -167,6 +170,8 @@ echo "deploy/monitoring/live-check.sh: every metric and label the rules and the 
 if [ -n "${LIVE_CHECK_CHARTS:-}" ]; then
   charts_start=$(date +%s)
   log "load run for the charts: 8 clients for 60 s with replays, a burst of provider errors at 30 s"
+  (sleep 15; for _ in 1 2 3; do bad_token_call || true; done) &
+  pids+=($!)
   (sleep 30; curl -fsS -X POST "http://$STRIPE_ADDR/_faults" -H 'content-type: application/json' \
     -d '{"mode": "error_500", "count": 20}' >/dev/null) &
   pids+=($!)
