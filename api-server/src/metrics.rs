@@ -40,12 +40,21 @@ pub struct Metrics {
     pub token_lookups: Counter<u64>,
 }
 
+/// Bucket bounds for durations in seconds, from a millisecond statement to the longest call
+/// (`GRPC_REQUEST_TIMEOUT_SECS`). The SDK's default bounds (0, 5, 10 … 10000) are sized for
+/// milliseconds: in seconds every call under 5 s would land in one bucket and every quantile
+/// would read the same.
+const SECONDS_BOUNDARIES: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+];
+
 static METRICS: LazyLock<Metrics> = LazyLock::new(|| {
     let meter = telemetry::meter("rides-api-server");
     Metrics {
         rpc_duration: meter
             .f64_histogram("rpc.server.call.duration")
             .with_unit("s")
+            .with_boundaries(SECONDS_BOUNDARIES.to_vec())
             .with_description("Duration of gRPC calls")
             .build(),
         replays: meter
@@ -55,11 +64,13 @@ static METRICS: LazyLock<Metrics> = LazyLock::new(|| {
         phase_duration: meter
             .f64_histogram("rides.phase.duration")
             .with_unit("s")
+            .with_boundaries(SECONDS_BOUNDARIES.to_vec())
             .with_description("Duration of one atomic phase of CreateRide")
             .build(),
         provider_duration: meter
             .f64_histogram("rides.payment_provider.duration")
             .with_unit("s")
+            .with_boundaries(SECONDS_BOUNDARIES.to_vec())
             .with_description("Duration of payment provider calls")
             .build(),
         foreign_charges: meter
