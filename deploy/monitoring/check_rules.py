@@ -3,7 +3,7 @@
   - every alert's runbook_url points to a heading that exists in docs/runbooks.md;
   - every alert, at each of its severities, fires in some promtool test (exp_alerts), and every
     alert has a test where it is expected quiet (`exp_alerts: []`);
-  - the numbers the rules copy from the manifests (the api-server's pool size, the PostgreSQL
+  - the numbers the rules copy from the manifests (the PostgreSQL
     Cluster's instances) still match them.
 
 Usage: python3 deploy/monitoring/check_rules.py   (from anywhere; exits 1 on any problem)
@@ -73,13 +73,6 @@ def main() -> int:
         if name not in quiet:
             problems.append(f"{name}: no promtool test where it stays quiet")
 
-    api_server = (ROOT / "deploy/k8s/base/api-server.yaml").read_text(encoding="utf-8")
-    pool = re.search(r"name: DATABASE_POOL_SIZE\s+value: \"(\d+)\"", api_server)
-    pool_rule = re.search(r'db_client_connection_state="used"\} / (\d+)', rule_text)
-    if not pool or not pool_rule or pool.group(1) != pool_rule.group(1):
-        problems.append("RidesDatabasePoolSaturated divides by "
-                        f"{pool_rule and pool_rule.group(1)}, the api-server's DATABASE_POOL_SIZE "
-                        f"is {pool and pool.group(1)} (deploy/k8s/base/api-server.yaml)")
     cluster = (ROOT / "deploy/k8s/overlays/ha/postgres-cluster.yaml").read_text(encoding="utf-8")
     instances = re.search(r"^  instances: (\d+)$", cluster, re.MULTILINE)
     standbys = re.search(r"streaming_replicas:primary < (\d+)", rule_text)
