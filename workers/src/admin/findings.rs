@@ -99,7 +99,7 @@ pub async fn resolve(
             if finding.kind.is_refundable() {
                 report.warnings.push(format!(
                     "this is money taken that no ride stands for; resolving it does not refund it \
-                     (`workers admin findings refund {id} --yes` does)"
+                     (`workers admin findings refund {id} --operator <name> --yes` does)"
                 ));
             }
             let mut resolved = Change::update(
@@ -279,7 +279,7 @@ impl FindingReport {
         if self.refundable {
             let _ = writeln!(
                 out,
-                "Money taken that no ride stands for: `workers admin findings refund {} --yes` \
+                "Money taken that no ride stands for: `workers admin findings refund {} --operator <name> --yes` \
                  refunds it (once), or resolve it with a note.",
                 f.id
             );
