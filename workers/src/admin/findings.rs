@@ -198,6 +198,12 @@ pub fn describe(f: &ReconciliationFinding) -> String {
         FindingKind::CurrencyMismatch => {
             format!("ride {ride} is in {recorded} but {pi} charged {provider}")
         }
+        FindingKind::OversizedValue => format!(
+            "the provider listed a PaymentIntent whose id, currency or status is longer than \
+             this service stores (shown cut to fit: {pi}, status {}); compared no further: \
+             look it up at the provider",
+            f.provider_status.as_deref().unwrap_or("-")
+        ),
         FindingKind::RefundedCharge => format!(
             "ride {ride} records {pi} as its payment, but the charge was refunded; the ride \
              still counts as paid"
