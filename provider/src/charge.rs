@@ -6,7 +6,8 @@
 use serde::Deserialize;
 
 use crate::{
-    ErrorParts, PaymentIntent, StripeClient, error_parts, is_unavailable, transport_reason,
+    BodyError, ErrorParts, MAX_RESPONSE_BYTES, PaymentIntent, StripeClient, error_parts,
+    is_unavailable, read_body, transport_reason,
 };
 
 /// One charge. `idempotency_key` must be the same for every attempt at the same ride.
@@ -105,7 +106,9 @@ impl StripeClient {
         if let Some(host) = response.url().host_str() {
             span.record("server.address", host);
         }
-        let body = response.bytes().await.map_err(unavailable)?;
+        let body = read_body(response)
+            .await
+            .map_err(|error| body_error(status.as_u16(), error))?;
         if status.is_success() {
             let intent: PaymentIntent =
                 serde_json::from_slice(&body).map_err(|error| ChargeError::Rejected {
@@ -162,7 +165,9 @@ impl StripeClient {
             .map_err(unavailable)?;
         let status = response.status();
         tracing::Span::current().record("http.response.status_code", i64::from(status.as_u16()));
-        let body = response.bytes().await.map_err(unavailable)?;
+        let body = read_body(response)
+            .await
+            .map_err(|error| body_error(status.as_u16(), error))?;
         if !status.is_success() {
             return Err(classify_body(status.as_u16(), &body));
         }
@@ -173,6 +178,17 @@ impl StripeClient {
                 message: error.to_string(),
             })?;
         Ok(found.data)
+    }
+}
+
+fn body_error(status: u16, error: BodyError) -> ChargeError {
+    match error {
+        BodyError::Transport(error) => unavailable(error),
+        BodyError::TooLarge => ChargeError::Rejected {
+            status,
+            error_type: "response_too_large".into(),
+            message: format!("the response body exceeds {MAX_RESPONSE_BYTES} bytes"),
+        },
     }
 }
 

@@ -2,11 +2,14 @@
 //! list pagination: newest first, `created[gte]`/`created[lt]`, `starting_after`), one
 //! PaymentIntent by id, and refunds, made under an idempotency key and listed per PaymentIntent.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 
 use serde::Deserialize;
 
-use crate::{StripeClient, error_parts, is_unavailable, transport_reason};
+use crate::{
+    BodyError, MAX_RESPONSE_BYTES, StripeClient, error_parts, is_unavailable, read_body,
+    transport_reason,
+};
 
 /// Stripe's largest page.
 const PAGE_LIMIT: u8 = 100;
@@ -249,6 +252,7 @@ impl StripeClient {
         id: fn(&T) -> &String,
     ) -> Result<(Vec<T>, u64), ProviderError> {
         let mut items: Vec<T> = Vec::new();
+        let mut seen: HashSet<String> = HashSet::new();
         let mut pages = 0_u64;
         loop {
             let mut page_query = query.to_vec();
@@ -258,6 +262,20 @@ impl StripeClient {
             }
             let page: Page<T> = self.get_json(path, &page_query).await?;
             pages += 1;
+            // A list that hands back an item it already gave (a page repeated, a cursor that does
+            // not move) would be walked forever or counted twice: stop with an error instead.
+            if let Some(repeated) = page.data.iter().find(|item| !seen.insert(id(item).clone())) {
+                return Err(ProviderError::Rejected {
+                    status: 200,
+                    error_type: "repeated_page".into(),
+                    code: None,
+                    message: format!(
+                        "{path} page {pages} repeats {} (after {} items)",
+                        id(repeated),
+                        items.len()
+                    ),
+                });
+            }
             // An empty page with has_more would ask for the same page forever; Stripe never
             // sends one.
             let last_page = !page.has_more || page.data.is_empty();
@@ -289,7 +307,18 @@ async fn read_json<T: serde::de::DeserializeOwned>(
     response: reqwest::Response,
 ) -> Result<T, ProviderError> {
     let status = response.status().as_u16();
-    let body = response.bytes().await.map_err(unavailable)?;
+    let body = match read_body(response).await {
+        Ok(body) => body,
+        Err(BodyError::Transport(error)) => return Err(unavailable(error)),
+        Err(BodyError::TooLarge) => {
+            return Err(ProviderError::Rejected {
+                status,
+                error_type: "response_too_large".into(),
+                code: None,
+                message: format!("the response body exceeds {MAX_RESPONSE_BYTES} bytes"),
+            });
+        }
+    };
     if !(200..300).contains(&status) {
         return Err(classify(status, &body));
     }

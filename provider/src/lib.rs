@@ -196,6 +196,36 @@ pub(crate) fn is_unavailable(status: u16) -> bool {
     matches!(status, 409 | 429 | 500..=599)
 }
 
+/// The largest response body read from the provider. Stripe's largest answer here, a page of
+/// 100 PaymentIntents with expanded charges, is a few hundred kilobytes; anything beyond this is
+/// not Stripe and is not read into memory.
+pub const MAX_RESPONSE_BYTES: usize = 4 * 1024 * 1024;
+
+/// Why a response body was not read.
+#[derive(Debug)]
+pub(crate) enum BodyError {
+    Transport(reqwest::Error),
+    TooLarge,
+}
+
+/// The response's body, read chunk by chunk up to [`MAX_RESPONSE_BYTES`].
+pub(crate) async fn read_body(mut response: reqwest::Response) -> Result<Vec<u8>, BodyError> {
+    if response
+        .content_length()
+        .is_some_and(|length| length > MAX_RESPONSE_BYTES as u64)
+    {
+        return Err(BodyError::TooLarge);
+    }
+    let mut body = Vec::new();
+    while let Some(chunk) = response.chunk().await.map_err(BodyError::Transport)? {
+        if body.len() + chunk.len() > MAX_RESPONSE_BYTES {
+            return Err(BodyError::TooLarge);
+        }
+        body.extend_from_slice(&chunk);
+    }
+    Ok(body)
+}
+
 /// Why a request got no answer.
 pub(crate) fn transport_reason(error: &reqwest::Error) -> &'static str {
     if error.is_timeout() {

@@ -29,10 +29,13 @@ pub enum FindingKind {
     /// A ride records a PaymentIntent whose charge was (partly) refunded: the ride still counts
     /// as paid.
     RefundedCharge,
+    /// A PaymentIntent whose id, currency or status is longer than the findings' columns allow:
+    /// recorded with its values cut to fit, compared no further.
+    OversizedValue,
 }
 
 impl FindingKind {
-    pub const ALL: [FindingKind; 7] = [
+    pub const ALL: [FindingKind; 8] = [
         FindingKind::UnrecordedCharge,
         FindingKind::UnknownRide,
         FindingKind::MissingCharge,
@@ -40,6 +43,7 @@ impl FindingKind {
         FindingKind::AmountMismatch,
         FindingKind::CurrencyMismatch,
         FindingKind::RefundedCharge,
+        FindingKind::OversizedValue,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -51,6 +55,7 @@ impl FindingKind {
             FindingKind::AmountMismatch => "amount_mismatch",
             FindingKind::CurrencyMismatch => "currency_mismatch",
             FindingKind::RefundedCharge => "refunded_charge",
+            FindingKind::OversizedValue => "oversized_value",
         }
     }
 
@@ -66,7 +71,8 @@ impl FindingKind {
             | FindingKind::ChargeNotSucceeded
             | FindingKind::AmountMismatch
             | FindingKind::CurrencyMismatch
-            | FindingKind::RefundedCharge => false,
+            | FindingKind::RefundedCharge
+            | FindingKind::OversizedValue => false,
         }
     }
 }

@@ -81,6 +81,21 @@ diesel::table! {
 }
 
 diesel::table! {
+    refund_audits (id) {
+        id -> Int8,
+        finding_id -> Int8,
+        payment_intent_id -> Text,
+        refund_id -> Text,
+        amount -> Int8,
+        currency -> Text,
+        reason -> Text,
+        requested_by -> Text,
+        deployment_id -> Text,
+        refunded_at -> Timestamptz,
+    }
+}
+
+diesel::table! {
     rides (id) {
         id -> Int8,
         created_at -> Timestamptz,
@@ -148,6 +163,7 @@ diesel::joinable!(rides -> idempotency_keys (idempotency_key_id));
 diesel::joinable!(rides -> users (user_id));
 diesel::joinable!(sent_receipts -> rides (ride_id));
 diesel::joinable!(receipt_claims -> rides (ride_id));
+diesel::joinable!(refund_audits -> reconciliation_findings (finding_id));
 
 diesel::allow_tables_to_appear_in_same_query!(
     audit_records,
@@ -156,6 +172,7 @@ diesel::allow_tables_to_appear_in_same_query!(
     receipt_claims,
     reconciler_watermarks,
     reconciliation_findings,
+    refund_audits,
     rides,
     sent_receipts,
     staged_jobs,

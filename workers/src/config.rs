@@ -111,6 +111,12 @@ pub struct ReconcilerConfig {
     pub max_window: Duration,
     /// Pause between passes of the loop.
     pub interval: Duration,
+    /// `--refund` refunds at most this many findings per pass (`RECONCILER_REFUND_MAX_FINDINGS`);
+    /// the rest wait for the next pass or an operator's `findings refund`.
+    pub refund_max_findings: u32,
+    /// ... and at most this much money per pass, in the currencies' smallest units summed
+    /// (`RECONCILER_REFUND_MAX_AMOUNT`).
+    pub refund_max_amount: i64,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -270,6 +276,8 @@ impl Config {
                         .saturating_mul(3600),
                 ),
                 interval: vars.secs("RECONCILER_INTERVAL_SECS", 3600)?,
+                refund_max_findings: vars.positive("RECONCILER_REFUND_MAX_FINDINGS", 5)?,
+                refund_max_amount: vars.positive("RECONCILER_REFUND_MAX_AMOUNT", 10_000)?,
             },
         })
     }

@@ -46,8 +46,9 @@ struct Once {
 struct ReconcilerArgs {
     #[command(flatten)]
     once: Once,
-    /// Also refund the charge of every open unrecorded_charge and unknown_ride finding (once
-    /// each, re-checked under locks). Never done without this flag.
+    /// Also refund the charges of open unrecorded_charge findings, each proven ours again under
+    /// locks, up to RECONCILER_REFUND_MAX_FINDINGS and RECONCILER_REFUND_MAX_AMOUNT per pass
+    /// (docs/money-safety.md). Never done without this flag.
     #[arg(long)]
     refund: bool,
 }

@@ -99,7 +99,7 @@ pub async fn resolve(
             if finding.kind.is_refundable() {
                 report.warnings.push(format!(
                     "this is money taken that no ride stands for; resolving it does not refund it \
-                     (`workers admin findings refund {id} --yes` does)"
+                     (`workers admin findings refund {id} --operator <name> --yes` does)"
                 ));
             }
             let mut resolved = Change::update(
@@ -198,6 +198,12 @@ pub fn describe(f: &ReconciliationFinding) -> String {
         FindingKind::CurrencyMismatch => {
             format!("ride {ride} is in {recorded} but {pi} charged {provider}")
         }
+        FindingKind::OversizedValue => format!(
+            "the provider listed a PaymentIntent whose id, currency or status is longer than \
+             this service stores (shown cut to fit: {pi}, status {}); compared no further: \
+             look it up at the provider",
+            f.provider_status.as_deref().unwrap_or("-")
+        ),
         FindingKind::RefundedCharge => format!(
             "ride {ride} records {pi} as its payment, but the charge was refunded; the ride \
              still counts as paid"
@@ -279,7 +285,7 @@ impl FindingReport {
         if self.refundable {
             let _ = writeln!(
                 out,
-                "Money taken that no ride stands for: `workers admin findings refund {} --yes` \
+                "Money taken that no ride stands for: `workers admin findings refund {} --operator <name> --yes` \
                  refunds it (once), or resolve it with a note.",
                 f.id
             );

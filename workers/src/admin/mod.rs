@@ -368,11 +368,16 @@ pub enum FindingsCommand {
         #[command(flatten)]
         commit: CommitArgs,
     },
-    /// Refunds the charge of an unrecorded_charge or unknown_ride finding at the provider (once,
-    /// however often it is run) and resolves the finding.
+    /// Refunds the charge of an unrecorded_charge finding at the provider (once, however often
+    /// it is run), once it is proven ours again, and resolves the finding; the refund is audited
+    /// (`refund_audits`) with who approved it. Not subject to the reconciler's per-pass caps: each
+    /// is one person's approval.
     Refund {
         /// The finding's id.
         id: i64,
+        /// Who approves this refund (recorded in the audit as `operator:<name>`).
+        #[arg(long)]
+        operator: String,
         #[command(flatten)]
         commit: CommitArgs,
     },
@@ -668,14 +673,26 @@ async fn dispatch(
         AdminCommand::Findings(FindingsCommand::Resolve { id, note, commit }) => {
             Output::Change(findings::resolve(pool, id, &note, commit.mode()).await?)
         }
-        AdminCommand::Findings(FindingsCommand::Refund { id, commit }) => {
+        AdminCommand::Findings(FindingsCommand::Refund {
+            id,
+            operator,
+            commit,
+        }) => {
+            let requester = crate::reconciler::refund::RefundRequester::operator(&operator)?;
             let stripe = provider::StripeClient::new(stripe).map_err(|error| {
                 AdminError::Internal(format!(
                     "cannot build the payment provider's client: {error}"
                 ))
             })?;
             Output::Change(
-                crate::reconciler::refund::refund_finding(pool, &stripe, id, commit.mode()).await?,
+                crate::reconciler::refund::refund_finding(
+                    pool,
+                    &stripe,
+                    id,
+                    commit.mode(),
+                    &requester,
+                )
+                .await?,
             )
         }
     })

@@ -3,6 +3,9 @@
 //! *yet*. Pure: no I/O, so each rule is tested on its own (below) besides the end-to-end tests.
 //!
 //! The rules (docs/workers.md, "Reconciler"):
+//! - A PaymentIntent whose id, currency or status is longer than the findings' columns allow is
+//!   an `oversized_value` finding (its values cut to fit) and is compared no further: one odd
+//!   object must not fail every pass on the insert.
 //! - A PaymentIntent a ride records (matched by id) must be `succeeded`, of the ride's amount and
 //!   currency, and not refunded (its expanded charge's `amount_refunded` is 0): otherwise
 //!   `charge_not_succeeded`, `amount_mismatch`, `currency_mismatch`, `refunded_charge` (the ride
@@ -130,6 +133,10 @@ pub fn classify(ledger: &Ledger) -> Classified {
         if !seen.insert(intent.id.as_str()) {
             continue;
         }
+        if let Some(oversized) = oversized(intent) {
+            out.findings.push(oversized);
+            continue;
+        }
         match by_charge.get(intent.id.as_str()) {
             Some(ride) => compare(ride, intent, &mut out),
             None => unrecorded(ledger, &by_key, intent, &mut out),
@@ -155,6 +162,39 @@ pub fn classify(ledger: &Ledger) -> Classified {
         }
     }
     out
+}
+
+/// The bounds of `reconciliation_findings`' provider columns (its CHECK constraints).
+const MAX_ID: usize = 255;
+const MAX_CURRENCY: usize = 16;
+const MAX_STATUS: usize = 64;
+
+/// An `oversized_value` finding for a PaymentIntent with a value longer than its column, with
+/// every value cut to fit (an id cut short ends in `…` and its full length in characters).
+fn oversized(intent: &ListedIntent) -> Option<NewReconciliationFinding> {
+    let chars = |value: &str| value.chars().count();
+    if chars(&intent.id) <= MAX_ID
+        && chars(&intent.currency) <= MAX_CURRENCY
+        && chars(&intent.status) <= MAX_STATUS
+    {
+        return None;
+    }
+    let cut = |value: &str, max: usize| value.chars().take(max).collect::<String>();
+    let id = if chars(&intent.id) <= MAX_ID {
+        intent.id.clone()
+    } else {
+        let suffix = format!("…({} chars)", chars(&intent.id));
+        format!("{}{suffix}", cut(&intent.id, MAX_ID - chars(&suffix)))
+    };
+    tracing::warn!(
+        payment_intent = %id,
+        "reconciler: a PaymentIntent has values longer than the findings can hold"
+    );
+    let mut new = finding(FindingKind::OversizedValue, &id, None, None);
+    new.provider_amount = Some(intent.amount);
+    new.provider_currency = Some(cut(&intent.currency, MAX_CURRENCY));
+    new.provider_status = Some(cut(&intent.status, MAX_STATUS));
+    Some(new)
 }
 
 /// A ride and the PaymentIntent it records.
@@ -520,6 +560,34 @@ mod tests {
         assert_eq!(kinds(&out), [FindingKind::RefundedCharge]);
         assert!(!FindingKind::RefundedCharge.is_refundable());
         assert_eq!(out.matched, 0);
+    }
+
+    #[test]
+    fn over_long_values_make_a_finding_of_their_own_cut_to_fit() {
+        let mut long_id = intent(&"p".repeat(300), Some(1), Some(10));
+        long_id.status = "s".repeat(70);
+        let mut long_currency = intent("pi_c", Some(1), Some(10));
+        long_currency.currency = "c".repeat(17);
+        let out = classify(&ledger(
+            vec![long_id, long_currency, intent("pi_ok", Some(1), Some(10))],
+            vec![ride(1, Some(10), Some("pi_ok"))],
+        ));
+        assert_eq!(
+            kinds(&out),
+            [FindingKind::OversizedValue, FindingKind::OversizedValue]
+        );
+        let id = &out.findings[0].payment_intent_id;
+        assert_eq!(id.chars().count(), MAX_ID);
+        assert!(id.ends_with("…(300 chars)"), "{id}");
+        assert_eq!(
+            out.findings[0].provider_status.as_deref().map(str::len),
+            Some(MAX_STATUS)
+        );
+        assert_eq!(
+            out.findings[1].provider_currency.as_deref().map(str::len),
+            Some(MAX_CURRENCY)
+        );
+        assert_eq!(out.matched, 1, "the rest of the window is still compared");
     }
 
     #[test]

@@ -79,6 +79,9 @@ pub struct ReconcileSummary {
     /// With `--refund`: findings refunded, and ones whose refund was refused or failed.
     pub refunded: u64,
     pub refunds_failed: u64,
+    /// With `--refund`: refundable findings left for the next pass (or an operator's
+    /// `findings refund`) because this pass reached its caps.
+    pub refunds_deferred: u64,
 }
 
 pub struct Reconciler {
@@ -161,15 +164,18 @@ impl Reconciler {
                     new_findings,
                     refunded: 0,
                     refunds_failed: 0,
+                    refunds_deferred: 0,
                 })
             })
             .await
     }
 
-    /// Refunds every open finding of a refundable kind, each through the guarded procedure of
-    /// [`refund::refund_finding`] (which re-checks it under locks and may refuse).
+    /// Refunds the open findings of a refundable kind, oldest first, each through the guarded
+    /// procedure of [`refund::refund_finding`] (which proves the charge ours again under locks
+    /// and may refuse), until the pass's caps: `refund_max_findings` refunds and
+    /// `refund_max_amount` in total. The rest wait for the next pass, or for an operator.
     async fn refund_open(&self, summary: &mut ReconcileSummary) -> Result<(), ReconcileError> {
-        let open: Vec<i64> = {
+        let open: Vec<(i64, Option<i64>)> = {
             let mut conn = self.pool.get().await?;
             reconciliation_findings::table
                 .filter(reconciliation_findings::resolved_at.is_null())
@@ -182,13 +188,35 @@ impl Reconciler {
                     ),
                 )
                 .order(reconciliation_findings::id)
-                .select(reconciliation_findings::id)
+                .select((
+                    reconciliation_findings::id,
+                    reconciliation_findings::provider_amount,
+                ))
                 .load(&mut conn)
                 .await?
         };
-        for id in open {
-            match refund::refund_finding(&self.pool, &self.stripe, id, Mode::Apply).await {
-                Ok(_) => summary.refunded += 1,
+        let (mut count, mut amount) = (0_u32, 0_i64);
+        for (id, finding_amount) in open {
+            // A refundable finding always has the provider's amount; one without is not
+            // refunded in bulk.
+            let within = finding_amount.is_some_and(|finding_amount| {
+                count < self.config.refund_max_findings
+                    && finding_amount > 0
+                    && amount.saturating_add(finding_amount) <= self.config.refund_max_amount
+            });
+            if !within {
+                summary.refunds_deferred += 1;
+                continue;
+            }
+            let requester = refund::RefundRequester::Reconciler;
+            match refund::refund_finding(&self.pool, &self.stripe, id, Mode::Apply, &requester)
+                .await
+            {
+                Ok(_) => {
+                    summary.refunded += 1;
+                    count += 1;
+                    amount = amount.saturating_add(finding_amount.unwrap_or_default());
+                }
                 Err(error) => {
                     summary.refunds_failed += 1;
                     tracing::warn!(
@@ -199,6 +227,15 @@ impl Reconciler {
                     );
                 }
             }
+        }
+        if summary.refunds_deferred > 0 {
+            tracing::warn!(
+                deferred = summary.refunds_deferred,
+                max_findings = self.config.refund_max_findings,
+                max_amount = self.config.refund_max_amount,
+                "reconciler: refund caps reached; the rest wait for the next pass or `workers \
+                 admin findings refund <id> --operator <name> --yes`"
+            );
         }
         Ok(())
     }
@@ -244,6 +281,7 @@ impl Passes for ReconcilerPasses<'_> {
         total.new_findings += summary.new_findings;
         total.refunded += summary.refunded;
         total.refunds_failed += summary.refunds_failed;
+        total.refunds_deferred += summary.refunds_deferred;
         tracing::info!(?summary, "reconciler pass");
         Ok(if !summary.skipped && !summary.caught_up {
             Next::Now

@@ -1,6 +1,6 @@
 //! Refunding a finding's charge: money of ours taken that no ride stands for
 //! (`unrecorded_charge`). Never by default: only `workers reconciler --refund` or
-//! `workers admin findings refund <id> --yes` get here, and both go through [`refund_finding`].
+//! `workers admin findings refund <id> --operator <name> --yes` get here, and both go through [`refund_finding`].
 //!
 //! The charge is proven ours again first, with the provider's PaymentIntent as it is now and the
 //! database's key, ride and customer as they are now, by the one ownership rule
@@ -49,12 +49,44 @@ use serde_json::json;
 use super::classify::KeyFacts;
 use crate::admin::{AdminError, Change, ChangeReport, Mode, bound_waits, render};
 
-/// Refunds finding `id`'s charge (`Mode::Apply`), or shows what would be done.
+/// Who or what asked for a refund, as the audit records it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RefundRequester {
+    /// `workers reconciler --refund`, within its caps.
+    Reconciler,
+    /// `workers admin findings refund <id> --operator <name> --yes`: one finding, approved by a
+    /// person.
+    Operator(String),
+}
+
+impl RefundRequester {
+    /// `operator:<name>`; the name is 1 to 100 visible characters.
+    pub fn operator(name: &str) -> Result<RefundRequester, AdminError> {
+        let name = name.trim();
+        if name.is_empty() || name.chars().count() > 100 || name.chars().any(char::is_control) {
+            return Err(AdminError::Invalid(
+                "--operator must be 1 to 100 printable characters: who approves this refund".into(),
+            ));
+        }
+        Ok(RefundRequester::Operator(name.to_owned()))
+    }
+
+    pub fn label(&self) -> String {
+        match self {
+            RefundRequester::Reconciler => "reconciler --refund".to_owned(),
+            RefundRequester::Operator(name) => format!("operator:{name}"),
+        }
+    }
+}
+
+/// Refunds finding `id`'s charge (`Mode::Apply`), or shows what would be done; `requester` is
+/// who asked, for the audit.
 pub async fn refund_finding(
     pool: &Pool,
     stripe: &StripeClient,
     id: i64,
     mode: Mode,
+    requester: &RefundRequester,
 ) -> Result<ChangeReport, AdminError> {
     let mut conn = pool.get().await?;
     let report = crate::admin::change_transaction(&mut conn, mode)
@@ -94,6 +126,33 @@ pub async fn refund_finding(
             }
             let refund = make_refund(stripe, &finding, key.clone()).await?;
             report.changes.push(planned(Some(&refund.id)));
+            let audit = Audit {
+                finding_id: id,
+                payment_intent_id: &finding.payment_intent_id,
+                refund_id: &refund.id,
+                amount: refund.amount,
+                currency: &refund.currency,
+                reason: format!(
+                    "{}: {}",
+                    finding.kind,
+                    crate::admin::findings::describe(&finding)
+                ),
+                requested_by: requester.label(),
+                deployment_id: stripe.deployment_id().as_str(),
+            };
+            audit.record(conn).await?;
+            report.changes.push(Change::insert(
+                "refund_audits",
+                json!({
+                    "finding_id": id,
+                    "payment_intent": finding.payment_intent_id,
+                    "refund_id": refund.id,
+                    "amount": refund.amount,
+                    "currency": refund.currency,
+                    "reason": audit.reason,
+                    "requested_by": audit.requested_by,
+                }),
+            ));
             // The key is final in the same commit that records the refund: a rider's retry
             // replays PAYMENT_REFUNDED instead of resuming it, which would get the same (now
             // refunded) PaymentIntent back from the provider and record it as the ride's payment.
@@ -137,13 +196,53 @@ pub async fn refund_finding(
             Ok(report)
         })
         .await?;
-    if mode.applies() {
-        tracing::warn!(
-            finding_id = id,
-            "reconciler: finding refunded at the provider"
-        );
-    }
     Ok(report)
+}
+
+/// One refund as `refund_audits` records it and the log line says it.
+struct Audit<'a> {
+    finding_id: i64,
+    payment_intent_id: &'a str,
+    refund_id: &'a str,
+    amount: i64,
+    currency: &'a str,
+    reason: String,
+    requested_by: String,
+    deployment_id: &'a str,
+}
+
+impl Audit<'_> {
+    /// The row, in the refund's transaction, and the log line with the same fields (logged
+    /// before the commit: a line without a row means the commit failed, and the next attempt at
+    /// the finding finds the refund by its provider key and records it then).
+    async fn record(&self, conn: &mut AsyncPgConnection) -> Result<(), AdminError> {
+        use schema::schema::refund_audits as audits;
+        tracing::warn!(
+            finding_id = self.finding_id,
+            payment_intent = self.payment_intent_id,
+            refund_id = self.refund_id,
+            amount = self.amount,
+            currency = self.currency,
+            reason = %self.reason,
+            requested_by = %self.requested_by,
+            deployment_id = self.deployment_id,
+            "refund made at the provider"
+        );
+        diesel::insert_into(audits::table)
+            .values((
+                audits::finding_id.eq(self.finding_id),
+                audits::payment_intent_id.eq(self.payment_intent_id),
+                audits::refund_id.eq(self.refund_id),
+                audits::amount.eq(self.amount),
+                audits::currency.eq(self.currency),
+                audits::reason.eq(&self.reason),
+                audits::requested_by.eq(&self.requested_by),
+                audits::deployment_id.eq(self.deployment_id),
+            ))
+            .execute(conn)
+            .await?;
+        Ok(())
+    }
 }
 
 fn resolution_change(id: i64, resolution: &str) -> Change {
@@ -285,6 +384,13 @@ async fn prove_ours(
             "the provider has no PaymentIntent {pi}; nothing is refunded"
         )));
     };
+    // The refund caps count the finding's amount: never refund more than it says.
+    if finding.provider_amount != Some(intent.amount) {
+        return Err(AdminError::Refused(format!(
+            "PaymentIntent {pi} is of {} now, the finding says {:?}: nothing is refunded",
+            intent.amount, finding.provider_amount
+        )));
+    }
     let key_id = ownership::key_id(&intent.metadata);
     let key: Option<(i64, RecoveryPoint)> = match key_id {
         Some(key_id) => {

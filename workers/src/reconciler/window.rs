@@ -144,6 +144,8 @@ mod tests {
             initial_lookback: Duration::from_secs(7 * 86_400),
             max_window: Duration::from_secs(86_400),
             interval: Duration::from_secs(3600),
+            refund_max_findings: 5,
+            refund_max_amount: 10_000,
         }
     }
 

@@ -19,7 +19,10 @@ use serde_json::Value;
 use workers::{
     admin::{AdminError, Mode, findings},
     config::ReconcilerConfig,
-    reconciler::{ReconcileSummary, Reconciler, refund::refund_finding},
+    reconciler::{
+        ReconcileSummary, Reconciler,
+        refund::{RefundRequester, refund_finding},
+    },
 };
 
 fn config(app: &TestApp) -> ReconcilerConfig {
@@ -36,7 +39,13 @@ fn config(app: &TestApp) -> ReconcilerConfig {
         initial_lookback: Duration::from_secs(3600),
         max_window: Duration::from_secs(86_400),
         interval: Duration::from_secs(1),
+        refund_max_findings: 5,
+        refund_max_amount: 10_000,
     }
+}
+
+fn operator() -> RefundRequester {
+    RefundRequester::operator("alice").unwrap()
 }
 
 fn reconciler(app: &TestApp) -> Reconciler {
@@ -274,7 +283,7 @@ async fn a_charge_with_our_marker_that_is_not_provably_ours_is_an_unknown_ride()
     );
     assert_eq!(summary.refunded, 0, "never refunded in bulk");
     let stripe = provider::StripeClient::new(&config(&app).stripe).unwrap();
-    let refused = refund_finding(&app.pool, &stripe, found[0].id, Mode::Apply).await;
+    let refused = refund_finding(&app.pool, &stripe, found[0].id, Mode::Apply, &operator()).await;
     assert!(
         matches!(refused, Err(AdminError::Refused(_))),
         "{refused:?}"
@@ -388,7 +397,7 @@ async fn a_refund_is_made_once_however_often_the_reconciler_runs_and_never_by_de
 
     // Dry run: the plan, nothing at the provider.
     let stripe = provider::StripeClient::new(&config(&app).stripe).unwrap();
-    let plan = refund_finding(&app.pool, &stripe, finding_id, Mode::DryRun)
+    let plan = refund_finding(&app.pool, &stripe, finding_id, Mode::DryRun, &operator())
         .await
         .unwrap();
     assert_eq!(
@@ -410,7 +419,7 @@ async fn a_refund_is_made_once_however_often_the_reconciler_runs_and_never_by_de
         let summary = pass(&app, true).await;
         assert_eq!(summary.refunded, 0, "{summary:?}");
     }
-    let again = refund_finding(&app.pool, &stripe, finding_id, Mode::Apply).await;
+    let again = refund_finding(&app.pool, &stripe, finding_id, Mode::Apply, &operator()).await;
     assert!(matches!(again, Err(AdminError::Refused(_))), "{again:?}");
 
     let refunds = app.stripe.refunds();
@@ -488,10 +497,17 @@ async fn an_already_refunded_charge_is_recorded_only_if_the_refund_names_the_fin
     .await;
 
     let stripe = provider::StripeClient::new(&config(&app).stripe).unwrap();
-    refund_finding(&app.pool, &stripe, our_finding.id, Mode::Apply)
+    refund_finding(&app.pool, &stripe, our_finding.id, Mode::Apply, &operator())
         .await
         .unwrap();
-    let refused = refund_finding(&app.pool, &stripe, their_finding.id, Mode::Apply).await;
+    let refused = refund_finding(
+        &app.pool,
+        &stripe,
+        their_finding.id,
+        Mode::Apply,
+        &operator(),
+    )
+    .await;
     assert!(
         matches!(&refused, Err(AdminError::Provider(error)) if error.code() == Some("charge_already_refunded")),
         "{refused:?}"
@@ -544,7 +560,7 @@ async fn a_refund_is_refused_for_a_recorded_ride_or_a_live_key() {
         .iter()
         .find(|finding| finding.kind == FindingKind::AmountMismatch)
         .unwrap();
-    let refused = refund_finding(&app.pool, &stripe, mismatch.id, Mode::Apply).await;
+    let refused = refund_finding(&app.pool, &stripe, mismatch.id, Mode::Apply, &operator()).await;
     assert!(
         matches!(refused, Err(AdminError::Refused(_))),
         "a ride stands for that charge"
@@ -560,7 +576,7 @@ async fn a_refund_is_refused_for_a_recorded_ride_or_a_live_key() {
         .iter()
         .find(|finding| finding.kind == FindingKind::UnrecordedCharge)
         .unwrap();
-    let refused = refund_finding(&app.pool, &stripe, unrecorded.id, Mode::Apply).await;
+    let refused = refund_finding(&app.pool, &stripe, unrecorded.id, Mode::Apply, &operator()).await;
     assert!(
         matches!(refused, Err(AdminError::Refused(_))),
         "{refused:?}"
@@ -757,7 +773,7 @@ async fn a_finding_an_older_rule_recorded_is_refunded_only_if_proven_ours_now() 
     let id = findings_of(&app).await[0].id;
     let stripe = provider::StripeClient::new(&config(&app).stripe).unwrap();
     for mode in [Mode::DryRun, Mode::Apply] {
-        let refused = refund_finding(&app.pool, &stripe, id, mode).await;
+        let refused = refund_finding(&app.pool, &stripe, id, mode, &operator()).await;
         assert!(
             matches!(&refused, Err(AdminError::Refused(why)) if why.contains("not provably ours")),
             "{refused:?}"
@@ -767,4 +783,113 @@ async fn a_finding_an_older_rule_recorded_is_refunded_only_if_proven_ours_now() 
     assert_eq!((summary.refunded, summary.refunds_failed), (0, 1));
     assert!(app.stripe.refunds().is_empty());
     assert!(findings_of(&app).await[0].resolved_at.is_none());
+}
+
+#[derive(Debug, PartialEq, diesel::QueryableByName)]
+struct AuditRow {
+    #[diesel(sql_type = diesel::sql_types::BigInt)]
+    finding_id: i64,
+    #[diesel(sql_type = diesel::sql_types::Text)]
+    payment_intent_id: String,
+    #[diesel(sql_type = diesel::sql_types::Text)]
+    refund_id: String,
+    #[diesel(sql_type = diesel::sql_types::BigInt)]
+    amount: i64,
+    #[diesel(sql_type = diesel::sql_types::Text)]
+    reason: String,
+    #[diesel(sql_type = diesel::sql_types::Text)]
+    requested_by: String,
+    #[diesel(sql_type = diesel::sql_types::Text)]
+    deployment_id: String,
+}
+
+async fn audits(app: &TestApp) -> Vec<AuditRow> {
+    let mut conn = app.pool.get().await.unwrap();
+    diesel::sql_query(
+        "SELECT finding_id, payment_intent_id, refund_id, amount, reason, requested_by, \
+         deployment_id FROM refund_audits ORDER BY id",
+    )
+    .load(&mut conn)
+    .await
+    .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn refunds_stop_at_the_pass_caps_and_the_rest_wait_for_an_operator_or_the_next_pass() {
+    let app = TestApp::spawn().await;
+    let user = app.create_user(GOOD_CARD).await;
+    for _ in 0..4 {
+        unrecorded_charge(&app, &user).await;
+    }
+    pass(&app, false).await;
+    assert_eq!(findings_of(&app).await.len(), 4);
+    // Two findings per pass, and 5000 in total: the third 2000 would pass the amount cap too.
+    let capped = |max_findings: u32, max_amount: i64| {
+        let mut config = config(&app);
+        config.refund_max_findings = max_findings;
+        config.refund_max_amount = max_amount;
+        Reconciler::new(app.pool.clone(), config).unwrap()
+    };
+    let summary = capped(2, 100_000).run_once(true).await.unwrap();
+    assert_eq!(
+        (summary.refunded, summary.refunds_deferred),
+        (2, 2),
+        "{summary:?}"
+    );
+    assert_eq!(app.stripe.refunds().len(), 2);
+    let summary = capped(10, 3000).run_once(true).await.unwrap();
+    assert_eq!(
+        (summary.refunded, summary.refunds_deferred),
+        (1, 1),
+        "{summary:?}"
+    );
+    assert_eq!(app.stripe.refunds().len(), 3);
+
+    // The last one, approved by a person: not subject to the pass's caps.
+    let open = findings::list(&app.pool, false, 10).await.unwrap();
+    assert_eq!(open.total, 1);
+    let stripe = provider::StripeClient::new(&config(&app).stripe).unwrap();
+    refund_finding(
+        &app.pool,
+        &stripe,
+        open.findings[0].id,
+        Mode::Apply,
+        &operator(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(app.stripe.refunds().len(), 4);
+
+    // Every refund audited, once, with who asked.
+    let audits = audits(&app).await;
+    assert_eq!(audits.len(), 4);
+    let by: Vec<&str> = audits.iter().map(|a| a.requested_by.as_str()).collect();
+    assert_eq!(
+        by,
+        [
+            "reconciler --refund",
+            "reconciler --refund",
+            "reconciler --refund",
+            "operator:alice"
+        ]
+    );
+    for (audit, refund) in audits.iter().zip(app.stripe.refunds()) {
+        assert_eq!(audit.refund_id, refund.id);
+        assert_eq!(audit.payment_intent_id, refund.payment_intent);
+        assert_eq!(audit.amount, refund.amount);
+        assert_eq!(audit.deployment_id, "dev");
+        assert!(
+            audit.reason.starts_with("unrecorded_charge: "),
+            "{}",
+            audit.reason
+        );
+        let finding = findings_of(&app)
+            .await
+            .into_iter()
+            .find(|f| f.id == audit.finding_id)
+            .unwrap();
+        assert_eq!(finding.refund_id.as_deref(), Some(refund.id.as_str()));
+    }
+    assert!(RefundRequester::operator(" ").is_err());
+    assert!(RefundRequester::operator(&"x".repeat(101)).is_err());
 }
