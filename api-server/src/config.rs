@@ -201,7 +201,9 @@ impl Config {
                 max_connections: vars.parse("GRPC_MAX_CONNECTIONS", 10_000)?,
                 max_connections_per_ip: vars.parse("GRPC_MAX_CONNECTIONS_PER_IP", 256)?,
                 refusals_per_ip: {
-                    let per_sec = vars.parse("GRPC_REFUSALS_PER_IP_PER_SEC", 50.0)?;
+                    // Only failed authentications count, and an address that presented a valid
+                    // credential is never shut out: 40 in 4 s is no legitimate client.
+                    let per_sec = vars.parse("GRPC_REFUSALS_PER_IP_PER_SEC", 10.0)?;
                     Rate {
                         per_sec,
                         burst: (per_sec * REFUSAL_BURST_SECS).max(1.0),
@@ -550,8 +552,8 @@ mod tests {
         assert_eq!(
             transport.refusals_per_ip,
             Rate {
-                per_sec: 50.0,
-                burst: 200.0
+                per_sec: 10.0,
+                burst: 40.0
             }
         );
         assert_eq!(transport.refusal_cooldown, Duration::from_secs(10));

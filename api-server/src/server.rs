@@ -23,9 +23,15 @@ pub const MAX_REQUEST_BYTES: usize = 16 * 1024;
 /// HTTP/2 flow-control window of each request stream: the largest request and its gRPC frame
 /// header, rounded up to twice the cap.
 const STREAM_WINDOW_BYTES: u32 = 2 * MAX_REQUEST_BYTES as u32;
-/// Streams a peer may open and reset at once before the connection is closed (h2's own default,
-/// which tonic turns off): the "rapid reset" flood.
-const MAX_PENDING_ACCEPT_RESET_STREAMS: usize = 20;
+/// Streams a peer may have reset before the server accepted them, at once, before the connection
+/// is closed with GOAWAY: the "rapid reset" flood (tonic turns h2's default of 20 off). At least
+/// the stream cap: a backend whose calls' deadlines all expire while the server is slow resets
+/// every stream it has open, and 20 would close its connection with every rider's call on it.
+fn max_pending_accept_reset_streams(max_concurrent_streams: u32) -> usize {
+    usize::try_from(max_concurrent_streams)
+        .unwrap_or(usize::MAX)
+        .max(20)
+}
 /// Largest metadata (all headers of one call) accepted. A call carries a token, a key of at most
 /// 255 characters and a trace context: a few hundred bytes.
 pub const MAX_METADATA_BYTES: u32 = 16 * 1024;
@@ -114,7 +120,9 @@ pub async fn serve(
         .http2_keepalive_interval(Some(transport.keepalive_interval))
         .http2_keepalive_timeout(Some(transport.keepalive_timeout))
         .http2_max_local_error_reset_streams(Some(transport.max_local_error_reset_streams))
-        .http2_max_pending_accept_reset_streams(Some(MAX_PENDING_ACCEPT_RESET_STREAMS))
+        .http2_max_pending_accept_reset_streams(Some(max_pending_accept_reset_streams(
+            transport.max_concurrent_streams,
+        )))
         // GOAWAY at the age; the grace is enforced by the listener (`listener::Conn`).
         .max_connection_age(transport.max_connection_age)
         .timeout(transport.request_timeout)
