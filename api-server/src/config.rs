@@ -1,5 +1,5 @@
 //! Configuration, read once from the environment at start-up into typed structs. Every variable
-//! is documented with its default in the README's configuration table.
+//! is documented with its default in docs/configuration.md.
 
 use std::{fmt, net::SocketAddr, path::PathBuf, str::FromStr, time::Duration};
 

@@ -289,7 +289,7 @@ impl TestApp {
 
     /// Runs the key `lease` holds to `point` phase by phase, as this server's attempts do
     /// (`Rides::step`), except that `charge_created`, which this server's attempts go past in one
-    /// commit, is reached as a server before run 24 of docs/performance.md left a key there: the
+    /// commit, is reached as a server before run 24 of docs/history/performance.md left a key there: the
     /// ride charged at the provider (the request this server would make, under the same
     /// idempotency key) and the charge recorded, with no receipt staged yet.
     pub async fn step_to(&self, lease: &mut Lease, request: &RideRequest, point: RecoveryPoint) {

@@ -930,7 +930,7 @@ async fn shutdown_lets_an_in_flight_request_finish() {
 }
 
 /// The campaign's PostgreSQL crash found this, when the charge's record committed without waiting
-/// for the flush (until run 24 of docs/performance.md): a crash could take it away while the
+/// for the flush (until run 24 of docs/history/performance.md): a crash could take it away while the
 /// attempt that made it went on. A key an older server left at `charge_created` can still meet it.
 /// The next phase must then write nothing (no receipt, no outcome for a ride whose charge is not
 /// recorded), and the retry must resume at `ride_created` and record the first charge, which the

@@ -17,7 +17,7 @@
 //! | `charge_created` → `finished` (a key an older server left at `charge_created`) | the answer |
 //! | → `finished` with a decline, or by an operator | the answer |
 //!
-//! Until run 24 of docs/performance.md the charge's record was a commit of its own, made without
+//! Until run 24 of docs/history/performance.md the charge's record was a commit of its own, made without
 //! waiting for the flush (nothing outside the database followed it before the receipt's flushed
 //! commit); merged with the receipt's, it has nothing left to save. A claim that only reads
 //! (a replay, a mismatch) writes no WAL and waits for nothing.

@@ -1,4 +1,4 @@
-//! The request and response metadata (HTTP/2 headers) of the `rides.v1` API, as the README's
+//! The request and response metadata (HTTP/2 headers) of the `rides.v1` API, as docs/errors.md's
 //! contract names them: one definition for the server that reads and writes them and the clients
 //! that send and read them.
 

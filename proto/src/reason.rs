@@ -1,5 +1,5 @@
 //! The `google.rpc.ErrorInfo` of every error the api-server returns: its domain and the reasons
-//! (the README's table). Clients branch on the reason, not the message, so these strings are part
+//! (the table in docs/errors.md). Clients branch on the reason, not the message, so these strings are part
 //! of the wire contract; the server builds its statuses from them and `rides-client` parses them,
 //! both from this one definition.
 

@@ -1,4 +1,4 @@
-//! Typed errors: one [`RidesError`] variant per `ErrorInfo` reason of the README's table, plus
+//! Typed errors: one [`RidesError`] variant per `ErrorInfo` reason of the table in docs/errors.md, plus
 //! what happens below the API (a transport failure, an attempt that timed out, the call's
 //! deadline) and what a caller can get wrong before anything is sent. [`RidesError::is_retryable`]
 //! is the table's "retry?" column. A whole call's failure is a [`CallError`]: the last error with
@@ -96,7 +96,7 @@ pub enum RidesError {
 }
 
 impl RidesError {
-    /// Whether trying again with the same key may succeed: the README's "retry?" column, and for
+    /// Whether trying again with the same key may succeed: docs/errors.md's "retry?" column, and for
     /// what the table does not cover, whether the request may have gone unanswered (transport,
     /// timeouts) or the server said so by its code (`UNAVAILABLE`, `ABORTED`, as the service
     /// config for other languages retries). After [`RidesError::DeadlineExceeded`] the call is

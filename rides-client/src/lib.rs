@@ -6,7 +6,7 @@
 //!   once; [`RidesClient::create_ride_with_key`] takes the caller's key (to resume a request, or
 //!   the completer finishing someone else's).
 //! - **Retries only what is safe to retry**: [`RidesError`] has one variant per `ErrorInfo`
-//!   reason of the README's table and [`RidesError::is_retryable`] is its "retry?" column;
+//!   reason of the table in docs/errors.md and [`RidesError::is_retryable`] is its "retry?" column;
 //!   transport failures, where the request may or may not have arrived, are retried with the
 //!   same key, which is what the key is for.
 //! - **Back-off** ([`RetryPolicy`]): exponential with full jitter, never shorter than the

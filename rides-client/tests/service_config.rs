@@ -1,4 +1,4 @@
-//! `proto/service_config.json` is what callers in other languages load (README, "Calling from
+//! `proto/service_config.json` is what callers in other languages load (docs/errors.md, "Calling from
 //! other languages"): it must parse, name both methods, retry exactly `UNAVAILABLE` and `ABORTED`,
 //! and carry the numbers of the Rust client's default policy.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]

@@ -1,5 +1,5 @@
 //! Every error this API returns, with its `google.rpc.ErrorInfo` reason. Clients branch on the
-//! reason, so the reasons are part of the contract (listed in the README).
+//! reason, so the reasons are part of the contract (listed in docs/errors.md).
 
 use std::{collections::HashMap, time::Duration};
 

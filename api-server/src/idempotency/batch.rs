@@ -4,7 +4,7 @@
 //! every relation and index the statement touches, and for a write the commit and its WAL flush)
 //! that is several times the price of one more row. On this project's 2-core machine eight claims
 //! in one statement cost the database about a quarter of what eight statements cost
-//! (`docs/performance.md`, run 6). So the claim (`super::claim`) and the three write phases of
+//! (`docs/history/performance.md`, run 6). So the claim (`super::claim`) and the three write phases of
 //! CreateRide (one file each under `crate::rides`) each have a [`Batcher`] that sends whatever requests are
 //! waiting as one statement over arrays, one element per request.
 //!
@@ -57,7 +57,7 @@ impl Default for Batching {
     /// fewer replays than two (session 4), and once the claim and the charge's phase stopped
     /// waiting for the WAL flush, one in flight served 2,124–2,168 new rides/s at 64 clients
     /// against 1,811–1,870 with two and 1,203–1,383 with three or four, at 0.37–0.45 ms of
-    /// database CPU per ride instead of 0.51–0.59 (`docs/performance.md`, run 20).
+    /// database CPU per ride instead of 0.51–0.59 (`docs/history/performance.md`, run 20).
     fn default() -> Self {
         Batching {
             max_size: 32,

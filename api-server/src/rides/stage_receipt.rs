@@ -3,7 +3,7 @@
 //! [`StageReceiptBatch`] for several requests): the receipt is committed with the ride's outcome
 //! or not at all, and the enqueuer publishes it after the commit.
 //!
-//! Since run 24 of docs/performance.md a fresh key never stops at `charge_created`: the statement
+//! Since run 24 of docs/history/performance.md a fresh key never stops at `charge_created`: the statement
 //! that records its charge stages its receipt and finishes it too (`record_charge`, which shares
 //! [`Receipt`] and the SQL below). This phase runs on its own only for a key an older server left
 //! at `charge_created`.
