@@ -179,6 +179,16 @@ impl TestApp {
             .await
     }
 
+    /// One CreateRide attempt whose provider call fails before any charge (a 500): the key is
+    /// left at `ride_created`, unlocked, with its ride and no PaymentIntent.
+    pub async fn fail_at_the_provider(&self, user: &TestUser, key: &str) -> Status {
+        self.stripe
+            .inject_faults(fake_stripe::FaultMode::Error500, 1);
+        self.create_ride(user, key, ride_request())
+            .await
+            .unwrap_err()
+    }
+
     /// Shuts the server down gracefully and waits for it to drain.
     pub async fn shutdown(&mut self) {
         self.begin_shutdown();

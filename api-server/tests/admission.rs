@@ -134,17 +134,7 @@ async fn a_full_lookup_queue_refuses_with_retry_info_and_writes_nothing() {
         app.create_user(GOOD_CARD).await,
     );
     // The users table locked: the first cold call's lookup holds the only place and waits.
-    let mut locker = diesel_async::AsyncPgConnection::establish(app.db.url())
-        .await
-        .unwrap();
-    diesel::sql_query("BEGIN")
-        .execute(&mut locker)
-        .await
-        .unwrap();
-    diesel::sql_query("LOCK TABLE users IN ACCESS EXCLUSIVE MODE")
-        .execute(&mut locker)
-        .await
-        .unwrap();
+    let mut locker = lock_users(&app).await;
     let client = RideServiceClient::new(app.channel().await);
     let held = {
         let mut client = client.clone();
@@ -184,6 +174,66 @@ async fn a_full_lookup_queue_refuses_with_retry_info_and_writes_nothing() {
     ok(held.await.unwrap());
     // A busy queue is the server's state, not the peer's fault: the next call is served.
     ok(client.clone().create_ride(create(&second.token)).await);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn concurrent_calls_with_one_cold_token_share_one_lookup() {
+    // One lookup place and no queue: only a shared lookup lets more than one cold call through.
+    let app = spawn(
+        fake_stripe::Config::default(),
+        &[
+            ("MAX_CONCURRENT_TOKEN_LOOKUPS", "1"),
+            ("TOKEN_LOOKUP_QUEUE_SIZE", "0"),
+        ],
+    )
+    .await;
+    let (rider, other) = (
+        app.create_user(GOOD_CARD).await,
+        app.create_user(GOOD_CARD).await,
+    );
+    let mut locker = lock_users(&app).await;
+    let client = RideServiceClient::new(app.channel().await);
+    let calls: Vec<_> = (0..5)
+        .map(|_| {
+            let mut client = client.clone();
+            let token = rider.token.clone();
+            tokio::spawn(async move { client.create_ride(create(&token)).await })
+        })
+        .collect();
+    wait_for_lock_waiters(&app, 1).await;
+    // Give the other four time to join the lookup in flight.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Another cold token finds the one place taken and no queue: refused at once.
+    let refused = client
+        .clone()
+        .create_ride(create(&other.token))
+        .await
+        .unwrap_err();
+    assert_status(&refused, Code::ResourceExhausted, reason::RATE_LIMITED);
+    diesel::sql_query("COMMIT")
+        .execute(&mut locker)
+        .await
+        .unwrap();
+    for call in calls {
+        ok(call.await.unwrap());
+    }
+    assert_eq!(app.rides().await.len(), 5);
+}
+
+/// A connection holding the users table locked until it sends COMMIT: every token lookup waits.
+async fn lock_users(app: &TestApp) -> diesel_async::AsyncPgConnection {
+    let mut locker = diesel_async::AsyncPgConnection::establish(app.db.url())
+        .await
+        .unwrap();
+    diesel::sql_query("BEGIN")
+        .execute(&mut locker)
+        .await
+        .unwrap();
+    diesel::sql_query("LOCK TABLE users IN ACCESS EXCLUSIVE MODE")
+        .execute(&mut locker)
+        .await
+        .unwrap();
+    locker
 }
 
 /// Waits until `n` sessions of the test's database wait on a lock.

@@ -575,10 +575,7 @@ async fn a_ride_past_the_window_with_no_earlier_charge_is_charged_once() {
     let user = app.create_user(GOOD_CARD).await;
     let key = new_key();
     // The first attempt never reached the provider's charge logic.
-    app.stripe.inject_faults(FaultMode::Error500, 1);
-    app.create_ride(&user, &key, ride_request())
-        .await
-        .unwrap_err();
+    app.fail_at_the_provider(&user, &key).await;
     tokio::time::sleep(Duration::from_millis(1200)).await;
 
     let ride = app

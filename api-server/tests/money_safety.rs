@@ -111,10 +111,7 @@ async fn a_key_from_before_deployment_ids_keeps_its_old_provider_key_on_retry() 
     let user = app.create_user(GOOD_CARD).await;
     let key = new_key();
     // A first attempt that never reached the provider leaves the key at ride_created, unlocked.
-    app.stripe.inject_faults(FaultMode::Error500, 1);
-    app.create_ride(&user, &key, ride_request())
-        .await
-        .unwrap_err();
+    app.fail_at_the_provider(&user, &key).await;
     let row = app.key_row(&user, &key).await.unwrap();
     assert_eq!(row.recovery_point, RecoveryPoint::RideCreated);
     // Made a ride of an older server (the migration leaves such rows without a deployment id),
@@ -158,10 +155,7 @@ async fn a_key_of_another_deployment_is_never_charged() {
     let app = TestApp::spawn().await;
     let user = app.create_user(GOOD_CARD).await;
     let key = new_key();
-    app.stripe.inject_faults(FaultMode::Error500, 1);
-    app.create_ride(&user, &key, ride_request())
-        .await
-        .unwrap_err();
+    app.fail_at_the_provider(&user, &key).await;
     // As if the database were restored from another deployment's backup.
     sql(&app, "UPDATE rides SET deployment_id = 'prod'").await;
     let status = app
@@ -180,10 +174,7 @@ async fn the_charge_search_records_only_a_charge_proven_ours() {
     let app = TestApp::spawn_with_a_short_provider_key_window().await;
     let user = app.create_user(GOOD_CARD).await;
     let key = new_key();
-    app.stripe.inject_faults(FaultMode::Error500, 1);
-    app.create_ride(&user, &key, ride_request())
-        .await
-        .unwrap_err();
+    app.fail_at_the_provider(&user, &key).await;
     let row = app.key_row(&user, &key).await.unwrap();
     let ride_id = app.rides().await[0].id;
     let customer = customer_of(&app, &user).await;

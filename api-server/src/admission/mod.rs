@@ -22,7 +22,7 @@ pub mod peer;
 pub mod proxy_protocol;
 pub mod shares;
 
-use std::{net::IpAddr, sync::Arc};
+use std::sync::Arc;
 
 use schema::Pool;
 
@@ -155,14 +155,6 @@ impl Admission {
         metadata: &tonic::metadata::MetadataMap,
     ) -> Option<PeerKey> {
         peer.key(&self.trusted_proxies, metadata)
-    }
-
-    pub fn client_ip(
-        &self,
-        peer: &PeerInfo,
-        metadata: &tonic::metadata::MetadataMap,
-    ) -> Option<IpAddr> {
-        peer.client_ip(&self.trusted_proxies, metadata)
     }
 
     /// If a call's client address is shut out, for how long (a client a trusted proxy names:

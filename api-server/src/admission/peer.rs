@@ -137,10 +137,10 @@ impl PeerInfo {
         )
     }
 
-    /// The client address recorded with a ride: the relayed client's when a trusted proxy named
-    /// one, else the TCP peer's.
-    pub fn client_ip(&self, trusted: &TrustedProxies, metadata: &MetadataMap) -> Option<IpAddr> {
-        match self.key(trusted, metadata) {
+    /// The client address recorded with a ride, given the call's [`PeerInfo::key`]: the relayed
+    /// client's when a trusted proxy named one, else the TCP peer's.
+    pub fn client_ip(&self, key: Option<PeerKey>) -> Option<IpAddr> {
+        match key {
             Some(PeerKey::Address(ip)) => Some(ip),
             _ => self.remote.map(|remote| canonical(remote.ip())),
         }
@@ -218,8 +218,13 @@ mod tests {
             Some(PeerKey::Address("198.51.100.9".parse().unwrap()))
         );
         assert_eq!(
-            proxy.client_ip(&trusted, &metadata),
+            proxy.client_ip(proxy.key(&trusted, &metadata)),
             Some("198.51.100.9".parse().unwrap())
+        );
+        // Naming nobody, the ride records the proxy's own address.
+        assert_eq!(
+            proxy.client_ip(proxy.key(&trusted, &MetadataMap::new())),
+            Some("10.0.0.5".parse().unwrap())
         );
         // A PROXY header names the client when no x-forwarded-for does.
         let relayed = PeerInfo {

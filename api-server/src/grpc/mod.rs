@@ -78,10 +78,12 @@ struct Admitted<P> {
     permit: P,
 }
 
-/// Where a call comes from: its connection, and whom its refusals count against (none for the
-/// internal credential).
+/// Where a call comes from: its connection, its client (its own address, the one a trusted proxy
+/// names, or its certificate), and whom its refusals count against (that client; nobody for the
+/// internal credential). Worked out once per call.
 struct CallPeer {
     info: PeerInfo,
+    client: Option<PeerKey>,
     key: Option<PeerKey>,
 }
 
@@ -111,11 +113,9 @@ impl RideApi {
             .unwrap_or_default();
         let metadata = request.metadata();
         let internal = bearer(metadata).is_ok_and(|token| self.is_internal(token));
-        let key = match internal {
-            true => None,
-            false => self.admission.peer_key(&info, metadata),
-        };
-        CallPeer { info, key }
+        let client = self.admission.peer_key(&info, metadata);
+        let key = if internal { None } else { client };
+        CallPeer { info, client, key }
     }
 
     /// Counts a call that failed authentication against its peer; nothing else counts.
@@ -496,9 +496,9 @@ impl RideApi {
             status
         };
         let Admitted { caller, permit } = admitted.map_err(fresh)?;
-        let origin_ip = self
-            .admission
-            .client_ip(&peer.info, request.metadata())
+        let origin_ip = peer
+            .info
+            .client_ip(peer.client)
             .unwrap_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED));
         let key = idempotency_key(request.metadata());
         self.check_decline_budget(caller, &key)
