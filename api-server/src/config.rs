@@ -43,6 +43,9 @@ pub struct TransportConfig {
     pub max_connections: usize,
     /// Open connections from one peer IP address; more are closed right after accept.
     pub max_connections_per_ip: usize,
+    /// Descriptors under the open-file limit that no inbound connection may take: the database
+    /// pool's and the provider's sockets need them, or every admitted call stalls.
+    pub reserved_descriptors: u64,
     /// Calls of one peer address refused before the database (credentials, limits) that it may
     /// earn before it is shut out (`crate::penalty`).
     pub refusals_per_ip: Rate,
@@ -200,6 +203,10 @@ impl Config {
                 max_concurrent_streams: vars.parse("GRPC_MAX_CONCURRENT_STREAMS", 128)?,
                 max_connections: vars.parse("GRPC_MAX_CONNECTIONS", 10_000)?,
                 max_connections_per_ip: vars.parse("GRPC_MAX_CONNECTIONS_PER_IP", 256)?,
+                reserved_descriptors: vars.parse(
+                    "GRPC_RESERVED_DESCRIPTORS",
+                    telemetry::accept::DEFAULT_RESERVED_DESCRIPTORS,
+                )?,
                 refusals_per_ip: {
                     // Only failed authentications count, and an address that presented a valid
                     // credential is never shut out: 40 in 4 s is no legitimate client.
@@ -540,6 +547,7 @@ mod tests {
         assert_eq!(transport.max_concurrent_streams, 128);
         assert_eq!(transport.max_connections, 10_000);
         assert_eq!(transport.max_connections_per_ip, 256);
+        assert_eq!(transport.reserved_descriptors, 256);
         assert_eq!(transport.preface_timeout, Duration::from_secs(10));
         assert_eq!(transport.keepalive_interval, Duration::from_secs(60));
         assert_eq!(transport.keepalive_timeout, Duration::from_secs(20));

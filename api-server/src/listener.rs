@@ -3,8 +3,9 @@
 //!
 //! 1. Accept, backing off when the process is out of descriptors (`telemetry::accept`).
 //! 2. Refuse a peer shut out for its refused calls (`crate::penalty`); admit under the caps on
-//!    open connections, in all and per peer IP. A connection refused is closed at once and
-//!    counted in `rpc.server.connections.refused`.
+//!    open connections, in all and per peer IP, and only while the descriptors reserved for the
+//!    process's own sockets stay free. A connection refused is closed at once and counted in
+//!    `rpc.server.connections.refused`.
 //! 3. TCP keepalive and no-delay on the socket.
 //! 4. In a task of its own, so a slow peer holds up nobody else: a PROXY protocol header if the
 //!    peer is a trusted proxy (`admission::proxy_protocol`), the TLS handshake (if any) and the
@@ -23,6 +24,7 @@ use std::{
     future::Future,
     io,
     net::IpAddr,
+    os::fd::AsRawFd,
     pin::Pin,
     sync::Arc,
     task::{Context, Poll},
@@ -77,7 +79,11 @@ where
     let handshake = Arc::new(handshake);
     let trusted_proxies = Arc::new(trusted_proxies);
     let (ready, taken) = mpsc::channel(READY_QUEUE);
-    let limits = ConnectionLimits::new(transport.max_connections, transport.max_connections_per_ip);
+    let limits = ConnectionLimits::new(
+        transport.max_connections,
+        transport.max_connections_per_ip,
+        transport.reserved_descriptors,
+    );
     tokio::spawn(async move {
         loop {
             let (tcp, peer) = tokio::select! {
@@ -88,7 +94,7 @@ where
                 refuse("shut_out");
                 continue;
             }
-            let permit = match limits.admit(peer.ip()) {
+            let permit = match limits.admit(peer.ip(), tcp.as_raw_fd()) {
                 Ok(permit) => permit,
                 Err(refused) => {
                     refuse(refused.as_str());

@@ -128,6 +128,57 @@ fn free_port() -> u16 {
         .port()
 }
 
+/// The real api-server binary, serving on free loopback ports, and a client connected to it.
+struct ServedBinary {
+    child: std::process::Child,
+    grpc_port: u16,
+    metrics_port: u16,
+    client: proto::v1::ride_service_client::RideServiceClient<tonic::transport::Channel>,
+}
+
+impl ServedBinary {
+    async fn start(
+        db: &schema::testing::TestDatabase,
+        stripe: &fake_stripe::FakeStripe,
+        env: &[(&str, &str)],
+    ) -> ServedBinary {
+        let (grpc_port, metrics_port) = (free_port(), free_port());
+        let mut child = Command::new(env!("CARGO_BIN_EXE_api-server"))
+            .arg("serve")
+            .env_clear()
+            .env("PATH", std::env::var("PATH").unwrap_or_default())
+            .env("DATABASE_URL", db.url())
+            .env("STRIPE_API_BASE", stripe.base_url())
+            .env("STRIPE_SECRET_KEY", "sk_test_binary_secret")
+            .env("GRPC_LISTEN_ADDR", format!("127.0.0.1:{grpc_port}"))
+            .env("METRICS_LISTEN_ADDR", format!("127.0.0.1:{metrics_port}"))
+            .env("LOG_FORMAT", "json")
+            .env("RUST_LOG", "info")
+            .envs(env.iter().copied())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let endpoint = format!("http://127.0.0.1:{grpc_port}");
+        for _ in 0..200 {
+            if let Ok(client) =
+                proto::v1::ride_service_client::RideServiceClient::connect(endpoint.clone()).await
+            {
+                return ServedBinary {
+                    child,
+                    grpc_port,
+                    metrics_port,
+                    client,
+                };
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+        panic!("the server did not come up on {endpoint}");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn the_binary_serves_metrics_logs_trace_ids_and_drains_on_sigterm() {
     const INTERNAL_SECRET: &str = "internal-credential-that-must-never-be-logged";
@@ -139,35 +190,10 @@ async fn the_binary_serves_metrics_logs_trace_ids_and_drains_on_sigterm() {
     let (_, token) = api_server::auth::create_user(&pool, "bin@example.com", "cus_bin", GOOD_CARD)
         .await
         .unwrap();
-    let (grpc_port, metrics_port) = (free_port(), free_port());
-    let mut child = Command::new(env!("CARGO_BIN_EXE_api-server"))
-        .arg("serve")
-        .env_clear()
-        .env("PATH", std::env::var("PATH").unwrap_or_default())
-        .env("DATABASE_URL", db.url())
-        .env("STRIPE_API_BASE", stripe.base_url())
-        .env("STRIPE_SECRET_KEY", "sk_test_binary_secret")
-        .env("INTERNAL_API_TOKEN", INTERNAL_SECRET)
-        .env("GRPC_LISTEN_ADDR", format!("127.0.0.1:{grpc_port}"))
-        .env("METRICS_LISTEN_ADDR", format!("127.0.0.1:{metrics_port}"))
-        .env("LOG_FORMAT", "json")
-        .env("RUST_LOG", "info")
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let endpoint = format!("http://127.0.0.1:{grpc_port}");
-    let mut client = None;
-    for _ in 0..200 {
-        if let Ok(connected) =
-            proto::v1::ride_service_client::RideServiceClient::connect(endpoint.clone()).await
-        {
-            client = Some(connected);
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
-    let mut client = client.expect("the server came up");
+    let served =
+        ServedBinary::start(&db, &stripe, &[("INTERNAL_API_TOKEN", INTERNAL_SECRET)]).await;
+    let (mut child, metrics_port) = (served.child, served.metrics_port);
+    let mut client = served.client;
 
     let key = new_key();
     client
@@ -252,6 +278,87 @@ async fn the_binary_serves_metrics_logs_trace_ids_and_drains_on_sigterm() {
     ] {
         assert!(!logs.contains(secret), "a secret reached the logs");
     }
+}
+
+/// A flood of connections while the process is short of descriptors: the server keeps
+/// `GRPC_RESERVED_DESCRIPTORS` for its own database and provider sockets, so it refuses the new
+/// connections at once (`reserved_descriptors`) and the connection it already serves goes on
+/// creating rides. Without the reserve the flood takes the last descriptors and every admitted
+/// call stalls until its deadline.
+#[tokio::test(flavor = "multi_thread")]
+async fn connections_that_would_take_the_reserved_descriptors_are_refused_and_calls_go_on() {
+    use rustix::process::{Pid, Resource, Rlimit, prlimit};
+    const HEADROOM: u64 = 40;
+    let db = schema::testing::TestDatabase::new().await;
+    let stripe = fake_stripe::FakeStripe::spawn(fake_stripe::Config::default())
+        .await
+        .unwrap();
+    let pool = db.pool(2);
+    let (_, token) = api_server::auth::create_user(&pool, "fd@example.com", "cus_fd", GOOD_CARD)
+        .await
+        .unwrap();
+    let mut served = ServedBinary::start(&db, &stripe, &[]).await;
+    served
+        .client
+        .create_ride(authed(&token, Some(&new_key()), ride_request()))
+        .await
+        .unwrap();
+
+    let pid = Pid::from_raw(i32::try_from(served.child.id()).unwrap()).unwrap();
+    let open = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .count() as u64;
+    // The server raised its soft limit to the hard one at start; the hard one is ours too.
+    let hard = rustix::process::getrlimit(Resource::Nofile).maximum;
+    let lowered = |soft| {
+        prlimit(
+            Some(pid),
+            Resource::Nofile,
+            Rlimit {
+                current: soft,
+                maximum: hard,
+            },
+        )
+    };
+    lowered(Some(open + HEADROOM)).unwrap();
+    let flood: Vec<std::net::TcpStream> = (0..3 * HEADROOM)
+        .filter_map(|_| std::net::TcpStream::connect(("127.0.0.1", served.grpc_port)).ok())
+        .collect();
+    for _ in 0..5 {
+        served
+            .client
+            .create_ride(authed(&token, Some(&new_key()), ride_request()))
+            .await
+            .unwrap();
+    }
+    // Each flooding connection was closed by the server without a byte: read sees the end.
+    for mut conn in flood {
+        conn.set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        let mut byte = [0_u8; 1];
+        let read = std::io::Read::read(&mut conn, &mut byte);
+        assert!(
+            matches!(read, Ok(0))
+                || read.is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionReset),
+            "a flooding connection was held open"
+        );
+    }
+    lowered(hard).unwrap();
+    let metrics = reqwest::get(format!("http://127.0.0.1:{}/metrics", served.metrics_port))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l.starts_with("rpc_server_connections_refused_total")
+                && l.contains("reason=\"reserved_descriptors\"")),
+        "no reserved_descriptors refusal in:\n{metrics}"
+    );
+    served.child.kill().unwrap();
+    served.child.wait().unwrap();
 }
 
 /// A pooled connection whose server went away (a restart, a failover, `pg_terminate_backend`)

@@ -2,7 +2,7 @@
 //! competes with the gRPC port. A scraper needs one connection: the endpoint holds few, and drops
 //! one that has not sent its request headers in time.
 
-use std::{convert::Infallible, future::Future, net::SocketAddr, time::Duration};
+use std::{convert::Infallible, future::Future, net::SocketAddr, os::fd::AsRawFd, time::Duration};
 
 use bytes::Bytes;
 use http::{Response, StatusCode, header::CONTENT_TYPE};
@@ -49,15 +49,16 @@ pub async fn serve_metrics_with_limits(
     limits: MetricsServerLimits,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) {
-    // Scrapers are few and known: one cap for all, none per address.
-    let connections = ConnectionLimits::new(limits.max_connections, usize::MAX);
+    // Scrapers are few and known: one cap for all, none per address, and no descriptor reserve:
+    // the cap is small, and a process short of descriptors is exactly when an on-call scrapes.
+    let connections = ConnectionLimits::new(limits.max_connections, usize::MAX, 0);
     tokio::pin!(shutdown);
     loop {
         let (stream, peer) = tokio::select! {
             () = &mut shutdown => return,
             accepted = accept(&listener) => accepted,
         };
-        let Ok(permit) = connections.admit(peer.ip()) else {
+        let Ok(permit) = connections.admit(peer.ip(), stream.as_raw_fd()) else {
             tracing::debug!(%peer, "metrics endpoint: too many connections; closed");
             continue;
         };
