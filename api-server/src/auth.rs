@@ -58,13 +58,8 @@ pub fn bearer_token(authorization: &str) -> Option<&str> {
     (scheme.eq_ignore_ascii_case("bearer") && !token.is_empty()).then_some(token)
 }
 
-/// The user a token belongs to. The lookup is by digest through a unique index, so its timing
-/// says nothing about how close a guess came.
-pub async fn authenticate(pool: &Pool, token: &str) -> Result<Option<User>, StoreError> {
-    user_by_token_digest(pool, &token_digest(token)).await
-}
-
-/// The user whose token has this digest.
+/// The user whose token has this digest. The lookup is by digest through a unique index, so its
+/// timing says nothing about how close a guess came.
 pub async fn user_by_token_digest(
     pool: &Pool,
     digest: &[u8; 32],

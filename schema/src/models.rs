@@ -49,20 +49,6 @@ pub struct IdempotencyKey {
     pub user_id: i64,
 }
 
-#[derive(Debug, Insertable)]
-#[diesel(table_name = idempotency_keys)]
-pub struct NewIdempotencyKey<'a> {
-    pub idempotency_key: &'a str,
-    /// `locked_at` and `last_run_at` are set from the database clock by the claim, so that lock
-    /// expiry never depends on which api-server's clock wrote them.
-    pub lock_token: Uuid,
-    pub request_method: &'a str,
-    pub request_path: &'a str,
-    pub request_params: &'a serde_json::Value,
-    pub recovery_point: RecoveryPoint,
-    pub user_id: i64,
-}
-
 #[derive(Clone, Debug, PartialEq, Queryable, QueryableByName, Selectable, Identifiable)]
 #[diesel(table_name = rides, check_for_backend(diesel::pg::Pg))]
 pub struct Ride {
@@ -105,17 +91,6 @@ pub struct AuditRecord {
     pub origin_ip: IpNet,
     pub resource_id: i64,
     pub resource_type: String,
-    pub user_id: i64,
-}
-
-#[derive(Debug, Insertable)]
-#[diesel(table_name = audit_records)]
-pub struct NewAuditRecord<'a> {
-    pub action: &'a str,
-    pub data: &'a serde_json::Value,
-    pub origin_ip: IpNet,
-    pub resource_id: i64,
-    pub resource_type: &'a str,
     pub user_id: i64,
 }
 
