@@ -166,6 +166,10 @@ struct FaultRequest {
     mode: FaultMode,
     #[serde(default = "one")]
     count: usize,
+    /// Aim the faults at this customer's charges only: they replace the customer's pending ones
+    /// (`count` 0 clears them), and apply when no untargeted fault is due.
+    #[serde(default)]
+    customer: Option<String>,
 }
 
 fn one() -> usize {
@@ -519,21 +523,30 @@ async fn create(
     req: Request<Incoming>,
 ) -> Result<HttpResponse, ConnectionFault> {
     state.count_create_call();
-    let fault = state.next_fault();
-    match fault {
-        Some(FaultMode::Error500) => return Ok(ApiError::Api.response()),
-        Some(FaultMode::Timeout) => {
-            tracing::info!("timeout fault: holding the connection open until shutdown");
-            crate::stopped(stop).await;
-            return Err(ConnectionFault::Timeout);
-        }
-        Some(FaultMode::ChargeThenDrop | FaultMode::Slow) | None => {}
+    let untargeted = state.next_fault();
+    if let Some(answer) = refuse_for_fault(untargeted, &stop).await {
+        return answer;
+    }
+    let request = match read_create(state, req).await {
+        Ok(request) => request,
+        Err(e) => return Ok(e.response()),
+    };
+    // A fault aimed at one customer's charges, when no other is due.
+    let fault = untargeted.or_else(|| {
+        request
+            .params
+            .customer
+            .as_deref()
+            .and_then(|customer| state.next_fault_for(customer))
+    });
+    if let Some(answer) = refuse_for_fault(fault, &stop).await {
+        return answer;
     }
     let extra_delay = match fault {
         Some(FaultMode::Slow) => state.config.slow_fault_delay,
         _ => Duration::ZERO,
     };
-    let response = match create_inner(state, req, extra_delay).await {
+    let response = match charge(state, request, extra_delay).await {
         Ok(response) => response,
         Err(e) => e.response(),
     };
@@ -543,16 +556,55 @@ async fn create(
     Ok(response)
 }
 
-async fn create_inner(
-    state: &Arc<State>,
-    req: Request<Incoming>,
-    extra_delay: Duration,
-) -> Result<HttpResponse, ApiError> {
+/// The answer of a fault that executes nothing (`error_500`, `timeout`); `None` for the others.
+async fn refuse_for_fault(
+    fault: Option<FaultMode>,
+    stop: &watch::Receiver<bool>,
+) -> Option<Result<HttpResponse, ConnectionFault>> {
+    match fault {
+        Some(FaultMode::Error500) => Some(Ok(ApiError::Api.response())),
+        Some(FaultMode::Timeout) => {
+            tracing::info!("timeout fault: holding the connection open until shutdown");
+            crate::stopped(stop.clone()).await;
+            Some(Err(ConnectionFault::Timeout))
+        }
+        Some(FaultMode::ChargeThenDrop | FaultMode::Slow) | None => None,
+    }
+}
+
+/// A create request, authenticated and parsed.
+struct CreateRequest {
+    api_key: String,
+    idempotency_key: Option<String>,
+    pairs: Vec<(String, String)>,
+    params: CreateParams,
+}
+
+async fn read_create(state: &State, req: Request<Incoming>) -> Result<CreateRequest, ApiError> {
     let api_key = authenticate(req.headers(), state)?;
     let idempotency_key = idempotency_key(req.headers())?;
     let mut pairs = read_form(req).await?;
     let params = parse_create(&pairs)?;
     pairs.sort();
+    Ok(CreateRequest {
+        api_key,
+        idempotency_key,
+        pairs,
+        params,
+    })
+}
+
+async fn charge(
+    state: &Arc<State>,
+    request: CreateRequest,
+    extra_delay: Duration,
+) -> Result<HttpResponse, ApiError> {
+    let CreateRequest {
+        api_key,
+        idempotency_key,
+        pairs,
+        params,
+    } = request;
     let key_for_messages = idempotency_key.clone().unwrap_or_default();
     let begin = state.begin(idempotency_key.map(|k| (api_key, k)), pairs);
     let reservation = match reserve(begin, &key_for_messages)? {
@@ -863,7 +915,10 @@ async fn faults(state: &State, req: Request<Incoming>) -> Result<HttpResponse, A
             format!("Invalid fault request: {e}"),
         )
     })?;
-    let pending = state.inject_faults(request.mode, request.count);
+    let pending = match &request.customer {
+        Some(customer) => state.inject_faults_for(customer, request.mode, request.count),
+        None => state.inject_faults(request.mode, request.count),
+    };
     Ok(json_response(
         StatusCode::OK,
         Bytes::from(format!(r#"{{"pending":{pending}}}"#)),

@@ -51,6 +51,9 @@ pub struct Config {
     pub latency: Duration,
     /// The extra latency of a call hit by the `slow` fault.
     pub slow_fault_delay: Duration,
+    /// Characters of a refund id after `re_` (Stripe's: 24). A test sets more to see an id longer
+    /// than the service's columns handled.
+    pub refund_id_len: usize,
 }
 
 impl Default for Config {
@@ -60,6 +63,7 @@ impl Default for Config {
             idempotency_window: Duration::from_secs(24 * 60 * 60),
             latency: Duration::ZERO,
             slow_fault_delay: Duration::from_secs(8),
+            refund_id_len: 24,
         }
     }
 }
@@ -72,6 +76,7 @@ impl std::fmt::Debug for Config {
             .field("idempotency_window", &self.idempotency_window)
             .field("latency", &self.latency)
             .field("slow_fault_delay", &self.slow_fault_delay)
+            .field("refund_id_len", &self.refund_id_len)
             .finish()
     }
 }
@@ -152,6 +157,12 @@ impl FakeStripe {
     /// Queues `count` faults for the next `POST /v1/payment_intents` calls.
     pub fn inject_faults(&self, mode: FaultMode, count: usize) {
         self.state.inject_faults(mode, count);
+    }
+
+    /// Queues `count` faults for the next `POST /v1/payment_intents` calls charging `customer`,
+    /// replacing that customer's pending ones (0 clears them); untargeted faults come first.
+    pub fn inject_faults_for(&self, customer: &str, mode: FaultMode, count: usize) {
+        self.state.inject_faults_for(customer, mode, count);
     }
 
     pub fn clear_faults(&self) {

@@ -51,6 +51,7 @@ async fn main() -> anyhow::Result<()> {
         idempotency_window: Duration::from_secs(args.idempotency_window_secs),
         latency: Duration::from_millis(args.latency_ms),
         slow_fault_delay: Duration::from_millis(args.slow_fault_ms),
+        ..Config::default()
     };
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await

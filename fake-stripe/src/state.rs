@@ -147,6 +147,8 @@ struct Inner {
     key_order: VecDeque<(Instant, Scope)>,
     /// Pending faults as run-length `(mode, remaining)` so a huge count costs no memory.
     faults: VecDeque<(FaultMode, usize)>,
+    /// Faults aimed at one customer's charges, by customer.
+    targeted: HashMap<String, (FaultMode, usize)>,
 }
 
 /// Shared server state; cloned into every connection as an `Arc`.
@@ -219,7 +221,33 @@ impl State {
     }
 
     pub fn clear_faults(&self) {
-        self.lock().faults.clear();
+        let mut inner = self.lock();
+        inner.faults.clear();
+        inner.targeted.clear();
+    }
+
+    /// Replaces `customer`'s pending faults with `count` of `mode` (0 clears them); returns
+    /// how many are pending for that customer.
+    pub fn inject_faults_for(&self, customer: &str, mode: FaultMode, count: usize) -> usize {
+        let mut inner = self.lock();
+        if count == 0 {
+            inner.targeted.remove(customer);
+        } else {
+            inner.targeted.insert(customer.to_owned(), (mode, count));
+        }
+        count
+    }
+
+    /// Consumes one of `customer`'s pending faults, if any.
+    pub fn next_fault_for(&self, customer: &str) -> Option<FaultMode> {
+        let mut inner = self.lock();
+        let (mode, remaining) = inner.targeted.get_mut(customer)?;
+        let mode = *mode;
+        *remaining -= 1;
+        if *remaining == 0 {
+            inner.targeted.remove(customer);
+        }
+        Some(mode)
     }
 
     /// Consumes one pending fault, if any.
@@ -361,7 +389,7 @@ impl State {
             return Err(RefundRefusal::TooLarge(left));
         }
         let refund = Refund {
-            id: random_id("re_", 24),
+            id: random_id("re_", self.config.refund_id_len),
             object: "refund".to_owned(),
             amount,
             charge: pi.latest_charge.clone(),

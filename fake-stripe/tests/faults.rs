@@ -285,3 +285,43 @@ async fn shutdown_completes_while_a_timeout_fault_holds_a_connection() {
         "the held request ends without a response: {outcome:?}"
     );
 }
+
+#[tokio::test]
+async fn a_fault_aimed_at_one_customer_spares_everyone_else() {
+    let fs = spawn().await;
+    let c = client();
+    let resp = c
+        .post(format!("{}/_faults", fs.base_url()))
+        .json(&json!({"mode": "error_500", "count": 2, "customer": "cus_aimed"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let mut aimed = ride_charge("r1");
+    aimed.retain(|(name, _)| name != "customer");
+    aimed.push(("customer".into(), "cus_aimed".into()));
+    let other = ride_charge("r2");
+    assert_eq!(create(&fs, None, &other).await.status(), 200);
+    assert_eq!(create(&fs, None, &aimed).await.status(), 500);
+    assert_eq!(create(&fs, None, &other).await.status(), 200);
+    assert_eq!(create(&fs, None, &aimed).await.status(), 500);
+    assert_eq!(create(&fs, None, &aimed).await.status(), 200, "two only");
+
+    // A new aim replaces the pending ones; 0 clears them; untargeted faults come first.
+    fs.inject_faults_for("cus_aimed", FaultMode::Error500, 5);
+    fs.inject_faults_for("cus_aimed", FaultMode::Error500, 0);
+    assert_eq!(create(&fs, None, &aimed).await.status(), 200);
+    fs.inject_faults_for("cus_aimed", FaultMode::ChargeThenDrop, 1);
+    fs.inject_faults(FaultMode::Error500, 1);
+    assert_eq!(create(&fs, None, &aimed).await.status(), 500);
+    assert!(
+        c.post(format!("{}/v1/payment_intents", fs.base_url()))
+            .bearer_auth(KEY)
+            .form(&aimed)
+            .send()
+            .await
+            .is_err(),
+        "the aimed charge_then_drop"
+    );
+    assert_eq!(fs.payment_intents().len(), 5);
+}

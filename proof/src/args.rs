@@ -119,6 +119,17 @@ pub(crate) struct Args {
     /// `fault-injection` feature; proof/run.sh builds it with the feature).
     #[arg(long)]
     pub(crate) no_crash_points: bool,
+    /// Add the money campaign (another product's look-alike charges, the reconciler refunding
+    /// during traffic, riders retrying given-up keys; docs/reliability.md). Not yet in `--short`:
+    /// its riders' refund path is not reliably exercised within a short run.
+    #[arg(long)]
+    pub(crate) money: bool,
+    /// Money riders: each makes keys the completer gives up with a charge made, then retries them.
+    #[arg(long, default_value_t = 2)]
+    pub(crate) money_riders: u32,
+    /// Mean milliseconds between the other product's look-alike charges.
+    #[arg(long, default_value_t = 500)]
+    pub(crate) other_product_every_ms: u64,
     /// Keep the database (and the RabbitMQ queues) after the run.
     #[arg(long)]
     pub(crate) keep: bool,

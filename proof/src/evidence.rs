@@ -33,6 +33,9 @@ pub(crate) struct KeyRow {
     pub(crate) recovery_point: String,
     #[diesel(sql_type = Bool)]
     pub(crate) gave_up: bool,
+    /// The stored outcome's kind (`response_body->>'outcome'`), once finished.
+    #[diesel(sql_type = Nullable<Text>)]
+    pub(crate) outcome: Option<String>,
 }
 
 #[derive(QueryableByName, Debug)]
@@ -91,13 +94,23 @@ pub(crate) struct Intent {
     pub(crate) ride_id: Option<i64>,
 }
 
-/// Every PaymentIntent fake-stripe holds, page by page.
-async fn fetch_ledger(http: &reqwest::Client, base: &str) -> anyhow::Result<Vec<Intent>> {
-    let mut out = Vec::new();
-    let mut after: Option<String> = None;
+/// A PaymentIntent of the other product on the account ([`crate::other_product`]).
+pub(crate) struct ForeignIntent {
+    pub(crate) id: String,
+    pub(crate) variant: String,
+}
+
+/// Every object of a fake-stripe list (`path`: `/v1/payment_intents`, `/v1/refunds`), page by
+/// page.
+pub(crate) async fn fetch_list(
+    http: &reqwest::Client,
+    base: &str,
+    path: &str,
+) -> anyhow::Result<Vec<Value>> {
+    let mut out: Vec<Value> = Vec::new();
     for _page in 0..100_000 {
-        let mut url = format!("{base}/v1/payment_intents?limit=100");
-        if let Some(a) = &after {
+        let mut url = format!("{base}{path}?limit=100");
+        if let Some(a) = out.last().and_then(|last| last["id"].as_str()) {
             url.push_str(&format!("&starting_after={a}"));
         }
         let body: Value = http
@@ -109,21 +122,40 @@ async fn fetch_ledger(http: &reqwest::Client, base: &str) -> anyhow::Result<Vec<
             .json()
             .await?;
         let data = body["data"].as_array().cloned().unwrap_or_default();
-        for pi in &data {
-            out.push(Intent {
-                id: pi["id"].as_str().unwrap_or_default().to_owned(),
-                status: pi["status"].as_str().unwrap_or_default().to_owned(),
-                ride_id: pi["metadata"]["ride_id"]
-                    .as_str()
-                    .and_then(|s| s.parse().ok()),
-            });
-        }
-        after = out.last().map(|pi| pi.id.clone());
-        if !body["has_more"].as_bool().unwrap_or(false) || data.is_empty() {
+        let done = !body["has_more"].as_bool().unwrap_or(false) || data.is_empty();
+        out.extend(data);
+        if done {
             return Ok(out);
         }
     }
-    bail!("ledger pagination did not end")
+    bail!("{path} pagination did not end")
+}
+
+/// Every PaymentIntent fake-stripe holds: ours (or claiming to be), and the other product's.
+async fn fetch_ledger(
+    http: &reqwest::Client,
+    base: &str,
+) -> anyhow::Result<(Vec<Intent>, Vec<ForeignIntent>)> {
+    let (mut ours, mut foreign) = (Vec::new(), Vec::new());
+    for pi in fetch_list(http, base, "/v1/payment_intents").await? {
+        let id = pi["id"].as_str().unwrap_or_default().to_owned();
+        if pi["metadata"]["proof_product"].as_str() == Some(crate::other_product::TAG) {
+            let variant = pi["metadata"]["proof_variant"].as_str().unwrap_or("?");
+            foreign.push(ForeignIntent {
+                id,
+                variant: variant.to_owned(),
+            });
+            continue;
+        }
+        ours.push(Intent {
+            id,
+            status: pi["status"].as_str().unwrap_or_default().to_owned(),
+            ride_id: pi["metadata"]["ride_id"]
+                .as_str()
+                .and_then(|s| s.parse().ok()),
+        });
+    }
+    Ok((ours, foreign))
 }
 
 /// ride id → the nanosecond stamps of the .eml files carrying `<ride-N.receipt@…>`.
@@ -160,7 +192,8 @@ pub(crate) fn read_mail(dir: &Path) -> anyhow::Result<(BTreeMap<i64, Vec<i128>>,
 pub(crate) async fn load_keys(conn: &mut AsyncPgConnection) -> anyhow::Result<Vec<KeyRow>> {
     Ok(diesel::sql_query(
         "SELECT id, idempotency_key, user_id, recovery_point, \
-         completer_gave_up_at IS NOT NULL AS gave_up FROM idempotency_keys",
+         completer_gave_up_at IS NOT NULL AS gave_up, response_body->>'outcome' AS outcome \
+         FROM idempotency_keys",
     )
     .load(conn)
     .await?)
@@ -185,6 +218,8 @@ pub(crate) struct Evidence {
     pub(crate) attention: Vec<AttentionRow>,
     pub(crate) attention_keys: HashSet<(i64, String)>,
     pub(crate) ledger: Vec<Intent>,
+    /// The other product's PaymentIntents, kept out of `ledger`.
+    pub(crate) foreign: Vec<ForeignIntent>,
     /// What a reconciler pass over the whole run found.
     pub(crate) reconciliation: Reconciliation,
     /// ride id → the stamps of its mails.
@@ -232,7 +267,7 @@ pub(crate) async fn collect(
         .iter()
         .map(|a| (a.user_id, a.idempotency_key.clone()))
         .collect();
-    let ledger = fetch_ledger(http, &wiring.stripe_base).await?;
+    let (ledger, foreign) = fetch_ledger(http, &wiring.stripe_base).await?;
     let reconciliation = reconcile(conn, plan, wiring).await?;
     let (mail, unparsed_mail) = read_mail(&plan.mail_dir)?;
     Ok(Evidence {
@@ -245,6 +280,7 @@ pub(crate) async fn collect(
         attention,
         attention_keys,
         ledger,
+        foreign,
         reconciliation,
         mail,
         unparsed_mail,

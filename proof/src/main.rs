@@ -23,6 +23,9 @@
 //!   client finally saw.
 //! - [`faults`]: the fault tasks, while traffic runs.
 //! - [`maintenance`]: the completer and reaper passes, and the drains after traffic.
+//! - [`money`], [`other_product`], [`money_checks`]: the money campaign (with `--money`):
+//!   another product's look-alike charges, the reconciler refunding while traffic runs, riders
+//!   retrying keys the completer gave up, and its invariants.
 //! - [`replays`]: every finished key sent again, to compare with its first answer.
 //! - [`evidence`]: the database rows, the ledger and the mail, read once drained.
 //! - [`reconciliation`]: a reconciler pass over the whole run, and the findings it recorded.
@@ -41,6 +44,9 @@ mod evidence;
 mod faults;
 mod invariants;
 mod maintenance;
+mod money;
+mod money_checks;
+mod other_product;
 mod processes;
 mod reconciliation;
 mod replays;
@@ -162,6 +168,7 @@ async fn run(
     let supervisor = Supervisor::start(&children, &tallies.faults);
     let faults = Faults::start(args, plan, wiring, &children, &services, &tallies, &http);
     let maintainer = Maintainer::start(plan, wiring, &tallies.maintenance);
+    let money = money::Money::start(args, plan, wiring, &http, window).await?;
     let progress = report::progress(
         faults.stopped(),
         Arc::clone(&tallies.requests),
@@ -187,6 +194,13 @@ async fn run(
     );
     children.disarm(&tallies.faults).await?;
     let records = traffic.finish().await?;
+    let money = match money {
+        Some(money) => {
+            let counts = std::sync::Arc::clone(&money.counts);
+            Some((money.finish(plan, wiring).await?, counts))
+        }
+        None => None,
+    };
     maintainer.stop().await;
     let clients_done = Instant::now();
 
@@ -213,6 +227,10 @@ async fn run(
     )
     .await?;
     let evidence = evidence::collect(&mut conn, keys, &http, plan, wiring).await?;
+    let money_evidence = match &money {
+        Some(_) => Some(money_checks::collect(&mut conn, &http, wiring).await?),
+        None => None,
+    };
     drop(conn);
 
     // Stop every child before judging (the database and ledger are read).
@@ -224,7 +242,15 @@ async fn run(
         evidence: &evidence,
         replays: &replays,
     };
-    let verdict = invariants::judge(args, &facts, &children.arming, &tallies.faults, violations);
+    let mut verdict =
+        invariants::judge(args, &facts, &children.arming, &tallies.faults, violations);
+    let money = match (&money, &money_evidence) {
+        (Some((keys, counts)), Some(found)) => {
+            let figures = money_checks::judge(&evidence, found, keys, &mut verdict.violations);
+            Some(money_checks::report(&figures, &counts.snapshot()))
+        }
+        _ => None,
+    };
     report::write_keys(&plan.out_dir, &records)?;
     Report {
         args,
@@ -234,6 +260,7 @@ async fn run(
         drain: &drain,
         facts: &facts,
         verdict: &verdict,
+        money,
     }
     .write()
 }

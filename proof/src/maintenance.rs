@@ -35,9 +35,20 @@ pub(crate) async fn run_once(
     env: &[(String, String)],
     log: &Path,
 ) -> anyhow::Result<Value> {
+    run_once_with(bin, &[what, "--once"], env, log).await
+}
+
+/// Runs `workers <args…>` (a `--once` pass); its summary is the last JSON object it prints.
+pub(crate) async fn run_once_with(
+    bin: &Path,
+    args: &[&str],
+    env: &[(String, String)],
+    log: &Path,
+) -> anyhow::Result<Value> {
+    let what = args.join(" ");
     let err = OpenOptions::new().create(true).append(true).open(log)?;
     let child = Command::new(bin)
-        .args([what, "--once"])
+        .args(args)
         .envs(env.iter().cloned())
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -48,7 +59,7 @@ pub(crate) async fn run_once(
         .await
         .context("--once pass timed out")??;
     if !output.status.success() {
-        bail!("workers {what} --once: {}", output.status);
+        bail!("workers {what}: {}", output.status);
     }
     let text = String::from_utf8_lossy(&output.stdout);
     let line = text.lines().rev().find(|l| l.trim_start().starts_with('{'));

@@ -36,14 +36,9 @@ pub(crate) struct Reconciliation {
     pub(crate) findings: Vec<FindingRow>,
 }
 
-/// Runs the pass and reads what it recorded.
-pub(crate) async fn reconcile(
-    conn: &mut AsyncPgConnection,
-    plan: &Plan,
-    wiring: &Wiring,
-) -> anyhow::Result<Reconciliation> {
-    // A window ends at a whole second: let the last charge's second end.
-    tokio::time::sleep(std::time::Duration::from_millis(1100)).await;
+/// The reconciler's environment in the campaign: no settle delay and no overlap (charges of live
+/// keys wait as pending), reaching back before the first charge.
+pub(crate) fn reconciler_env(wiring: &Wiring) -> Vec<(String, String)> {
     let mut env = wiring.env.clone();
     for (name, value) in [
         ("RECONCILER_SETTLE_SECS", "0"),
@@ -53,10 +48,21 @@ pub(crate) async fn reconcile(
     ] {
         env.push((name.to_owned(), value.to_owned()));
     }
+    env
+}
+
+/// Runs the pass and reads what it recorded.
+pub(crate) async fn reconcile(
+    conn: &mut AsyncPgConnection,
+    plan: &Plan,
+    wiring: &Wiring,
+) -> anyhow::Result<Reconciliation> {
+    // A window ends at a whole second: let the last charge's second end.
+    tokio::time::sleep(std::time::Duration::from_millis(1100)).await;
     let summary = run_once(
         &plan.bin_dir.join("workers"),
         "reconciler",
-        &env,
+        &reconciler_env(wiring),
         &plan.log_dir.join("reconciler.log"),
     )
     .await

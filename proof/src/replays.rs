@@ -16,7 +16,7 @@ use crate::{
     args::Args,
     clients::{Answer, KeyRecord, Seen, User, classify, grpc_endpoint, user_client},
     evidence::{self, KeyRow},
-    invariants::Violations,
+    invariants::{Violations, is_payment_refunded},
 };
 
 /// What the replays saw.
@@ -65,7 +65,10 @@ pub(crate) async fn replay(
             break;
         };
         let (record, seen, replayed) = joined?;
-        replays.judge(v, &record, seen, replayed);
+        let refunded = key_by_name
+            .get(&(record.user_id, record.key.clone()))
+            .is_some_and(|k| k.outcome.as_deref() == Some("payment_refunded"));
+        replays.judge(v, &record, seen, replayed, refunded);
     }
     Ok(replays)
 }
@@ -87,7 +90,15 @@ async fn replay_one(channel: Channel, user: User, record: KeyRecord) -> (KeyReco
 
 impl Replays {
     /// Counts one replay and checks it against the key's first final answer.
-    fn judge(&mut self, v: &mut Violations, record: &KeyRecord, seen: Seen, replayed: bool) {
+    /// `refunded`: the key was finished as refunded, and replays PAYMENT_REFUNDED.
+    fn judge(
+        &mut self,
+        v: &mut Violations,
+        record: &KeyRecord,
+        seen: Seen,
+        replayed: bool,
+        refunded: bool,
+    ) {
         *self.stats.entry("replayed").or_default() += 1;
         if !replayed {
             v.add(
@@ -112,7 +123,9 @@ impl Replays {
             ),
             None => *self.stats.entry("of_client_abandoned_keys").or_default() += 1,
         }
-        if matches!(seen, Seen::Unexpected(_)) {
+        let refusal =
+            matches!(&seen, Seen::Unexpected(label) if refunded && is_payment_refunded(label));
+        if matches!(seen, Seen::Unexpected(_)) && !refusal {
             v.add(
                 "replay_final",
                 format!("key {}: finished key replayed as {seen:?}", record.key),

@@ -69,6 +69,8 @@ pub(crate) struct Report<'a> {
     pub(crate) drain: &'a Drain,
     pub(crate) facts: &'a Facts<'a>,
     pub(crate) verdict: &'a Verdict,
+    /// The money campaign's figures (`None` without `--money`).
+    pub(crate) money: Option<Value>,
 }
 
 impl Report<'_> {
@@ -149,6 +151,7 @@ impl Report<'_> {
             },
             "reconciliation": reconciliation_json(&ev.reconciliation),
             "replays": self.facts.replays.stats,
+            "money": self.money,
             "ha_faults": ha_faults(&tallies.timeline),
             "invariant_violations": invariant_json,
             "violations": v.list.iter().take(200).collect::<Vec<_>>(),
@@ -245,6 +248,14 @@ impl Report<'_> {
         for (k, val) in report["reconciliation"].as_object().into_iter().flatten() {
             line(&mut text, &format!("  {k}"), val.to_string());
         }
+        if let Some(money) = report["money"].as_object() {
+            text.push_str("-- money campaign (another product on the account, refunds on)\n");
+            for section in money.values() {
+                for (k, val) in section.as_object().into_iter().flatten() {
+                    line(&mut text, &format!("  {k}"), val.to_string());
+                }
+            }
+        }
         text.push_str("-- invariants\n");
         for (id, what) in &INVARIANTS {
             let n = self
@@ -254,10 +265,13 @@ impl Report<'_> {
                 .get(id)
                 .copied()
                 .unwrap_or(0);
+            let unchecked = self.money.is_none() && crate::money_checks::INVARIANTS.contains(id);
             line(
                 &mut text,
                 &format!("  {what}"),
-                if n == 0 {
+                if unchecked {
+                    "not checked (no --money)".to_owned()
+                } else if n == 0 {
                     "PASS".to_owned()
                 } else {
                     format!("FAIL ({n})")

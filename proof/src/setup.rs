@@ -225,6 +225,12 @@ impl Wiring {
         .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
         .collect();
         env.extend(tls_env(args, &grpc_addr));
+        if args.money {
+            env.push((
+                "COMPLETER_MAX_ATTEMPTS".into(),
+                crate::money::COMPLETER_MAX_ATTEMPTS.into(),
+            ));
+        }
         Ok(Wiring {
             admin_url,
             db_name,

@@ -199,9 +199,10 @@ pub fn describe(f: &ReconciliationFinding) -> String {
             format!("ride {ride} is in {recorded} but {pi} charged {provider}")
         }
         FindingKind::OversizedValue => format!(
-            "the provider listed a PaymentIntent whose id, currency or status is longer than \
-             this service stores (shown cut to fit: {pi}, status {}); compared no further: \
-             look it up at the provider",
+            "the provider gave a value longer than this service stores: a PaymentIntent's id, \
+             currency or status (compared no further), or the id or currency of a refund made \
+             of it (recorded cut to fit); shown cut to fit: {pi}, status {}: look it up at the \
+             provider",
             f.provider_status.as_deref().unwrap_or("-")
         ),
         FindingKind::RefundedCharge => format!(

@@ -21,6 +21,7 @@ use diesel::{
     sql_types::{self, BigInt, Integer, Jsonb, Text},
 };
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
+use provider::StripeClient;
 use schema::{
     Pool, RecoveryPoint,
     models::{KeyNeedingAttention, NewStagedJob, Ride},
@@ -581,9 +582,13 @@ impl FinishRequest {
 /// `key finish`: stores a final outcome on a stuck key exactly as the api-server's last phase
 /// would have, so the client's replay returns it. Also clears the lock and resolves the key's
 /// open `keys_needing_attention` rows.
+///
+/// `stripe` is asked only for a `--charge-id`, which must be provably the ride's charge
+/// ([`super::named_charge`]).
 pub async fn finish(
     pool: &Pool,
     settings: &AdminSettings,
+    stripe: &StripeClient,
     request: &FinishRequest,
     mode: Mode,
 ) -> Result<ChangeReport, AdminError> {
@@ -609,7 +614,7 @@ pub async fn finish(
             let outcome = match request.outcome {
                 FinishOutcome::Declined => plan_declined(&key, ride.as_ref(), request)?,
                 FinishOutcome::Succeeded => {
-                    plan_succeeded(conn, &key, ride, request, &mut report, mode).await?
+                    plan_succeeded(conn, stripe, &key, ride, request, &mut report, mode).await?
                 }
             };
             let stored = outcome.to_stored();
@@ -705,6 +710,7 @@ fn plan_declined(
 /// finish, exactly as the api-server's `charge` and `stage_receipt` phases write them.
 async fn plan_succeeded(
     conn: &mut AsyncPgConnection,
+    stripe: &StripeClient,
     key: &KeyState,
     ride: Option<Ride>,
     request: &FinishRequest,
@@ -740,6 +746,7 @@ async fn plan_succeeded(
                      for one ride. Check the PaymentIntent's metadata (ride_id) at the provider."
                 )));
             }
+            super::named_charge::check(conn, stripe, key.id, &ride, &given).await?;
             report.changes.push(Change::update(
                 "rides",
                 ride.id,

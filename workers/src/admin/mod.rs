@@ -25,6 +25,7 @@ pub mod backlog;
 pub mod dead_letters;
 pub mod findings;
 pub mod keys;
+mod named_charge;
 pub mod render;
 
 use std::time::Duration;
@@ -604,7 +605,8 @@ pub async fn run(
     }
 }
 
-/// `stripe` is only used by `findings refund`: the provider's client is built for it alone.
+/// `stripe` is only used by `findings refund` and `key finish`: the provider's client is built
+/// for them alone.
 async fn dispatch(
     command: AdminCommand,
     pool: &Pool,
@@ -645,7 +647,8 @@ async fn dispatch(
                 message,
                 force,
             };
-            Output::Change(keys::finish(pool, settings, &request, commit.mode()).await?)
+            let stripe = stripe_client(stripe)?;
+            Output::Change(keys::finish(pool, settings, &stripe, &request, commit.mode()).await?)
         }
         AdminCommand::Keys(KeysCommand::NeedingAttention { all, limit }) => {
             Output::Attention(attention::list(pool, all, limit).await?)
@@ -679,11 +682,7 @@ async fn dispatch(
             commit,
         }) => {
             let requester = crate::reconciler::refund::RefundRequester::operator(&operator)?;
-            let stripe = provider::StripeClient::new(stripe).map_err(|error| {
-                AdminError::Internal(format!(
-                    "cannot build the payment provider's client: {error}"
-                ))
-            })?;
+            let stripe = stripe_client(stripe)?;
             Output::Change(
                 crate::reconciler::refund::refund_finding(
                     pool,
@@ -747,4 +746,12 @@ impl ChangeReport {
         }
         out
     }
+}
+
+fn stripe_client(stripe: &provider::StripeConfig) -> Result<provider::StripeClient, AdminError> {
+    provider::StripeClient::new(stripe).map_err(|error| {
+        AdminError::Internal(format!(
+            "cannot build the payment provider's client: {error}"
+        ))
+    })
 }

@@ -164,10 +164,37 @@ pub fn classify(ledger: &Ledger) -> Classified {
     out
 }
 
-/// The bounds of `reconciliation_findings`' provider columns (its CHECK constraints).
-const MAX_ID: usize = 255;
-const MAX_CURRENCY: usize = 16;
-const MAX_STATUS: usize = 64;
+/// What a PaymentIntent says about itself, for the ownership rule.
+pub(crate) fn intent_facts(intent: &ListedIntent) -> IntentFacts<'_> {
+    IntentFacts {
+        metadata: &intent.metadata,
+        customer: intent.customer.as_deref(),
+        amount: intent.amount,
+        currency: &intent.currency,
+    }
+}
+
+/// The bounds of `reconciliation_findings`' provider columns (its CHECK constraints; a refund's
+/// id and currency have the same in `refund_audits`).
+pub(crate) const MAX_ID: usize = 255;
+pub(crate) const MAX_CURRENCY: usize = 16;
+pub(crate) const MAX_STATUS: usize = 64;
+
+/// `value` cut to at most `max` characters.
+pub(crate) fn cut(value: &str, max: usize) -> String {
+    value.chars().take(max).collect()
+}
+
+/// A provider id cut to fit [`MAX_ID`]; a cut one ends in `…` and its full length in characters,
+/// so that nobody mistakes it for the whole id.
+pub(crate) fn fit_id(id: &str) -> String {
+    let chars = id.chars().count();
+    if chars <= MAX_ID {
+        return id.to_owned();
+    }
+    let suffix = format!("…({chars} chars)");
+    format!("{}{suffix}", cut(id, MAX_ID - suffix.chars().count()))
+}
 
 /// An `oversized_value` finding for a PaymentIntent with a value longer than its column, with
 /// every value cut to fit (an id cut short ends in `…` and its full length in characters).
@@ -179,13 +206,7 @@ fn oversized(intent: &ListedIntent) -> Option<NewReconciliationFinding> {
     {
         return None;
     }
-    let cut = |value: &str, max: usize| value.chars().take(max).collect::<String>();
-    let id = if chars(&intent.id) <= MAX_ID {
-        intent.id.clone()
-    } else {
-        let suffix = format!("…({} chars)", chars(&intent.id));
-        format!("{}{suffix}", cut(&intent.id, MAX_ID - chars(&suffix)))
-    };
+    let id = fit_id(&intent.id);
     tracing::warn!(
         payment_intent = %id,
         "reconciler: a PaymentIntent has values longer than the findings can hold"
@@ -261,12 +282,7 @@ fn unrecorded(
             currency: &ride.currency,
         })
     });
-    let facts = IntentFacts {
-        metadata: &intent.metadata,
-        customer: intent.customer.as_deref(),
-        amount: intent.amount,
-        currency: &intent.currency,
-    };
+    let facts = intent_facts(intent);
     if let Err(why) = ownership::verdict(&ledger.deployment_id, &facts, record.as_ref()) {
         not_ours(ledger, intent, why, out);
         return;

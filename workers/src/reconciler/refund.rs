@@ -31,7 +31,7 @@
 use contract::{
     Outcome, PAYMENT_REFUNDED,
     key::KeyMoved,
-    ownership::{self, IntentFacts, KeyRecord},
+    ownership::{self, KeyRecord},
 };
 use diesel::{
     ExpressionMethods, OptionalExtension, QueryDsl,
@@ -40,13 +40,13 @@ use diesel::{
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use provider::{Refund, RefundRequest, StripeClient};
 use schema::{
-    Pool, RecoveryPoint,
-    models::ReconciliationFinding,
+    FindingKind, Pool, RecoveryPoint,
+    models::{NewReconciliationFinding, ReconciliationFinding},
     schema::{idempotency_keys, reconciliation_findings, rides, users},
 };
 use serde_json::json;
 
-use super::classify::KeyFacts;
+use super::classify::{KeyFacts, MAX_CURRENCY, MAX_STATUS, cut, fit_id};
 use crate::admin::{AdminError, Change, ChangeReport, Mode, bound_waits, render};
 
 /// Who or what asked for a refund, as the audit records it.
@@ -125,6 +125,10 @@ pub async fn refund_finding(
                 return Ok::<ChangeReport, AdminError>(report);
             }
             let refund = make_refund(stripe, &finding, key.clone()).await?;
+            let (refund, oversized) = fit_refund(&finding, refund);
+            if let Some(oversized) = oversized {
+                record_oversized(conn, &oversized, &mut report).await?;
+            }
             report.changes.push(planned(Some(&refund.id)));
             let audit = Audit {
                 finding_id: id,
@@ -197,6 +201,76 @@ pub async fn refund_finding(
         })
         .await?;
     Ok(report)
+}
+
+/// A refund whose id or currency is longer than the columns hold (Stripe's are far shorter)
+/// would fail its recording after the money moved, on every attempt, and leave its key
+/// resumable, so that a rider's retry could still record the refunded charge. It is recorded
+/// with its values cut to fit (as a PaymentIntent's are, `classify::fit_id`), and an
+/// `oversized_value` finding of its own asks a person to look the refund up at the provider.
+fn fit_refund(
+    finding: &ReconciliationFinding,
+    refund: Refund,
+) -> (Refund, Option<NewReconciliationFinding>) {
+    let fitted = Refund {
+        id: fit_id(&refund.id),
+        currency: cut(&refund.currency, MAX_CURRENCY),
+        ..refund.clone()
+    };
+    if fitted.id == refund.id && fitted.currency == refund.currency {
+        return (refund, None);
+    }
+    tracing::warn!(
+        finding_id = finding.id,
+        payment_intent = finding.payment_intent_id,
+        refund_id = fitted.id,
+        "refund made at the provider with values longer than this service stores; recorded cut \
+         to fit, with an oversized_value finding"
+    );
+    let oversized = NewReconciliationFinding {
+        kind: FindingKind::OversizedValue,
+        payment_intent_id: finding.payment_intent_id.clone(),
+        ride_id: finding.ride_id,
+        user_id: finding.user_id,
+        idempotency_key_id: finding.idempotency_key_id,
+        provider_amount: Some(refund.amount),
+        provider_currency: Some(fitted.currency.clone()),
+        provider_status: Some(cut(&format!("refund {}", refund.status), MAX_STATUS)),
+        ride_amount: finding.ride_amount,
+        ride_currency: finding.ride_currency.clone(),
+    };
+    (fitted, Some(oversized))
+}
+
+/// The refund's `oversized_value` finding, in the refund's transaction (once per PaymentIntent).
+async fn record_oversized(
+    conn: &mut AsyncPgConnection,
+    oversized: &NewReconciliationFinding,
+    report: &mut ChangeReport,
+) -> Result<(), AdminError> {
+    let id: Option<i64> = diesel::insert_into(reconciliation_findings::table)
+        .values(oversized)
+        .on_conflict((
+            reconciliation_findings::kind,
+            reconciliation_findings::payment_intent_id,
+        ))
+        .do_nothing()
+        .returning(reconciliation_findings::id)
+        .get_result(conn)
+        .await
+        .optional()?;
+    let mut change = Change::insert(
+        "reconciliation_findings",
+        json!({"kind": oversized.kind.as_str(), "payment_intent": oversized.payment_intent_id}),
+    );
+    change.row = id;
+    report.changes.push(change);
+    report.warnings.push(
+        "the provider's refund id (or currency) is longer than this service stores: recorded cut \
+         to fit, with an oversized_value finding; look the refund up at the provider"
+            .to_owned(),
+    );
+    Ok(())
 }
 
 /// One refund as `refund_audits` records it and the log line says it.
@@ -444,12 +518,7 @@ async fn prove_ours(
         }),
         _ => None,
     };
-    let facts = IntentFacts {
-        metadata: &intent.metadata,
-        customer: intent.customer.as_deref(),
-        amount: intent.amount,
-        currency: &intent.currency,
-    };
+    let facts = super::classify::intent_facts(&intent);
     if let Err(why) = ownership::verdict(stripe.deployment_id().as_str(), &facts, record.as_ref()) {
         return Err(AdminError::Refused(format!(
             "PaymentIntent {pi} is not provably ours ({why}): nothing is refunded; check it at the \

@@ -114,6 +114,80 @@ async fn show(app: &TestApp, key_id: i64) -> keys::KeyReport {
         .unwrap()
 }
 
+/// The provider's client `key finish` checks a `--charge-id` with.
+fn stripe(app: &TestApp) -> provider::StripeClient {
+    provider::StripeClient::new(&provider::StripeConfig {
+        api_base: app.stripe.base_url(),
+        secret_key: provider::Secret::new("sk_test_harness"),
+        timeout: Duration::from_secs(5),
+        idempotency_window: Duration::from_secs(86_400),
+        deployment_id: app.config.stripe.deployment_id.clone(),
+    })
+    .unwrap()
+}
+
+/// A PaymentIntent made straight at the provider for `key_id`'s ride, with the metadata, customer
+/// and amount the api-server would give it; `changes` replace any of those (a look-alike).
+async fn charge_for(
+    app: &TestApp,
+    user: &TestUser,
+    key_id: i64,
+    changes: &[(&str, &str)],
+) -> String {
+    let ride = app
+        .rides()
+        .await
+        .into_iter()
+        .find(|ride| ride.idempotency_key_id == Some(key_id))
+        .unwrap();
+    let mut conn = app.pool.get().await.unwrap();
+    let customer: String = schema::schema::users::table
+        .find(user.id)
+        .select(schema::schema::users::stripe_customer_id)
+        .first(&mut conn)
+        .await
+        .unwrap();
+    let mut form: std::collections::BTreeMap<String, String> = [
+        ("amount", ride.amount.to_string()),
+        ("currency", ride.currency.clone()),
+        ("customer", customer),
+        ("payment_method", "pm_card_visa".to_owned()),
+        ("confirm", "true".to_owned()),
+        ("metadata[ride_id]", ride.id.to_string()),
+        ("metadata[user_id]", user.id.to_string()),
+        ("metadata[idempotency_key_id]", key_id.to_string()),
+        (
+            "metadata[deployment_id]",
+            app.config.stripe.deployment_id.as_str().to_owned(),
+        ),
+    ]
+    .into_iter()
+    .map(|(name, value)| (name.to_owned(), value))
+    .collect();
+    for (name, value) in changes {
+        form.insert((*name).to_owned(), (*value).to_owned());
+    }
+    let pi: serde_json::Value = reqwest::Client::new()
+        .post(format!("{}/v1/payment_intents", app.stripe.base_url()))
+        .bearer_auth("sk_test_harness")
+        .form(&form)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    pi["id"].as_str().unwrap().to_owned()
+}
+
+async fn finish(
+    app: &TestApp,
+    request: &FinishRequest,
+    mode: Mode,
+) -> Result<workers::admin::ChangeReport, AdminError> {
+    keys::finish(&app.pool, &db_settings(), &stripe(app), request, mode).await
+}
+
 fn finish_request(key_id: i64, outcome: FinishOutcome) -> FinishRequest {
     FinishRequest {
         key_id,
@@ -351,9 +425,7 @@ async fn a_forced_finish_fences_out_the_live_holder() {
         force: true,
         ..finish_request(lease.key_id, FinishOutcome::Declined)
     };
-    let applied = keys::finish(&app.pool, &db_settings(), &request, Mode::Apply)
-        .await
-        .unwrap();
+    let applied = finish(&app, &request, Mode::Apply).await.unwrap();
     assert_eq!(applied.warnings.len(), 1);
     let row = app.key_row(&user, &key).await.unwrap();
     assert_eq!(row.recovery_point, RecoveryPoint::Finished);
@@ -381,10 +453,7 @@ async fn a_finished_key_is_neither_unlocked_nor_finished_again() {
         for outcome in [FinishOutcome::Succeeded, FinishOutcome::Declined] {
             let mut request = finish_request(before.id, outcome);
             request.force = true;
-            assert_refused(
-                keys::finish(&app.pool, &db_settings(), &request, mode).await,
-                "already finished",
-            );
+            assert_refused(finish(&app, &request, mode).await, "already finished");
         }
     }
     let after = app.key_row(&user, &key).await.unwrap();
@@ -400,9 +469,7 @@ async fn finish_declined_is_replayed_as_card_declined() {
     let attention_id = record_attention(&app, &user, &key, key_id).await;
     let request = finish_request(key_id, FinishOutcome::Declined);
 
-    let dry = keys::finish(&app.pool, &db_settings(), &request, Mode::DryRun)
-        .await
-        .unwrap();
+    let dry = finish(&app, &request, Mode::DryRun).await.unwrap();
     assert!(
         dry.changes
             .iter()
@@ -413,9 +480,7 @@ async fn finish_declined_is_replayed_as_card_declined() {
     assert!(row.locked_at.is_some());
     assert!(attention_rows(&app).await[0].resolved_at.is_none());
 
-    let applied = keys::finish(&app.pool, &db_settings(), &request, Mode::Apply)
-        .await
-        .unwrap();
+    let applied = finish(&app, &request, Mode::Apply).await.unwrap();
     assert_eq!(applied.mode, Mode::Apply);
     let row = app.key_row(&user, &key).await.unwrap();
     assert_eq!(row.recovery_point, RecoveryPoint::Finished);
@@ -450,13 +515,14 @@ async fn finish_succeeded_with_a_found_charge_replays_ok_and_stages_one_receipt(
     let app = TestApp::spawn().await;
     let user = app.create_user(GOOD_CARD).await;
     let (key, key_id) = abandoned_at(&app, &user, RecoveryPoint::RideCreated).await;
-    let charge_id = "pi_FoundAtTheProvider0001";
+    let found = charge_for(&app, &user, key_id, &[]).await;
+    let charge_id = found.as_str();
+    let calls = app.stripe.create_calls();
 
     // The ride has no charge recorded: the operator must say which PaymentIntent paid for it.
     assert_refused(
-        keys::finish(
-            &app.pool,
-            &db_settings(),
+        finish(
+            &app,
             &finish_request(key_id, FinishOutcome::Succeeded),
             Mode::DryRun,
         )
@@ -466,18 +532,14 @@ async fn finish_succeeded_with_a_found_charge_replays_ok_and_stages_one_receipt(
     let mut request = finish_request(key_id, FinishOutcome::Succeeded);
     request.charge_id = Some(charge_id.to_owned());
 
-    let dry = keys::finish(&app.pool, &db_settings(), &request, Mode::DryRun)
-        .await
-        .unwrap();
+    let dry = finish(&app, &request, Mode::DryRun).await.unwrap();
     let tables: Vec<_> = dry.changes.iter().map(|c| (c.action, c.table)).collect();
     assert!(tables.contains(&("update", "rides")));
     assert!(tables.contains(&("insert", "staged_jobs")));
     assert!(app.staged_jobs().await.is_empty(), "dry run");
     assert_eq!(app.rides().await[0].stripe_charge_id, None, "dry run");
 
-    keys::finish(&app.pool, &db_settings(), &request, Mode::Apply)
-        .await
-        .unwrap();
+    finish(&app, &request, Mode::Apply).await.unwrap();
     let ride = app.rides().await.remove(0);
     assert_eq!(ride.stripe_charge_id.as_deref(), Some(charge_id));
     let jobs = app.staged_jobs().await;
@@ -507,14 +569,109 @@ async fn finish_succeeded_with_a_found_charge_replays_ok_and_stages_one_receipt(
     let replayed_ride = response.into_inner().ride.unwrap();
     assert_eq!(replayed_ride.id, ride.id);
     assert_eq!(replayed_ride.charge_id, charge_id);
-    assert_eq!(app.stripe.create_calls(), 0);
+    assert_eq!(app.stripe.create_calls(), calls);
 
     // Finishing it again is refused and stages nothing more.
     assert_refused(
-        keys::finish(&app.pool, &db_settings(), &request, Mode::Apply).await,
+        finish(&app, &request, Mode::Apply).await,
         "already finished",
     );
     assert_eq!(app.staged_jobs().await.len(), 1);
+}
+
+/// `key finish --charge-id` records a PaymentIntent only if the ownership rule proves it the
+/// ride's charge, it succeeded and nothing of it was refunded; anything else writes nothing.
+#[tokio::test(flavor = "multi_thread")]
+async fn finish_succeeded_records_only_a_charge_proven_the_rides() {
+    let app = TestApp::spawn().await;
+    let user = app.create_user(GOOD_CARD).await;
+    let (_, key_id) = abandoned_at(&app, &user, RecoveryPoint::RideCreated).await;
+    let other_user = app.create_user(GOOD_CARD).await;
+    let (_, other_key) = abandoned_at(&app, &other_user, RecoveryPoint::RideCreated).await;
+    let ride_id = app
+        .rides()
+        .await
+        .into_iter()
+        .find(|r| r.idempotency_key_id == Some(key_id))
+        .unwrap()
+        .id;
+    let refunded = charge_for(&app, &user, key_id, &[]).await;
+    let refund = reqwest::Client::new()
+        .post(format!("{}/v1/refunds", app.stripe.base_url()))
+        .bearer_auth("sk_test_harness")
+        .form(&[("payment_intent", refunded.as_str())])
+        .send()
+        .await
+        .unwrap();
+    assert!(refund.status().is_success());
+    let other_ride = (ride_id + 1).to_string();
+    let cases = [
+        (
+            charge_for(&app, &user, key_id, &[("customer", "cus_another_product")]).await,
+            "customer_mismatch",
+        ),
+        (
+            charge_for(
+                &app,
+                &user,
+                key_id,
+                &[("metadata[deployment_id]", "staging")],
+            )
+            .await,
+            "marker_mismatch",
+        ),
+        (
+            charge_for(&app, &user, key_id, &[("amount", "1")]).await,
+            "amount_mismatch",
+        ),
+        (
+            charge_for(
+                &app,
+                &user,
+                key_id,
+                &[("metadata[ride_id]", other_ride.as_str())],
+            )
+            .await,
+            "ride_mismatch",
+        ),
+        // The other rider's charge, named for this key.
+        (
+            charge_for(&app, &other_user, other_key, &[]).await,
+            "not provably",
+        ),
+        (
+            charge_for(&app, &user, key_id, &[("confirm", "false")]).await,
+            "has not succeeded",
+        ),
+        (refunded, "was refunded"),
+        ("pi_NeverMadeAnywhere0001".to_owned(), "does not exist"),
+    ];
+    for (charge_id, why) in &cases {
+        for mode in [Mode::DryRun, Mode::Apply] {
+            let mut request = finish_request(key_id, FinishOutcome::Succeeded);
+            request.charge_id = Some(charge_id.clone());
+            assert_refused(finish(&app, &request, mode).await, why);
+        }
+    }
+    let charge_of_the_ride = async || {
+        let rides = app.rides().await;
+        rides
+            .into_iter()
+            .find(|r| r.id == ride_id)
+            .unwrap()
+            .stripe_charge_id
+    };
+    assert_eq!(charge_of_the_ride().await, None, "nothing written");
+    assert!(app.staged_jobs().await.is_empty(), "no receipt");
+    let row = show(&app, key_id).await.key.unwrap();
+    assert_eq!(row.recovery_point, RecoveryPoint::RideCreated);
+
+    // The ride's own charge is recorded.
+    let ours = charge_for(&app, &user, key_id, &[]).await;
+    let mut request = finish_request(key_id, FinishOutcome::Succeeded);
+    request.charge_id = Some(ours.clone());
+    finish(&app, &request, Mode::Apply).await.unwrap();
+    assert_eq!(charge_of_the_ride().await, Some(ours));
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -526,17 +683,14 @@ async fn finish_checks_the_ride_the_charge_and_the_lock() {
     let (_, started) = abandoned_at(&app, &user, RecoveryPoint::Started).await;
     let mut request = finish_request(started, FinishOutcome::Succeeded);
     request.charge_id = Some("pi_Anything0001".into());
-    assert_refused(
-        keys::finish(&app.pool, &db_settings(), &request, Mode::Apply).await,
-        "has no ride",
-    );
+    assert_refused(finish(&app, &request, Mode::Apply).await, "has no ride");
 
     // A recorded charge cannot be declined, nor replaced; it is used as it is.
     let (charged_key, charged) = key_at(&app, &user, RecoveryPoint::ChargeCreated).await;
     let mut decline = finish_request(charged.key_id, FinishOutcome::Declined);
     decline.force = true;
     assert_refused(
-        keys::finish(&app.pool, &db_settings(), &decline, Mode::Apply).await,
+        finish(&app, &decline, Mode::Apply).await,
         "cannot be finished as declined",
     );
     let recorded = app.rides().await[0].stripe_charge_id.clone().unwrap();
@@ -544,20 +698,18 @@ async fn finish_checks_the_ride_the_charge_and_the_lock() {
     replace.charge_id = Some("pi_SomethingElse0001".into());
     replace.force = true;
     assert_refused(
-        keys::finish(&app.pool, &db_settings(), &replace, Mode::Apply).await,
+        finish(&app, &replace, Mode::Apply).await,
         "refusing to replace",
     );
     // Its lock is live: refused without --force, finished with it.
     let plain = finish_request(charged.key_id, FinishOutcome::Succeeded);
     assert_refused(
-        keys::finish(&app.pool, &db_settings(), &plain, Mode::Apply).await,
+        finish(&app, &plain, Mode::Apply).await,
         "may still be running",
     );
     let mut forced = plain.clone();
     forced.force = true;
-    let report = keys::finish(&app.pool, &db_settings(), &forced, Mode::Apply)
-        .await
-        .unwrap();
+    let report = finish(&app, &forced, Mode::Apply).await.unwrap();
     assert_eq!(report.warnings.len(), 1);
     let row = app.key_row(&user, &charged_key).await.unwrap();
     assert_eq!(row.recovery_point, RecoveryPoint::Finished);
@@ -572,14 +724,14 @@ async fn finish_checks_the_ride_the_charge_and_the_lock() {
     let mut duplicate = finish_request(other, FinishOutcome::Succeeded);
     duplicate.charge_id = Some(recorded);
     assert_refused(
-        keys::finish(&app.pool, &db_settings(), &duplicate, Mode::Apply).await,
+        finish(&app, &duplicate, Mode::Apply).await,
         "already recorded on ride",
     );
     // Malformed arguments never reach the database.
     let mut malformed = finish_request(other, FinishOutcome::Succeeded);
     malformed.charge_id = Some("ch_legacy".into());
     assert!(matches!(
-        keys::finish(&app.pool, &db_settings(), &malformed, Mode::Apply).await,
+        finish(&app, &malformed, Mode::Apply).await,
         Err(AdminError::Invalid(_))
     ));
 }

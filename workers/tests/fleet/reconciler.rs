@@ -125,6 +125,19 @@ async fn unrecorded_charge(app: &TestApp, user: &TestUser) -> (String, String) {
     (key, pi)
 }
 
+/// The rider's retry of a refunded key: PAYMENT_REFUNDED, never the refunded charge.
+async fn assert_retry_replays_payment_refunded(app: &TestApp, user: &TestUser, key: &str) {
+    let status = app
+        .create_ride(user, key, ride_request())
+        .await
+        .unwrap_err();
+    assert_status(
+        &status,
+        tonic::Code::FailedPrecondition,
+        api_server::grpc::reason::PAYMENT_REFUNDED,
+    );
+}
+
 fn kinds(findings: &[ReconciliationFinding]) -> Vec<FindingKind> {
     findings.iter().map(|finding| finding.kind).collect()
 }
@@ -713,15 +726,7 @@ async fn a_refunded_key_is_final_and_a_retry_never_records_the_refunded_charge()
     // The rider's retry with the same key: the provider would hand the same (now refunded)
     // PaymentIntent back; the key replays PAYMENT_REFUNDED instead, every time.
     for _ in 0..2 {
-        let status = app
-            .create_ride(&user, &key, ride_request())
-            .await
-            .unwrap_err();
-        assert_status(
-            &status,
-            tonic::Code::FailedPrecondition,
-            api_server::grpc::reason::PAYMENT_REFUNDED,
-        );
+        assert_retry_replays_payment_refunded(&app, &user, &key).await;
     }
     assert!(app.rides().await[0].stripe_charge_id.is_none(), "not paid");
     assert!(app.staged_jobs().await.is_empty(), "no receipt");
@@ -892,4 +897,114 @@ async fn refunds_stop_at_the_pass_caps_and_the_rest_wait_for_an_operator_or_the_
     }
     assert!(RefundRequester::operator(" ").is_err());
     assert!(RefundRequester::operator(&"x".repeat(101)).is_err());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_over_long_refund_id_is_recorded_cut_to_fit_with_a_finding_of_its_own() {
+    let stripe = fake_stripe::Config {
+        refund_id_len: 300,
+        ..fake_stripe::Config::default()
+    };
+    let app = TestApp::spawn_with(stripe, &[]).await;
+    let user = app.create_user(GOOD_CARD).await;
+    let (key, pi) = unrecorded_charge(&app, &user).await;
+    let summary = pass(&app, true).await;
+    assert_eq!(
+        (summary.refunded, summary.refunds_failed),
+        (1, 0),
+        "the pass records the refund instead of failing on it: {summary:?}"
+    );
+    let refunds = app.stripe.refunds();
+    assert_eq!(refunds.len(), 1);
+    let full = &refunds[0].id;
+    assert_eq!(full.chars().count(), 303);
+
+    let found = findings_of(&app).await;
+    assert_eq!(
+        kinds(&found),
+        [FindingKind::UnrecordedCharge, FindingKind::OversizedValue]
+    );
+    let cut = found[0].refund_id.clone().unwrap();
+    assert!(cut.chars().count() <= 255, "{cut}");
+    assert!(cut.ends_with("…(303 chars)"), "{cut}");
+    assert!(full.starts_with(cut.trim_end_matches("…(303 chars)")));
+    assert!(found[0].resolved_at.is_some());
+    assert_eq!(found[1].payment_intent_id, pi);
+    assert!(found[1].resolved_at.is_none(), "for a person to look up");
+
+    // Audited, and the key is final: a retry never records the refunded charge.
+    let audit = audits(&app).await;
+    assert_eq!(audit.len(), 1);
+    assert_eq!(audit[0].refund_id, cut);
+    assert_retry_replays_payment_refunded(&app, &user, &key).await;
+    assert!(app.rides().await[0].stripe_charge_id.is_none());
+
+    // Later passes neither refund again nor fail.
+    let summary = pass(&app, true).await;
+    assert_eq!((summary.refunded, summary.refunds_failed), (0, 0));
+    assert_eq!(app.stripe.refunds().len(), 1);
+}
+
+/// A rider's retry that holds the key's lock while the refund is made (the completer gave the key
+/// up, so the refund goes ahead): the refund clears the lock, and the attempt's next phase records
+/// nothing, though the provider hands it the refunded PaymentIntent back.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_attempt_holding_the_key_when_its_charge_is_refunded_records_nothing() {
+    let app = TestApp::spawn().await;
+    let user = app.create_user(GOOD_CARD).await;
+    let (key, _) = unrecorded_charge(&app, &user).await;
+    let params = api_server::rides::RideParams::new(
+        Some(37.7749),
+        Some(-122.4194),
+        Some(37.3382),
+        Some(-121.8863),
+    )
+    .unwrap();
+    let mut lease = app.claim(&user, &key, &params).await;
+    assert_eq!(lease.recovery_point, schema::RecoveryPoint::RideCreated);
+    let summary = pass(&app, true).await;
+    assert_eq!(summary.refunded, 1, "{summary:?}");
+
+    let request = app.rides_request(&user, params).await;
+    let step = app.rides.step(&mut lease, &request).await;
+    assert!(
+        matches!(step, Err(api_server::rides::CreateRideError::LockLost)),
+        "{step:?}"
+    );
+    assert!(app.rides().await[0].stripe_charge_id.is_none(), "not paid");
+    assert!(app.staged_jobs().await.is_empty(), "no receipt");
+    let row = app.key_row(&user, &key).await.unwrap();
+    assert_eq!(
+        row.response_body.as_ref().unwrap()["outcome"],
+        "payment_refunded"
+    );
+}
+
+/// The refund caps count the finding's amount: a PaymentIntent whose amount is not the finding's
+/// any more is not refunded.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_charge_whose_amount_is_no_longer_the_findings_is_not_refunded() {
+    let app = TestApp::spawn().await;
+    let user = app.create_user(GOOD_CARD).await;
+    unrecorded_charge(&app, &user).await;
+    pass(&app, false).await;
+    let finding = findings_of(&app).await.remove(0);
+    sql(
+        &app,
+        &format!(
+            "UPDATE reconciliation_findings SET provider_amount = 500 WHERE id = {}",
+            finding.id
+        ),
+    )
+    .await;
+    let stripe = provider::StripeClient::new(&config(&app).stripe).unwrap();
+    let refused = refund_finding(&app.pool, &stripe, finding.id, Mode::Apply, &operator()).await;
+    match refused {
+        Err(AdminError::Refused(message)) => assert!(message.contains("is of 2000"), "{message}"),
+        other => panic!("{other:?}"),
+    }
+    let summary = pass(&app, true).await;
+    assert_eq!((summary.refunded, summary.refunds_failed), (0, 1));
+    assert!(app.stripe.refunds().is_empty());
+    assert!(audits(&app).await.is_empty());
 }
