@@ -5,7 +5,7 @@
 # runs the pgbench ceiling and the load generator per scenario, prints the table and writes it to
 # a file, then kills its processes, drops its database and deletes its RabbitMQ queues.
 #
-#   bench/run.sh [all | riders | new | replay | latency | receipts | enqueuer | batched-ceiling | new-1 | new-8 | new-32 | new-64 ...]
+#   bench/run.sh [all | riders | retry-wait | new | replay | latency | receipts | enqueuer | batched-ceiling | new-1 | new-8 | new-32 | new-64 ...]
 #
 # The headline (issue 28) is `riders`: a rider-facing backend at the api-server's production
 # defaults (no limit lifted), RIDERS riders (default 10,000) created cold on a freshly started
@@ -308,6 +308,23 @@ if wants riders; then
       loadgen "$scenario" --riders "$RIDERS" --clients 64 --connections 1 --max-attempts 1 \
         --duration-secs "$DURATION"
     done
+  done
+  start_stack 0 16
+fi
+
+# Issue 31, a duplicate in flight waits for the answer: clients that give up on an attempt after
+# 100 ms (client-side, and sent as its grpc-timeout) and retry with the same key, against a
+# 250 ms provider, at the production defaults; first with waiting off (`idempotency-wait: 0`:
+# a retry that finds the first attempt running gets IDEMPOTENCY_KEY_IN_USE and its 1 s
+# RetryInfo), then with the default. loadgen prints the claim statements per logical request
+# and the p99 to the final answer of each.
+if wants retry-wait; then
+  for wait in off on; do
+    start_stack 250 16 defaults
+    opt_out=()
+    [ "$wait" = on ] || opt_out=(--idempotency-wait-ms 0)
+    loadgen "retry-wait-$wait" --riders "${RETRY_RIDERS:-1000}" --clients 32 --connections 1 \
+      --attempt-timeout-ms 100 --max-attempts 30 --duration-secs "$DURATION" "${opt_out[@]}"
   done
   start_stack 0 16
 fi

@@ -7,7 +7,7 @@ pub use telemetry::Secret;
 
 use crate::{
     admission::peer::TrustedProxies,
-    idempotency::Batching,
+    idempotency::{Batching, WaitConfig},
     limits::{LimitsConfig, Rate},
 };
 
@@ -114,6 +114,8 @@ pub struct IdempotencyConfig {
     /// How concurrent requests' write phases (ride created, charge recorded, receipt staged)
     /// share statements, each phase with its own batches.
     pub phase_batching: Batching,
+    /// How long, and how many, duplicates wait for the attempt in flight on their key.
+    pub wait: WaitConfig,
 }
 
 /// The price of a ride, in the currency's smallest unit.
@@ -158,6 +160,11 @@ impl Config {
                 reason: "must be a lower-case ISO 4217 code such as usd".into(),
             });
         }
+        let stripe =
+            StripeConfig::from_lookup(&lookup).map_err(|invalid| ConfigError::Invalid {
+                name: invalid.name,
+                reason: invalid.reason,
+            })?;
         let config = Config {
             database: DatabaseConfig {
                 url: Secret::new(vars.string("DATABASE_URL", DEFAULT_DATABASE_URL)),
@@ -168,29 +175,8 @@ impl Config {
                 "GRPC_LISTEN_ADDR",
                 SocketAddr::from(([127, 0, 0, 1], 50051)),
             )?,
-            stripe: StripeConfig::from_lookup(&lookup).map_err(|invalid| ConfigError::Invalid {
-                name: invalid.name,
-                reason: invalid.reason,
-            })?,
-            idempotency: IdempotencyConfig {
-                lock_timeout: Duration::from_secs(vars.parse("IDEMPOTENCY_LOCK_TIMEOUT_SECS", 90)?),
-                key_ttl: Duration::from_secs(
-                    vars.parse::<u32>("IDEMPOTENCY_KEY_TTL_HOURS", 72)?
-                        .max(1)
-                        .into(),
-                ) * 3600,
-                // `Batcher::new` raises 0 to 1 for both.
-                claim_batching: Batching {
-                    max_size: vars.parse("CLAIM_BATCH_SIZE", Batching::default().max_size)?,
-                    in_flight: vars
-                        .parse("CLAIM_BATCHES_IN_FLIGHT", Batching::default().in_flight)?,
-                },
-                phase_batching: Batching {
-                    max_size: vars.parse("PHASE_BATCH_SIZE", Batching::default().max_size)?,
-                    in_flight: vars
-                        .parse("PHASE_BATCHES_IN_FLIGHT", Batching::default().in_flight)?,
-                },
-            },
+            idempotency: idempotency(&vars, stripe.timeout)?,
+            stripe,
             price,
             serving: ServingConfig {
                 health_check_interval: Duration::from_millis(
@@ -274,6 +260,54 @@ impl Config {
         Ok(config)
     }
 }
+
+/// The idempotency settings. A duplicate waits by default a little longer than the provider
+/// call its key's holder may be in (`STRIPE_TIMEOUT_MS` + 1 s), so that it gets that call's answer.
+fn idempotency(
+    vars: &Vars<'_>,
+    stripe_timeout: Duration,
+) -> Result<IdempotencyConfig, ConfigError> {
+    let batching = |size: &'static str, in_flight: &'static str| -> Result<Batching, ConfigError> {
+        // `Batcher::new` raises 0 to 1 for both.
+        Ok(Batching {
+            max_size: vars.parse(size, Batching::default().max_size)?,
+            in_flight: vars.parse(in_flight, Batching::default().in_flight)?,
+        })
+    };
+    let default_wait =
+        u64::try_from((stripe_timeout + WAIT_OVER_PROVIDER).as_millis()).unwrap_or(u64::MAX);
+    let config = IdempotencyConfig {
+        lock_timeout: Duration::from_secs(vars.parse("IDEMPOTENCY_LOCK_TIMEOUT_SECS", 90)?),
+        key_ttl: Duration::from_secs(
+            vars.parse::<u32>("IDEMPOTENCY_KEY_TTL_HOURS", 72)?
+                .max(1)
+                .into(),
+        ) * 3600,
+        claim_batching: batching("CLAIM_BATCH_SIZE", "CLAIM_BATCHES_IN_FLIGHT")?,
+        phase_batching: batching("PHASE_BATCH_SIZE", "PHASE_BATCHES_IN_FLIGHT")?,
+        wait: WaitConfig {
+            max: Duration::from_millis(vars.parse("IDEMPOTENCY_WAIT_MAX_MS", default_wait)?),
+            per_key: vars.parse("IDEMPOTENCY_WAITERS_PER_KEY", 8)?,
+            per_process: vars.parse("IDEMPOTENCY_WAITERS_MAX", 1024)?,
+        },
+    };
+    // Zero would be a wait nobody may take: `IDEMPOTENCY_WAIT_MAX_MS=0` is how waiting is off.
+    for (name, zero) in [
+        ("IDEMPOTENCY_WAITERS_PER_KEY", config.wait.per_key == 0),
+        ("IDEMPOTENCY_WAITERS_MAX", config.wait.per_process == 0),
+    ] {
+        if zero {
+            return Err(ConfigError::Invalid {
+                name,
+                reason: "must be at least 1 (IDEMPOTENCY_WAIT_MAX_MS=0 turns waiting off)".into(),
+            });
+        }
+    }
+    Ok(config)
+}
+
+/// How much longer than the provider timeout a duplicate waits by default.
+const WAIT_OVER_PROVIDER: Duration = Duration::from_secs(1);
 
 fn limits(vars: &Vars<'_>) -> Result<LimitsConfig, ConfigError> {
     let rate = |per_sec: &'static str, burst: &'static str, default: f64| {
@@ -511,6 +545,14 @@ mod tests {
         );
         assert_eq!(config.idempotency.lock_timeout, Duration::from_secs(90));
         assert_eq!(config.idempotency.key_ttl, Duration::from_secs(72 * 3600));
+        assert_eq!(
+            config.idempotency.wait,
+            WaitConfig {
+                max: Duration::from_millis(31_000),
+                per_key: 8,
+                per_process: 1024,
+            }
+        );
         assert_eq!(
             config.price,
             Price {

@@ -22,6 +22,15 @@ pub struct Metrics {
     pub foreign_charges: Counter<u64>,
     /// Attempts refused because another attempt held the key, or fenced off after a takeover.
     pub lock_conflicts: Counter<u64>,
+    /// Claim statements run, by `step`: `insert_or_read` (every claim's first statement, alone or
+    /// batched), `lock` (the locking inspection of a key that may need work). Divided by the
+    /// CreateRides, the claim statements per request.
+    pub claim_statements: Counter<u64>,
+    /// Waits for the attempt in flight on a key, by `outcome`: `finished` (answered as a replay),
+    /// `free` (claimed again), `timed_out`, `caller_gone`, `refused` (a waiter bound reached).
+    pub waits: Counter<u64>,
+    /// Reads of a key row by waiters whose holder is on another process.
+    pub wait_polls: Counter<u64>,
     /// Transactions re-run after a serialization failure or deadlock.
     pub serialization_retries: Counter<u64>,
     /// Requests decided by one batched statement, by statement.
@@ -80,6 +89,18 @@ static METRICS: LazyLock<Metrics> = LazyLock::new(|| {
         lock_conflicts: meter
             .u64_counter("rides.idempotency.lock_conflicts")
             .with_description("Attempts refused or fenced off because another attempt held the key")
+            .build(),
+        claim_statements: meter
+            .u64_counter("rides.idempotency.claim_statements")
+            .with_description("Claim statements run, by step")
+            .build(),
+        waits: meter
+            .u64_counter("rides.idempotency.waits")
+            .with_description("Waits for the attempt in flight on a key, by outcome")
+            .build(),
+        wait_polls: meter
+            .u64_counter("rides.idempotency.wait_polls")
+            .with_description("Key rows read by waiters whose holder is on another process")
             .build(),
         serialization_retries: meter
             .u64_counter("rides.db.serialization_retries")

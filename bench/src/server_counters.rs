@@ -80,6 +80,28 @@ pub fn batch_fill(
         .collect()
 }
 
+/// The Prometheus name of the claim statements counter (`rides.idempotency.claim_statements`).
+pub const CLAIM_STATEMENTS: &str = "rides_idempotency_claim_statements_total";
+/// The Prometheus name of the waiters' key reads (`rides.idempotency.wait_polls`).
+pub const WAIT_POLLS: &str = "rides_idempotency_wait_polls_total";
+
+/// The counter `name` summed over every label set; `None` while the server has not counted it
+/// (the exporter writes no series before the first add).
+pub fn counter_total(exposition: &str, name: &str) -> Option<f64> {
+    exposition
+        .lines()
+        .filter_map(|line| {
+            let rest = line.strip_prefix(name)?;
+            // `name{labels} value` or `name value`, not a longer name sharing the prefix.
+            let value = match rest.strip_prefix('{') {
+                Some(labelled) => labelled.split_once('}')?.1,
+                None => rest.strip_prefix(' ')?,
+            };
+            value.split_whitespace().next()?.parse::<f64>().ok()
+        })
+        .reduce(|sum, value| sum + value)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -131,5 +153,16 @@ rides_db_serialization_retries_total{otel_scope_name="api-server"} 3
         assert_eq!(fill["claim"], 6.0);
         assert_eq!(fill["record_charge"], 4.0);
         assert!(!fill.contains_key("stage_receipt"));
+    }
+
+    #[test]
+    fn a_counter_is_summed_over_its_label_sets() {
+        let text = "rides_idempotency_claim_statements_total{step=\"lock\"} 3\n\
+                    rides_idempotency_claim_statements_total{step=\"insert_or_read\"} 7\n\
+                    rides_idempotency_claim_statements_totalx 100\n\
+                    rides_idempotency_wait_polls_total 4\n";
+        assert_eq!(counter_total(text, CLAIM_STATEMENTS), Some(10.0));
+        assert_eq!(counter_total(text, WAIT_POLLS), Some(4.0));
+        assert_eq!(counter_total(BEFORE, CLAIM_STATEMENTS), None);
     }
 }

@@ -134,17 +134,28 @@ pub(crate) fn user_client(user: &User, first: Channel, more: Vec<Channel>) -> Ri
 }
 
 /// A retrying client's policy: 100 ms doubling to 2 s of jitter (never under the server's
-/// `RetryInfo`), `--max-tries` attempts of 20 s, and no retry started after `hard_end`.
-fn retrying(args: &Args, hard_end: Instant) -> RetryPolicy {
+/// `RetryInfo`), `--max-tries` attempts of 20 s (of 300 ms for an `impatient` key, whose retries
+/// after a client-side timeout find its first attempt still running), and no retry started after
+/// `hard_end`. Every client waits for an attempt in flight with its key (the server's default,
+/// sent as nothing): a retry gets that attempt's answer as a replay.
+fn retrying(args: &Args, hard_end: Instant, impatient: bool) -> RetryPolicy {
     RetryPolicy {
         max_attempts: args.max_tries,
         initial_backoff: Duration::from_millis(100),
         multiplier: 2.0,
         max_backoff: Duration::from_secs(2),
         deadline: hard_end.saturating_duration_since(Instant::now()),
-        attempt_timeout: Duration::from_secs(20),
+        attempt_timeout: if impatient {
+            Duration::from_millis(300)
+        } else {
+            Duration::from_secs(20)
+        },
+        idempotency_wait: None,
     }
 }
+
+/// The share of retrying keys whose attempts time out after 300 ms.
+const IMPATIENT_RATIO: f64 = 0.25;
 
 struct ClientCtx {
     id: u32,
@@ -186,7 +197,8 @@ async fn run_client(ctx: ClientCtx, seed: u64) -> Vec<KeyRecord> {
         } else if no_retry {
             RetryPolicy::single_attempt(Duration::from_secs(20))
         } else {
-            retrying(&ctx.args, ctx.hard_end)
+            let impatient = rng.random_bool(IMPATIENT_RATIO);
+            retrying(&ctx.args, ctx.hard_end, impatient)
         };
         let result = ctx
             .client

@@ -6,6 +6,10 @@
 pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
 /// Request, every call: `Bearer <token>`.
 pub const AUTHORIZATION: &str = "authorization";
+/// Request, CreateRide: how long, in milliseconds, the call may wait for an attempt in flight
+/// with the same key to finish (`0`: not at all, answer `IDEMPOTENCY_KEY_IN_USE` at once). Absent:
+/// up to the server's `IDEMPOTENCY_WAIT_MAX_MS`; always within the call's deadline.
+pub const IDEMPOTENCY_WAIT: &str = "idempotency-wait";
 /// Request, with the internal credential only: the id of the user the call is made for.
 pub const ON_BEHALF_OF_USER: &str = "on-behalf-of-user";
 /// Response, CreateRide: `true` when the answer is the stored answer of a finished key.

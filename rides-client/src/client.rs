@@ -337,8 +337,8 @@ impl RidesClient {
         }
     }
 
-    /// The request of one attempt: credential, key, `grpc-timeout` and the trace context of the
-    /// attempt's span.
+    /// The request of one attempt: credential, key (and `idempotency-wait` if the policy sets
+    /// one), `grpc-timeout` and the trace context of the attempt's span.
     fn request<B>(
         &self,
         body: B,
@@ -356,6 +356,14 @@ impl RidesClient {
             let value = AsciiMetadataValue::try_from(key)
                 .map_err(|_| RidesError::InvalidMetadata("idempotency key"))?;
             metadata.insert(proto::metadata::IDEMPOTENCY_KEY, value);
+            // Absent, the server waits as long as it allows (`RetryPolicy::idempotency_wait`).
+            if let Some(wait) = self.policy.idempotency_wait {
+                // Digits only: always a valid header value. The server reads at most 8 digits.
+                let millis = wait.as_millis().min(99_999_999).to_string();
+                if let Ok(value) = AsciiMetadataValue::try_from(millis) {
+                    metadata.insert(proto::metadata::IDEMPOTENCY_WAIT, value);
+                }
+            }
         }
         inject_trace_context(metadata, attempt_span);
         Ok(request)

@@ -35,6 +35,8 @@ pub enum RidesError {
     },
     #[error("the idempotency key is not valid (INVALID_IDEMPOTENCY_KEY)")]
     InvalidIdempotencyKey(#[source] Box<Status>),
+    #[error("the idempotency-wait metadata is not valid (INVALID_IDEMPOTENCY_WAIT)")]
+    InvalidIdempotencyWait(#[source] Box<Status>),
     #[error("the ride parameters are not valid (INVALID_RIDE_PARAMETERS)")]
     InvalidRideParameters(#[source] Box<Status>),
     /// The key was used with other parameters: a new logical request needs a new key.
@@ -109,6 +111,7 @@ impl RidesError {
             | RidesError::OnBehalfOfNotAllowed(_)
             | RidesError::InternalCredentialNotAllowed(_)
             | RidesError::InvalidIdempotencyKey(_)
+            | RidesError::InvalidIdempotencyWait(_)
             | RidesError::InvalidRideParameters(_)
             | RidesError::IdempotencyKeyReused(_)
             | RidesError::CardDeclined { .. }
@@ -156,6 +159,7 @@ impl RidesError {
             | RidesError::InternalCredentialNotAllowed(status)
             | RidesError::RateLimited { status, .. }
             | RidesError::InvalidIdempotencyKey(status)
+            | RidesError::InvalidIdempotencyWait(status)
             | RidesError::InvalidRideParameters(status)
             | RidesError::IdempotencyKeyReused(status)
             | RidesError::CardDeclined { status, .. }
@@ -256,6 +260,7 @@ impl From<Status> for RidesError {
                 status,
             },
             reason::INVALID_IDEMPOTENCY_KEY => RidesError::InvalidIdempotencyKey(status),
+            reason::INVALID_IDEMPOTENCY_WAIT => RidesError::InvalidIdempotencyWait(status),
             reason::INVALID_RIDE_PARAMETERS => RidesError::InvalidRideParameters(status),
             reason::IDEMPOTENCY_KEY_REUSED => RidesError::IdempotencyKeyReused(status),
             reason::CARD_DECLINED => RidesError::CardDeclined {
@@ -336,6 +341,11 @@ mod tests {
         (
             Code::InvalidArgument,
             reason::INVALID_IDEMPOTENCY_KEY,
+            false,
+        ),
+        (
+            Code::InvalidArgument,
+            reason::INVALID_IDEMPOTENCY_WAIT,
             false,
         ),
         (

@@ -9,6 +9,11 @@
 //!   reason of the table in docs/errors.md and [`RidesError::is_retryable`] is its "retry?" column;
 //!   transport failures, where the request may or may not have arrived, are retried with the
 //!   same key, which is what the key is for.
+//! - **Waits for a duplicate in flight** (by default): a retry that finds the key's first attempt
+//!   still running (the client gave up on it, or another process sent the same key) waits on the
+//!   server for that attempt's answer and gets it as a replay, instead of
+//!   `IDEMPOTENCY_KEY_IN_USE` and a back-off; [`RetryPolicy::idempotency_wait`] bounds or turns
+//!   that off (`idempotency-wait` metadata).
 //! - **Back-off** ([`RetryPolicy`]): exponential with full jitter, never shorter than the
 //!   server's `RetryInfo`, inside an overall deadline that also caps each attempt.
 //! - **What happened**: a [`Created`] carries the ride, the key, whether the answer was a replay

@@ -39,6 +39,14 @@ pub struct RetryPolicy {
     /// than being cut off and retried into `IDEMPOTENCY_KEY_IN_USE` (the cut attempt keeps the
     /// key's lock until it ends). Sent as `grpc-timeout` too, so the server knows.
     pub attempt_timeout: Duration,
+    /// How long an attempt may wait on the server for another attempt in flight with the same
+    /// key (a retry after a cut attempt, a duplicate from elsewhere) to finish, and then get its
+    /// answer, as a replay, instead of `IDEMPOTENCY_KEY_IN_USE` (the `idempotency-wait`
+    /// metadata). Default `None`, **waiting on**: nothing is sent and the server waits up to its
+    /// `IDEMPOTENCY_WAIT_MAX_MS` (31 s by default), always ending before the attempt's timeout.
+    /// `Some(d)` sends `d` in milliseconds (the server never waits longer than its own setting);
+    /// `Some(Duration::ZERO)` opts out: the server answers `IDEMPOTENCY_KEY_IN_USE` at once.
+    pub idempotency_wait: Option<Duration>,
 }
 
 impl Default for RetryPolicy {
@@ -50,6 +58,7 @@ impl Default for RetryPolicy {
             max_backoff: Duration::from_secs(5),
             deadline: Duration::from_secs(60),
             attempt_timeout: Duration::from_secs(35),
+            idempotency_wait: None,
         }
     }
 }

@@ -134,8 +134,14 @@ async fn retry_info_is_the_least_wait() {
     let key_id = app.key_row(&user, &key).await.unwrap().id;
     let first_answer = Arc::new(tokio::sync::Notify::new());
     let notify = Arc::clone(&first_answer);
+    // Not waiting for the holder: its RetryInfo (1 s) is what is tested here.
+    let policy = RetryPolicy {
+        idempotency_wait: Some(Duration::ZERO),
+        ..RetryPolicy::default()
+    };
     let client = client(&app, &user)
         .await
+        .with_policy(policy)
         .on_attempt(Arc::new(move |_: &AttemptRecord| notify.notify_one()));
 
     let (created, ()) = tokio::join!(
@@ -366,5 +372,62 @@ async fn mutual_tls() {
         .await
         .unwrap_err();
     assert!(error.error.is_retryable(), "{error:?}");
+    assert_eq!(app.stripe.succeeded_charges(), 1);
+}
+
+/// A client whose attempts give up after 700 ms, against a provider that takes 1.5 s: every
+/// retry finds the first attempt still running.
+async fn impatient_against_a_slow_provider(
+    idempotency_wait: Option<Duration>,
+) -> (TestApp, Result<rides_client::Created, CallError>) {
+    let app = TestApp::spawn_with(
+        fake_stripe::Config {
+            latency: Duration::from_millis(1500),
+            ..Default::default()
+        },
+        &[],
+    )
+    .await;
+    let user = app.create_user(GOOD_CARD).await;
+    let policy = RetryPolicy {
+        max_attempts: 6,
+        initial_backoff: Duration::from_millis(1),
+        attempt_timeout: Duration::from_millis(700),
+        idempotency_wait,
+        ..RetryPolicy::default()
+    };
+    let result = client(&app, &user)
+        .await
+        .with_policy(policy)
+        .create_ride(ride_request())
+        .await;
+    (app, result)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn by_default_a_retry_waits_for_the_attempt_it_gave_up_on_and_gets_its_answer() {
+    let (app, created) = impatient_against_a_slow_provider(None).await;
+    let created = created.unwrap();
+
+    assert_eq!(created.log[0].outcome, "CLIENT/TIMEOUT");
+    assert!(created.replayed, "the first attempt's answer, replayed");
+    // Any `IDEMPOTENCY_KEY_IN_USE` came after a wait (its retry may come at once), none at once.
+    for attempt in &created.log[1..created.log.len() - 1] {
+        assert_eq!(attempt.outcome, "Aborted/IDEMPOTENCY_KEY_IN_USE");
+        assert_eq!(attempt.retry_info, Some(Duration::ZERO));
+    }
+    assert_eq!(app.stripe.create_calls(), 1);
+    assert_eq!(app.stripe.succeeded_charges(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_client_that_opts_out_of_waiting_gets_in_use_and_backs_off() {
+    let (app, created) = impatient_against_a_slow_provider(Some(Duration::ZERO)).await;
+    let created = created.unwrap();
+
+    assert_eq!(created.log[0].outcome, "CLIENT/TIMEOUT");
+    assert_eq!(created.log[1].outcome, "Aborted/IDEMPOTENCY_KEY_IN_USE");
+    assert_eq!(created.log[1].retry_info, Some(Duration::from_secs(1)));
+    assert!(created.replayed);
     assert_eq!(app.stripe.succeeded_charges(), 1);
 }

@@ -153,6 +153,7 @@ pub fn classify(result: &Result<Created, CallError>) -> Attempt {
             Attempt::Deferred(None)
         }
         RidesError::InvalidIdempotencyKey(_)
+        | RidesError::InvalidIdempotencyWait(_)
         | RidesError::InvalidRideParameters(_)
         | RidesError::IdempotencyKeyReused(_)
         | RidesError::IdempotencyKeyLockLost(_)
@@ -193,7 +194,12 @@ impl Completer {
             Credential::User(token.clone()),
         )
         .map_err(CompleteError::ApiUrl)?
-        .with_policy(RetryPolicy::single_attempt(config.rpc_timeout));
+        .with_policy(RetryPolicy {
+            // A key in use has a live attempt that will finish it; waiting for that attempt would
+            // hold the pass's other keys up, as in-call retries would.
+            idempotency_wait: Some(std::time::Duration::ZERO),
+            ..RetryPolicy::single_attempt(config.rpc_timeout)
+        });
         Ok(Completer {
             pool,
             client,

@@ -3,6 +3,7 @@
 //! or a `Status` in one exhaustive match. Nothing here decides business outcomes.
 
 mod status;
+mod wait;
 
 use std::{
     future::Future,
@@ -37,7 +38,7 @@ use crate::{
     },
     auth::{self, Caller},
     config::Secret,
-    idempotency::{self, IdempotencyKey},
+    idempotency::{self, IdempotencyKey, WaitBudget},
     limits::CreatePermit,
     metrics::{self, metrics},
     penalty::Penalties,
@@ -45,6 +46,7 @@ use crate::{
 };
 
 pub use status::{ERROR_DOMAIN, reason};
+pub use wait::IDEMPOTENCY_WAIT_HEADER;
 
 // The metadata names are the wire contract, defined once in `proto::metadata`.
 pub use proto::metadata::{
@@ -68,6 +70,9 @@ pub struct RideApi {
     /// CreateRide runs in tasks tracked here, so that shutdown can wait for them.
     tasks: TaskTracker,
     admission: Arc<Admission>,
+    /// The server's own deadline for a call (`GRPC_REQUEST_TIMEOUT_SECS`): a duplicate's wait
+    /// ends before it, as before the call's `grpc-timeout`.
+    request_timeout: Duration,
     _admission_gauges: [opentelemetry::metrics::ObservableGauge<u64>; 2],
 }
 
@@ -100,6 +105,7 @@ impl RideApi {
             rides: app.rides,
             internal_api_token: app.internal_api_token,
             tasks,
+            request_timeout: app.transport.request_timeout,
             _admission_gauges: metrics::observe_admission(&admission),
             admission,
         }
@@ -457,7 +463,7 @@ impl RideService for RideApi {
         let peer = self.call_peer(&request);
         let admitted = self.admit_create(request.metadata(), &peer).await;
         let span = server_span("CreateRide", request.metadata(), admitted.is_ok());
-        let handler = self.create_ride_traced(request, &peer, admitted);
+        let handler = self.create_ride_traced(request, &peer, admitted, started);
         let result = traced("CreateRide", started, span, handler).await;
         self.note_failed_auth(&peer, &result);
         result
@@ -488,6 +494,7 @@ impl RideApi {
         request: Request<CreateRideRequest>,
         peer: &CallPeer,
         admitted: Result<Admitted<CreatePermits>, Status>,
+        started: Instant,
     ) -> Result<Response<CreateRideResponse>, Status> {
         let fresh = |mut status: Status| {
             status
@@ -504,17 +511,19 @@ impl RideApi {
         self.check_decline_budget(caller, &key)
             .await
             .map_err(fresh)?;
-        let (_, _, message) = request.into_parts();
+        let requested_wait = wait::requested_wait(request.metadata());
+        let (metadata, _, message) = request.into_parts();
         let params = RideParams::try_from(message);
-        // Checked in the contract's order: credentials first, then the key, then the parameters.
-        // The credentials of a valid request are checked by the claim's own statement; those of
-        // an invalid one need a lookup of their own.
-        let valid = match (key, params) {
-            (Ok(key), Ok(params)) => Ok((key, params)),
-            (Err(invalid_key), _) => Err(invalid_key),
-            (Ok(_), Err(violations)) => Err(status::invalid_params(&violations)),
+        // Checked in the contract's order: credentials first, then the key, its wait, then the
+        // parameters. The credentials of a valid request are checked by the claim's own
+        // statement; those of an invalid one need a lookup of their own.
+        let valid = match (key, requested_wait, params) {
+            (Ok(key), Ok(requested), Ok(params)) => Ok((key, requested, params)),
+            (Err(invalid_key), _, _) => Err(invalid_key),
+            (Ok(_), Err(invalid_wait), _) => Err(invalid_wait),
+            (Ok(_), Ok(_), Err(violations)) => Err(status::invalid_params(&violations)),
         };
-        let (key, params) = match valid {
+        let (key, requested_wait, params) = match valid {
             Ok(valid) => valid,
             Err(invalid) => {
                 let user = self.authenticate(caller).await.map_err(fresh)?;
@@ -524,12 +533,27 @@ impl RideApi {
         };
         Span::current().record("rides.idempotency_key", key.redacted());
         let rides = Arc::clone(&self.rides);
+        let wait = WaitBudget {
+            until: wait::wait_until_for(
+                rides.wait_config(),
+                &metadata,
+                requested_wait,
+                started,
+                self.request_timeout,
+            ),
+            ..WaitBudget::none()
+        };
+        // A caller that hangs up (or whose deadline passes) ends its wait, not its attempt.
+        let _waiting = wait.gone.clone().drop_guard();
         // The permit moves into the detached attempt: a client that hangs up does not free its
-        // place while its attempt still runs.
+        // place while its attempt still runs. A waiting call holds it too: it counts against
+        // its caller's concurrency.
         let answered = self
             .detached(async move {
                 let _permit = permit;
-                rides.create_ride(caller, &key, params, origin_ip).await
+                rides
+                    .create_ride(caller, &key, params, origin_ip, &wait)
+                    .await
             })
             .await
             .map_err(fresh)?;

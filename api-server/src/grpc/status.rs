@@ -83,11 +83,28 @@ pub fn rate_limited(message: &str, after: Duration) -> Status {
 }
 
 pub fn invalid_key(description: &str) -> Status {
-    let mut details = error_info(reason::INVALID_IDEMPOTENCY_KEY, HashMap::new());
-    details.add_bad_request_violation("idempotency-key", description);
+    invalid_metadata(
+        reason::INVALID_IDEMPOTENCY_KEY,
+        "idempotency-key",
+        description,
+    )
+}
+
+pub fn invalid_wait(description: &str) -> Status {
+    invalid_metadata(
+        reason::INVALID_IDEMPOTENCY_WAIT,
+        "idempotency-wait",
+        description,
+    )
+}
+
+/// A request metadata value that is not valid, named in a `BadRequest` violation.
+fn invalid_metadata(reason: &str, name: &str, description: &str) -> Status {
+    let mut details = error_info(reason, HashMap::new());
+    details.add_bad_request_violation(name, description);
     Status::with_error_details(
         Code::InvalidArgument,
-        format!("invalid idempotency-key metadata: {description}"),
+        format!("invalid {name} metadata: {description}"),
         details,
     )
 }
@@ -157,11 +174,13 @@ pub fn create_ride_error(error: CreateRideError) -> Status {
             "this idempotency key was already used with different parameters",
             reason::IDEMPOTENCY_KEY_REUSED,
         ),
-        CreateRideError::KeyInUse => retryable(
+        CreateRideError::KeyInUse { waited } => retryable(
             Code::Aborted,
             "another request with this idempotency key is in progress",
             reason::IDEMPOTENCY_KEY_IN_USE,
-            RETRY_SOON,
+            // A call that waited until its deadline served as its own back-off: its retry may
+            // come at once, and waits again.
+            if waited { Duration::ZERO } else { RETRY_SOON },
         ),
         CreateRideError::LockLost => retryable(
             Code::Aborted,

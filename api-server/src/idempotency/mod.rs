@@ -15,6 +15,8 @@
 //! - [`phase`]: the fenced atomic phase, alone or batched, and the two phases every key shares
 //!   (finishing with a stored outcome, releasing the lock).
 //! - [`batch`]: the machinery that sends concurrent requests' statements of one kind together.
+//! - [`wait`]: a duplicate's wait for the attempt in flight on its key, woken by that attempt on
+//!   this process, polling the key row across processes.
 //! - Database errors and the transient-retry policy are `schema::store`'s, shared by every crate.
 //!
 //! # Isolation level
@@ -34,6 +36,7 @@ mod batch;
 pub mod claim;
 mod key;
 pub mod phase;
+pub mod wait;
 
 use schema::RecoveryPoint;
 use uuid::Uuid;
@@ -42,6 +45,7 @@ pub use batch::{BatchCounts, BatchStatement, Batcher, Batching};
 pub use claim::{Claimed, Claims, Decision, FirstRide, claim, key_exists};
 pub use key::{IdempotencyKey, InvalidKey, MAX_LEN, MIN_LEN};
 pub use phase::{atomic_phase, batched_phase, finish, release};
+pub use wait::{Holding, WaitBudget, WaitConfig, WaitEnd, Waits};
 
 /// What identifies a request beyond its key: a key reused for anything else is refused.
 #[derive(Clone, Debug, PartialEq)]

@@ -58,7 +58,10 @@ use self::{
 use crate::{
     auth::Caller,
     config::{IdempotencyConfig, Price},
-    idempotency::{self, BatchCounts, Batcher, Claimed, Claims, Decision, IdempotencyKey, Lease},
+    idempotency::{
+        self, BatchCounts, Batcher, Claimed, Claims, Decision, IdempotencyKey, Lease, WaitBudget,
+        WaitEnd, Waits,
+    },
     metrics::metrics,
     payments::{ChargeError, StripeClient},
 };
@@ -68,8 +71,10 @@ use crate::{
 pub enum CreateRideError {
     #[error("the idempotency key was used with different parameters")]
     KeyReused,
+    /// `waited`: this call waited for that request until its own wait was over (so a retry may
+    /// come at once and wait again).
     #[error("another request with this idempotency key is in progress")]
-    KeyInUse,
+    KeyInUse { waited: bool },
     #[error("another attempt took over this idempotency key")]
     LockLost,
     #[error("the request kept conflicting with concurrent requests")]
@@ -136,6 +141,8 @@ pub struct Rides {
     price: Price,
     idempotency: IdempotencyConfig,
     retry: RetryPolicy,
+    /// The keys this process's attempts hold and the duplicates waiting for them.
+    waits: Waits,
 }
 
 impl Rides {
@@ -172,6 +179,7 @@ impl Rides {
             pool,
             stripe,
             price,
+            waits: Waits::new(idempotency.wait),
             idempotency,
             retry,
         })
@@ -184,6 +192,11 @@ impl Rides {
     #[cfg(feature = "testing")]
     pub(crate) fn stripe(&self) -> &StripeClient {
         &self.stripe
+    }
+
+    /// How long, and how many, duplicates may wait for the attempt in flight on their key.
+    pub fn wait_config(&self) -> idempotency::WaitConfig {
+        self.waits.config()
     }
 
     /// The claim batcher, whose counts tell how many claims shared statements.
@@ -213,28 +226,56 @@ impl Rides {
 
     /// Runs CreateRide for `caller` to a final outcome or an error, claiming the key first; the
     /// claim's own statement authenticates the caller (one round trip for a new key, a replay or
-    /// a mismatch). `None` if the caller is no user; nothing is written then. Otherwise the reply,
-    /// with the caller's user id unless the claim failed before it was known. On any error that
-    /// leaves the key unfinished the key is unlocked, so a retry resumes at once.
+    /// a mismatch). A key in use by a live attempt is waited for within `wait`
+    /// ([`idempotency::wait`]). `None` if the caller is no user; nothing is written then.
+    /// Otherwise the reply, with the caller's user id unless the claim failed before it was
+    /// known. On any error that leaves the key unfinished the key is unlocked, so a retry resumes
+    /// at once.
     pub async fn create_ride(
         &self,
         caller: Caller,
         key: &IdempotencyKey,
         params: RideParams,
         origin_ip: IpAddr,
+        wait: &WaitBudget,
     ) -> Option<(Option<i64>, CreateRideReply)> {
         let first_ride = self.first_ride(params, origin_ip);
-        // The claim of a fresh key commits phase `started` (its ride) with the key.
-        crate::fault::crash_point("started.before_commit");
-        let claimed = idempotency::claim(
-            &self.claims,
-            caller,
-            key,
-            &params.signature(),
-            Some(&first_ride),
-            self.idempotency.lock_timeout,
-        )
-        .await;
+        let signature = params.signature();
+        let claim = || async {
+            // The claim of a fresh key commits phase `started` (its ride) with the key.
+            crate::fault::crash_point("started.before_commit");
+            idempotency::claim(
+                &self.claims,
+                caller,
+                key,
+                &signature,
+                Some(&first_ride),
+                self.idempotency.lock_timeout,
+            )
+            .await
+        };
+        let mut claimed = claim().await;
+        // A key in use is waited for: its holder's outcome is answered as a replay; a key let go
+        // is claimed again, and what that claim decides is the answer.
+        let mut waited = false;
+        while let Ok(Some((user, found))) = &mut claimed
+            && matches!(found.decision, Decision::InUse)
+        {
+            let lock_timeout = self.idempotency.lock_timeout;
+            match self
+                .waits
+                .wait(&self.pool, user.id, key, lock_timeout, wait)
+                .await
+            {
+                WaitEnd::Finished(stored) => found.decision = Decision::Replay(stored),
+                WaitEnd::Free => {
+                    claimed = claim().await;
+                    continue;
+                }
+                WaitEnd::Over { waited: over } => waited = over,
+            }
+            break;
+        }
         match claimed {
             Ok(None) => None,
             Ok(Some((user, claimed))) => {
@@ -244,7 +285,8 @@ impl Rides {
                     params,
                     origin_ip,
                 };
-                Some((Some(user_id), self.answer(claimed, &request).await))
+                let reply = self.answer(claimed, key, &request, waited).await;
+                Some((Some(user_id), reply))
             }
             Err(error) => Some((
                 None,
@@ -257,8 +299,15 @@ impl Rides {
         }
     }
 
-    /// Acts on a claim: refuses, replays, or runs the key to a final outcome.
-    async fn answer(&self, claimed: Claimed, request: &RideRequest) -> CreateRideReply {
+    /// Acts on a claim: refuses (`waited`: a key in use after this call waited for it),
+    /// replays, or runs the key to a final outcome.
+    async fn answer(
+        &self,
+        claimed: Claimed,
+        key: &IdempotencyKey,
+        request: &RideRequest,
+        waited: bool,
+    ) -> CreateRideReply {
         let key_expires_at = claimed
             .key_created_at
             .checked_add_signed(chrono_duration(self.idempotency.key_ttl));
@@ -266,7 +315,7 @@ impl Rides {
             Decision::Mismatch => (false, Err(CreateRideError::KeyReused)),
             Decision::InUse => {
                 metrics().lock_conflicts.add(1, &[attr("kind", "in_use")]);
-                (false, Err(CreateRideError::KeyInUse))
+                (false, Err(CreateRideError::KeyInUse { waited }))
             }
             Decision::Replay(stored) => {
                 metrics().replays.add(1, &[]);
@@ -280,10 +329,13 @@ impl Rides {
                 if claimed.first_ride.is_some() {
                     crate::fault::crash_point("started.after_commit");
                 }
-                (
-                    false,
-                    self.drive(&mut lease, request, claimed.first_ride).await,
-                )
+                // Duplicates waiting on this process hear how this attempt ends.
+                let holding = self.waits.hold(lease.user_id, key);
+                let result = self.drive(&mut lease, request, claimed.first_ride).await;
+                if let Ok(outcome) = &result {
+                    holding.finished(outcome.to_stored());
+                }
+                (false, result)
             }
         };
         if matches!(result, Err(CreateRideError::LockLost)) {

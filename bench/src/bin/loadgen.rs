@@ -119,6 +119,14 @@ struct Args {
     /// Deadline of one attempt.
     #[arg(long, default_value_t = 60)]
     request_timeout_secs: u64,
+    /// Deadline of one attempt in milliseconds, instead of --request-timeout-secs: a client that
+    /// gives up on an attempt after a short client-side timeout and retries with the same key.
+    #[arg(long)]
+    attempt_timeout_ms: Option<u64>,
+    /// `idempotency-wait` of every attempt (`0`: do not wait for an attempt in flight with the
+    /// same key, answer IDEMPOTENCY_KEY_IN_USE at once). Default: not sent, the server's maximum.
+    #[arg(long)]
+    idempotency_wait_ms: Option<u64>,
     /// Scenario name, for the report.
     #[arg(long, default_value = "adhoc")]
     scenario: String,
@@ -469,6 +477,16 @@ async fn main() -> anyhow::Result<()> {
         _ => None,
     };
     let batch_fill = server_counters::batch_fill(&counters_before.batches, &counters_after.batches);
+    let per_logical_request = |before: Option<f64>, after: Option<f64>| {
+        let (before, after) = (before?, after?);
+        (total.measured_done > 0).then(|| (after - before) / total.measured_done as f64)
+    };
+    let claim_statements_per_request = per_logical_request(
+        counters_before.claim_statements,
+        counters_after.claim_statements,
+    );
+    let wait_polls_per_request =
+        per_logical_request(counters_before.wait_polls, counters_after.wait_polls);
     let (samples, waits) = wait_samples;
     let waits_avg: BTreeMap<String, f64> = waits
         .iter()
@@ -524,6 +542,11 @@ async fn main() -> anyhow::Result<()> {
     }
     if let Some(commits) = commits_per_request {
         println!("database commits per request (pg_stat_database, this database): {commits:.2}");
+    }
+    if let (Some(claims), Some(polls)) = (claim_statements_per_request, wait_polls_per_request) {
+        println!(
+            "claim statements per logical request: {claims:.2}  (waiters' key reads: {polls:.2})"
+        );
     }
     if !batch_fill.is_empty() {
         println!("batch fill (requests per batched statement, mean over the window):");
@@ -582,6 +605,10 @@ async fn main() -> anyhow::Result<()> {
         "cpu_ms_per_request": cpu_ms_per_request,
         "commits_per_request": commits_per_request,
         "batch_fill": batch_fill,
+        "claim_statements_per_request": claim_statements_per_request,
+        "wait_polls_per_request": wait_polls_per_request,
+        "attempt_timeout_ms": args.attempt_timeout_ms,
+        "idempotency_wait_ms": args.idempotency_wait_ms,
         "machine_busy": machine_busy,
         "pg_waits_avg_backends": waits_avg,
         "server_rss_peak_kb": rss.map(|r| r.0),
@@ -621,7 +648,7 @@ impl ClientStats {
 }
 
 /// The retries of one logical request: `--max-attempts` attempts of `--request-timeout-secs`
-/// each, 20 ms doubling to 500 ms of full jitter between them (what this load generator always
+/// (or `--attempt-timeout-ms`) each, with `--idempotency-wait-ms` if given, 20 ms doubling to 500 ms of full jitter between them (what this load generator always
 /// used), no overall deadline (a logical request's latency is what is measured, not bounded).
 fn policy(args: &Args) -> RetryPolicy {
     RetryPolicy {
@@ -630,7 +657,11 @@ fn policy(args: &Args) -> RetryPolicy {
         multiplier: 2.0,
         max_backoff: Duration::from_millis(500),
         deadline: Duration::MAX,
-        attempt_timeout: Duration::from_secs(args.request_timeout_secs),
+        attempt_timeout: args.attempt_timeout_ms.map_or(
+            Duration::from_secs(args.request_timeout_secs),
+            Duration::from_millis,
+        ),
+        idempotency_wait: args.idempotency_wait_ms.map(Duration::from_millis),
     }
 }
 
@@ -722,6 +753,9 @@ struct ServerCounters {
     /// a few percent of a 15 s window).
     commits: Option<i64>,
     batches: BTreeMap<String, BatchTotals>,
+    /// The api-server's claim statements and waiters' key reads (with --metrics-url).
+    claim_statements: Option<f64>,
+    wait_polls: Option<f64>,
 }
 
 impl ServerCounters {
@@ -733,17 +767,26 @@ impl ServerCounters {
                 None
             }
         };
-        let batches = match metrics_url {
-            Some(url) => match scrape(url).await {
-                Ok(text) => server_counters::batch_totals(&text),
-                Err(error) => {
-                    eprintln!("reading {url} failed: {error:#}");
-                    BTreeMap::new()
-                }
-            },
-            None => BTreeMap::new(),
+        let exposition = match metrics_url {
+            Some(url) => scrape(url)
+                .await
+                .inspect_err(|error| eprintln!("reading {url} failed: {error:#}"))
+                .ok(),
+            None => None,
         };
-        ServerCounters { commits, batches }
+        let text = exposition.as_deref().unwrap_or_default();
+        ServerCounters {
+            commits,
+            batches: server_counters::batch_totals(text),
+            // Absent once scraped: none counted yet.
+            claim_statements: exposition.as_ref().map(|text| {
+                server_counters::counter_total(text, server_counters::CLAIM_STATEMENTS)
+                    .unwrap_or(0.0)
+            }),
+            wait_polls: exposition.as_ref().map(|text| {
+                server_counters::counter_total(text, server_counters::WAIT_POLLS).unwrap_or(0.0)
+            }),
+        }
     }
 }
 

@@ -82,6 +82,7 @@ pub async fn claim(
     lock_timeout: Duration,
 ) -> Result<Option<(User, Claimed)>, StoreError> {
     let (pool, policy) = (claims.pool(), claims.policy());
+    count_statement("insert_or_read");
     let found = match caller {
         Caller::Token(digest) => claims.claim(&digest, key, request, first_ride).await?,
         Caller::OnBehalfOf(_) => {
@@ -178,6 +179,7 @@ impl Attempt<'_> {
         // snapshot, or the key was reaped between two steps, so a few rounds suffice.
         let caller = Caller::OnBehalfOf(user_id);
         for _ in 0..CLAIM_ROUNDS {
+            count_statement("insert_or_read");
             let found = claim_alone(
                 self.pool,
                 self.policy,
@@ -207,6 +209,7 @@ impl Attempt<'_> {
         }
         retry_transient(self.policy, || async {
             let mut conn = self.pool.get().await.map_err(StoreError::Unavailable)?;
+            count_statement("lock");
             conn.build_transaction()
                 .read_committed()
                 .run(async |conn| {
@@ -216,6 +219,12 @@ impl Attempt<'_> {
         })
         .await
     }
+}
+
+fn count_statement(step: &'static str) {
+    crate::metrics::metrics()
+        .claim_statements
+        .add(1, &[telemetry::attr("step", step)]);
 }
 
 /// How many insert/inspect rounds a claim makes before giving up on a key that keeps vanishing.
@@ -473,7 +482,7 @@ fn decide_without_lock(
 }
 
 /// The outcome stored on a finished key (the schema guarantees both parts are present).
-fn stored_response(
+pub(super) fn stored_response(
     code: Option<i32>,
     body: Option<serde_json::Value>,
 ) -> Result<StoredResponse, StoreError> {
