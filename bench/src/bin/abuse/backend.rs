@@ -23,7 +23,7 @@ use serde::Serialize;
 
 use crate::{
     attacks::Tally,
-    traffic::{PARAMS, authorized, client, label},
+    traffic::{PARAMS, authorized, connected_client, label},
 };
 
 /// The backend's address; attacks "from the backend's own address" bind to it too.
@@ -163,7 +163,7 @@ pub async fn reference_run(
     target: SocketAddr,
     secs: std::time::Duration,
 ) -> anyhow::Result<BackendRun> {
-    let running = start(target, riders(pool, run, batch).await?)?;
+    let running = start(target, riders(pool, run, batch).await?).await?;
     tokio::time::sleep(secs).await;
     let seen = running.finish().await?;
     println!(
@@ -192,24 +192,34 @@ impl Running {
 }
 
 /// Starts the backend against `target`: each call takes the next rider, until the riders run
-/// out or [`Running::finish`].
-pub fn start(target: SocketAddr, riders: Vec<String>) -> anyhow::Result<Running> {
+/// out or [`Running::finish`]. Returns once its connection is open, so that an attack started
+/// next meets a backend already connected, as a real one is.
+pub async fn start(target: SocketAddr, riders: Vec<String>) -> anyhow::Result<Running> {
     let stop = Arc::new(AtomicBool::new(false));
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
-    let rpc = {
-        let _entered = runtime.enter();
-        client(target, Some(IpAddr::V4(BACKEND_ADDR)))?
-    };
+    let (connected, is_connected) = tokio::sync::oneshot::channel();
     let flag = Arc::clone(&stop);
     let thread = std::thread::Builder::new()
         .name("backend".into())
         .spawn(move || {
             // Threads inherit their creator's nice value; the backend is not an attacker.
             let _ = rustix::process::setpriority_process(None, 0);
-            runtime.block_on(run(rpc, riders, flag))
+            runtime.block_on(async move {
+                match connected_client(target, Some(IpAddr::V4(BACKEND_ADDR))).await {
+                    Ok(rpc) => {
+                        let _ = connected.send(Ok(()));
+                        run(rpc, riders, flag).await
+                    }
+                    Err(error) => {
+                        let _ = connected.send(Err(error));
+                        BackendRun::default()
+                    }
+                }
+            })
         })?;
+    is_connected.await??;
     Ok(Running { stop, thread })
 }
 

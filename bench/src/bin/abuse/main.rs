@@ -188,9 +188,10 @@ async fn campaign(args: Args) -> anyhow::Result<()> {
         |index: usize, from: Instant, db: Database| Window::new(&phases, &sampler, index, from, db);
     let db = Database::read(&pool, &legitimate_ids).await?;
     let (quiet, from) = (phases.begin(), Instant::now());
-    let running = alone_riders
-        .map(|riders| backend::start(args.target, riders))
-        .transpose()?;
+    let running = match alone_riders {
+        Some(riders) => Some(backend::start(args.target, riders).await?),
+        None => None,
+    };
     tokio::time::sleep(Duration::from_secs(args.quiet_secs)).await;
     let backend_alone = match running {
         Some(running) => Some(running.finish().await?),
@@ -223,9 +224,10 @@ async fn campaign(args: Args) -> anyhow::Result<()> {
         let refused_before = observe::refused_connections(&http, args.metrics).await?;
         let db = Database::read(&pool, &legitimate_ids).await?;
         let (index, from) = (phases.begin(), Instant::now());
-        let running = riders
-            .map(|riders| backend::start(args.target, riders))
-            .transpose()?;
+        let running = match riders {
+            Some(riders) => Some(backend::start(args.target, riders).await?),
+            None => None,
+        };
         let attacker = attack
             .run(&target)
             .await

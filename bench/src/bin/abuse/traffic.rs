@@ -96,12 +96,29 @@ pub fn client(
     target: SocketAddr,
     local: Option<IpAddr>,
 ) -> anyhow::Result<RideServiceClient<Channel>> {
-    let channel = Channel::from_shared(format!("http://{target}"))?
+    Ok(RideServiceClient::new(
+        endpoint(target, local)?.connect_lazy(),
+    ))
+}
+
+fn endpoint(
+    target: SocketAddr,
+    local: Option<IpAddr>,
+) -> anyhow::Result<tonic::transport::Endpoint> {
+    Ok(Channel::from_shared(format!("http://{target}"))?
         .connect_timeout(Duration::from_secs(1))
         .timeout(CALL_TIMEOUT)
-        .local_address(local)
-        .connect_lazy();
-    Ok(RideServiceClient::new(channel))
+        .local_address(local))
+}
+
+/// [`client`], connected before it returns.
+pub async fn connected_client(
+    target: SocketAddr,
+    local: Option<IpAddr>,
+) -> anyhow::Result<RideServiceClient<Channel>> {
+    Ok(RideServiceClient::new(
+        endpoint(target, local)?.connect().await?,
+    ))
 }
 
 /// A request carrying `token` and, for CreateRide, a fresh idempotency key.

@@ -1,8 +1,9 @@
 //! Out of file descriptors: the api-server's soft `nofile` limit is lowered (prlimit) to what it
-//! has open plus [`HEADROOM`], and 300 polite HTTP/2 connections from 6 addresses use the rest
-//! up. The accept loop must pause rather than spin, the connections it already serves must go
-//! on, and once the attacker lets go, a new connection must be served again. The limit is put
-//! back before this returns, whatever happens.
+//! has open plus its descriptor reserve (`GRPC_RESERVED_DESCRIPTORS`, [`RESERVE`] by default)
+//! plus [`HEADROOM`], and 300 polite HTTP/2 connections from 6 addresses use the rest up. The
+//! accept loop must pause rather than spin, the connections it already serves must go on, and
+//! once the attacker lets go and the limit is back, a new connection must be served again. The
+//! limit is put back before the recovery is measured, whatever happens.
 
 use std::{
     sync::atomic::Ordering,
@@ -18,6 +19,8 @@ use super::{Manners, RawConn, Target, source};
 use crate::traffic::time_to_serve;
 
 const HEADROOM: u64 = 40;
+/// The api-server's default `GRPC_RESERVED_DESCRIPTORS`: descriptors no connection may take.
+const RESERVE: u64 = 256;
 const CONNECTIONS: u32 = 300;
 const ADDRESSES: u32 = 6;
 
@@ -50,12 +53,22 @@ fn set_nofile(pid: u32, soft: Option<u64>, hard: Option<u64>) -> anyhow::Result<
 pub async fn run(target: &Target) -> anyhow::Result<Value> {
     let fds = open_fds(target.server_pid)
         .ok_or_else(|| anyhow::anyhow!("cannot read the api-server's fds"))?;
-    let limit = fds as u64 + HEADROOM;
+    let limit = fds as u64 + RESERVE + HEADROOM;
     let (soft, hard) = nofile(target.server_pid)?;
     set_nofile(target.server_pid, Some(limit), hard)?;
     let outcome = exhaust(target, fds, limit).await;
     set_nofile(target.server_pid, soft, hard)?;
-    outcome
+    let mut outcome = outcome?;
+    let recovered = time_to_serve(
+        target.addr,
+        &target.probe_token,
+        target.probe_ride,
+        Duration::from_secs(30),
+    )
+    .await;
+    outcome["new_connection_served_after_release_ms"] =
+        json!(recovered.map(|d| d.as_millis() as u64));
+    Ok(outcome)
 }
 
 async fn exhaust(target: &Target, fds_before: usize, limit: u64) -> anyhow::Result<Value> {
@@ -83,13 +96,6 @@ async fn exhaust(target: &Target, fds_before: usize, limit: u64) -> anyhow::Resu
     let hold = Duration::from_secs(target.secs).saturating_sub(started.elapsed());
     tokio::time::sleep(hold).await;
     drop(conns);
-    let recovered = time_to_serve(
-        target.addr,
-        &target.probe_token,
-        target.probe_ride,
-        Duration::from_secs(30),
-    )
-    .await;
     Ok(json!({
         "fds_before": fds_before,
         "soft_limit_set_to": limit,
@@ -97,6 +103,5 @@ async fn exhaust(target: &Target, fds_before: usize, limit: u64) -> anyhow::Resu
         "connections_opened": CONNECTIONS,
         "connections_served": served,
         "new_connection_served_while_exhausted_ms": served_while_exhausted.map(|d| d.as_millis() as u64),
-        "new_connection_served_after_release_ms": recovered.map(|d| d.as_millis() as u64),
     }))
 }
