@@ -1,9 +1,11 @@
 //! Configuration, read once from the environment at start-up into typed structs. Every variable
 //! is documented with its default in docs/configuration.md.
 
-use std::{fmt, net::SocketAddr, path::PathBuf, str::FromStr, time::Duration};
+use std::{net::SocketAddr, path::PathBuf, time::Duration};
 
+use contract::key::{DEFAULT_KEY_TTL_HOURS, DEFAULT_LOCK_TIMEOUT_SECS};
 pub use telemetry::Secret;
+use telemetry::settings::Vars;
 
 use crate::{
     admission::peer::TrustedProxies,
@@ -125,13 +127,9 @@ pub struct Price {
     pub currency: String,
 }
 
-#[derive(Debug, thiserror::Error)]
-pub enum ConfigError {
-    #[error("{name} is not valid: {reason}")]
-    Invalid { name: &'static str, reason: String },
-}
+pub use telemetry::settings::ConfigError;
 
-pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/rocket_rides";
+pub use schema::DEFAULT_DATABASE_URL;
 pub const DEFAULT_GRPC_LISTEN_ADDR: &str = "127.0.0.1:50051";
 pub use provider::{DEFAULT_STRIPE_API_BASE, DEFAULT_STRIPE_SECRET_KEY};
 
@@ -143,7 +141,7 @@ impl Config {
     /// Reads configuration through `lookup`, so tests can configure without touching the process
     /// environment.
     pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Config, ConfigError> {
-        let vars = Vars(&lookup);
+        let vars = Vars::new(&lookup);
         let price = Price {
             amount: vars.parse("RIDE_PRICE_AMOUNT", 2000_i64)?,
             currency: vars.string("RIDE_PRICE_CURRENCY", "usd"),
@@ -277,12 +275,8 @@ fn idempotency(
     let default_wait =
         u64::try_from((stripe_timeout + WAIT_OVER_PROVIDER).as_millis()).unwrap_or(u64::MAX);
     let config = IdempotencyConfig {
-        lock_timeout: Duration::from_secs(vars.parse("IDEMPOTENCY_LOCK_TIMEOUT_SECS", 90)?),
-        key_ttl: Duration::from_secs(
-            vars.parse::<u32>("IDEMPOTENCY_KEY_TTL_HOURS", 72)?
-                .max(1)
-                .into(),
-        ) * 3600,
+        lock_timeout: vars.secs("IDEMPOTENCY_LOCK_TIMEOUT_SECS", DEFAULT_LOCK_TIMEOUT_SECS)?,
+        key_ttl: vars.hours("IDEMPOTENCY_KEY_TTL_HOURS", DEFAULT_KEY_TTL_HOURS)?,
         claim_batching: batching("CLAIM_BATCH_SIZE", "CLAIM_BATCHES_IN_FLIGHT")?,
         phase_batching: batching("PHASE_BATCH_SIZE", "PHASE_BATCHES_IN_FLIGHT")?,
         wait: WaitConfig {
@@ -452,7 +446,7 @@ impl TransportConfig {
 }
 
 fn tls_config(vars: &Vars<'_>) -> Result<Option<TlsConfig>, ConfigError> {
-    let path = |name: &str| (vars.0)(name).filter(|value| !value.is_empty());
+    let path = |name: &str| vars.raw(name);
     let reload_interval = Duration::from_secs(vars.parse::<u64>("GRPC_TLS_RELOAD_SECS", 5)?.max(1));
     match (path("GRPC_TLS_CERT"), path("GRPC_TLS_KEY")) {
         (Some(cert), Some(key)) => Ok(Some(TlsConfig {
@@ -474,43 +468,6 @@ fn tls_config(vars: &Vars<'_>) -> Result<Option<TlsConfig>, ConfigError> {
             name: "GRPC_TLS_CERT",
             reason: "must be set with GRPC_TLS_KEY".into(),
         }),
-    }
-}
-
-struct Vars<'a>(&'a dyn Fn(&str) -> Option<String>);
-
-impl Vars<'_> {
-    fn string(&self, name: &str, default: &str) -> String {
-        (self.0)(name)
-            .filter(|value| !value.is_empty())
-            .unwrap_or_else(|| default.to_owned())
-    }
-
-    fn parse<T>(&self, name: &'static str, default: T) -> Result<T, ConfigError>
-    where
-        T: FromStr,
-        T::Err: fmt::Display,
-    {
-        Ok(self.optional(name)?.unwrap_or(default))
-    }
-
-    /// A variable with no fixed default: `None` when unset or empty.
-    fn optional<T>(&self, name: &'static str) -> Result<Option<T>, ConfigError>
-    where
-        T: FromStr,
-        T::Err: fmt::Display,
-    {
-        (self.0)(name)
-            .filter(|value| !value.is_empty())
-            .map(|raw| {
-                raw.trim()
-                    .parse()
-                    .map_err(|error: T::Err| ConfigError::Invalid {
-                        name,
-                        reason: error.to_string(),
-                    })
-            })
-            .transpose()
     }
 }
 
@@ -618,6 +575,11 @@ mod tests {
         for (vars, name) in [
             (vec![("DATABASE_POOL_SIZE", "many")], "DATABASE_POOL_SIZE"),
             (vec![("DATABASE_POOL_SIZE", "0")], "DATABASE_POOL_SIZE"),
+            // Refused as the reaper refuses it: one rule (`telemetry::settings::Vars::hours`).
+            (
+                vec![("IDEMPOTENCY_KEY_TTL_HOURS", "0")],
+                "IDEMPOTENCY_KEY_TTL_HOURS",
+            ),
             (vec![("RIDE_PRICE_AMOUNT", "-5")], "RIDE_PRICE_AMOUNT"),
             (vec![("RIDE_PRICE_CURRENCY", "USD")], "RIDE_PRICE_CURRENCY"),
             (vec![("GRPC_LISTEN_ADDR", "nowhere")], "GRPC_LISTEN_ADDR"),
@@ -689,6 +651,7 @@ mod tests {
         ] {
             match config(&vars) {
                 Err(ConfigError::Invalid { name: got, .. }) => assert_eq!(got, name),
+                Err(ConfigError::Missing { name: got }) => panic!("{got} reported missing"),
                 Ok(_) => panic!("{vars:?} was accepted"),
             }
         }

@@ -12,15 +12,17 @@
 //!
 //! | variable | meaning |
 //! | --- | --- |
-//! | `FAULT_CRASH_POINT` | the one armed point, one of [`CRASH_POINTS`] |
+//! | `FAULT_CRASH_POINT` | the one armed point, the [`CrashPoint::name`] of one of [`CrashPoint::ALL`] |
 //! | `FAULT_CRASH_AFTER` | crash on this hit of the point (default 1) |
 //! | `FAULT_CRASH_LOG` | file the point's name is appended to just before the crash |
 
-/// Every crash point, in the order a CreateRide passes them. `<phase>.before_commit` fires once the
+use schema::RecoveryPoint;
+
+/// A crash point, in the order a CreateRide passes them. `<Phase>BeforeCommit` fires once the
 /// phase's work is decided, immediately before its one statement is sent (a crash there leaves
-/// nothing of the phase in the database); `.after_commit` fires once the statement (its own
-/// implicit transaction) has committed and before the caller learns of it. A fresh key commits
-/// two phases in each of its two statements, and both phases' points fire around each:
+/// nothing of the phase in the database); `AfterCommit` fires once the statement (its own implicit
+/// transaction) has committed and before the caller learns of it. A fresh key commits two phases
+/// in each of its two statements, and both phases' points fire around each:
 /// - its claim commits phase `started` with the key (`crate::idempotency::FirstRide`):
 ///   `started.before_commit` fires before the claim's statement, and `claim.after_commit` and
 ///   `started.after_commit` after it;
@@ -29,28 +31,75 @@
 ///   that statement, and `ride_created.after_commit` and `charge_created.after_commit` after it.
 ///
 /// A key left at `started` or `charge_created` (an older server's) passes that phase's own points
-/// around its own statement.
-pub const CRASH_POINTS: &[&str] = &[
-    "started.before_commit",
-    "claim.after_commit",
-    "started.after_commit",
-    "charge.before_call",
-    "charge.after_success",
-    "charge_created.before_commit",
-    "ride_created.before_commit",
-    "ride_created.after_commit",
-    "charge_created.after_commit",
-];
+/// around its own statement. Typed, so a misspelt point is a compile error rather than a point
+/// that never fires; [`CrashPoint::ALL`] is the list the campaign arms, and [`CrashPoint::name`]
+/// the one spelling `FAULT_CRASH_POINT` takes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum CrashPoint {
+    StartedBeforeCommit,
+    ClaimAfterCommit,
+    StartedAfterCommit,
+    ChargeBeforeCall,
+    ChargeAfterSuccess,
+    ChargeCreatedBeforeCommit,
+    RideCreatedBeforeCommit,
+    RideCreatedAfterCommit,
+    ChargeCreatedAfterCommit,
+}
+
+impl CrashPoint {
+    /// Every point, in the order a CreateRide passes them.
+    pub const ALL: [CrashPoint; 9] = [
+        CrashPoint::StartedBeforeCommit,
+        CrashPoint::ClaimAfterCommit,
+        CrashPoint::StartedAfterCommit,
+        CrashPoint::ChargeBeforeCall,
+        CrashPoint::ChargeAfterSuccess,
+        CrashPoint::ChargeCreatedBeforeCommit,
+        CrashPoint::RideCreatedBeforeCommit,
+        CrashPoint::RideCreatedAfterCommit,
+        CrashPoint::ChargeCreatedAfterCommit,
+    ];
+
+    /// The point's name in `FAULT_CRASH_POINT` and in the campaign's report.
+    pub const fn name(self) -> &'static str {
+        match self {
+            CrashPoint::StartedBeforeCommit => "started.before_commit",
+            CrashPoint::ClaimAfterCommit => "claim.after_commit",
+            CrashPoint::StartedAfterCommit => "started.after_commit",
+            CrashPoint::ChargeBeforeCall => "charge.before_call",
+            CrashPoint::ChargeAfterSuccess => "charge.after_success",
+            CrashPoint::ChargeCreatedBeforeCommit => "charge_created.before_commit",
+            CrashPoint::RideCreatedBeforeCommit => "ride_created.before_commit",
+            CrashPoint::RideCreatedAfterCommit => "ride_created.after_commit",
+            CrashPoint::ChargeCreatedAfterCommit => "charge_created.after_commit",
+        }
+    }
+
+    /// The point around the commit of the phase that starts at `phase`: before its statement
+    /// is sent, or after it committed. `None` for `finished`, which no phase starts from.
+    pub const fn around_phase(phase: RecoveryPoint, committed: bool) -> Option<CrashPoint> {
+        Some(match (phase, committed) {
+            (RecoveryPoint::Started, false) => CrashPoint::StartedBeforeCommit,
+            (RecoveryPoint::Started, true) => CrashPoint::StartedAfterCommit,
+            (RecoveryPoint::RideCreated, false) => CrashPoint::RideCreatedBeforeCommit,
+            (RecoveryPoint::RideCreated, true) => CrashPoint::RideCreatedAfterCommit,
+            (RecoveryPoint::ChargeCreated, false) => CrashPoint::ChargeCreatedBeforeCommit,
+            (RecoveryPoint::ChargeCreated, true) => CrashPoint::ChargeCreatedAfterCommit,
+            (RecoveryPoint::Finished, _) => return None,
+        })
+    }
+}
 
 /// Crashes the process here if this point is armed and its countdown has run out.
 #[cfg(not(feature = "fault-injection"))]
 #[inline(always)]
-pub fn crash_point(_point: &str) {}
+pub fn crash_point(_point: CrashPoint) {}
 
 /// Crashes the process here if this point is armed and its countdown has run out.
 #[cfg(feature = "fault-injection")]
-pub fn crash_point(point: &str) {
-    armed::crash_point(point);
+pub fn crash_point(point: CrashPoint) {
+    armed::crash_point(point.name());
 }
 
 #[cfg(feature = "fault-injection")]
@@ -117,12 +166,30 @@ mod tests {
     use super::*;
 
     #[test]
-    fn crash_points_are_unique_and_name_every_phase() {
-        let mut seen = std::collections::HashSet::new();
-        assert!(CRASH_POINTS.iter().all(|p| seen.insert(*p)));
-        for phase in ["started", "ride_created", "charge_created"] {
-            assert!(CRASH_POINTS.contains(&format!("{phase}.before_commit").as_str()));
-            assert!(CRASH_POINTS.contains(&format!("{phase}.after_commit").as_str()));
+    fn every_point_has_its_own_name_and_is_listed_once() {
+        let names: std::collections::HashSet<_> =
+            CrashPoint::ALL.iter().map(|point| point.name()).collect();
+        assert_eq!(names.len(), CrashPoint::ALL.len());
+    }
+
+    /// Every phase a key can start from has a point on each side of its commit, and the name
+    /// says which phase and which side (what an operator reads in the campaign's report).
+    #[test]
+    fn each_phase_has_a_point_before_and_after_its_commit() {
+        for phase in [
+            RecoveryPoint::Started,
+            RecoveryPoint::RideCreated,
+            RecoveryPoint::ChargeCreated,
+        ] {
+            for (committed, side) in [(false, "before_commit"), (true, "after_commit")] {
+                let point = CrashPoint::around_phase(phase, committed).unwrap();
+                assert!(CrashPoint::ALL.contains(&point));
+                assert_eq!(point.name(), format!("{}.{side}", phase.as_str()));
+            }
         }
+        assert_eq!(
+            CrashPoint::around_phase(RecoveryPoint::Finished, false),
+            None
+        );
     }
 }

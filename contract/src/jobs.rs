@@ -2,9 +2,16 @@
 //! last phase, or by `workers admin key finish`) and drained by the enqueuer. Each job type is one
 //! struct that both builds and parses its `job_args`, so producer and consumer agree by
 //! construction (after crates.io's `BackgroundJob`, whose name this trait keeps).
+//!
+//! Staging has one home, [`BackgroundJob::staged`]: the row's name, arguments and trace context.
+//! The admin writes it with [`JobToStage::enqueue`]; the api-server binds the same values into the
+//! one statement that also records the charge and finishes the key (its phase must stay one
+//! statement: docs/performance.md).
 
 use chrono::{DateTime, Utc};
-use schema::models::Ride;
+use diesel::{ExpressionMethods, QueryResult};
+use diesel_async::{AsyncPgConnection, RunQueryDsl};
+use schema::{models::Ride, schema::staged_jobs};
 use serde::{Deserialize, Serialize, de::DeserializeOwned};
 
 /// A job type: its name in `staged_jobs.job_name` and its arguments as `job_args`.
@@ -21,6 +28,39 @@ pub trait BackgroundJob: Serialize + DeserializeOwned {
     /// Parses staged `job_args`; an error means the row was not written by this type.
     fn from_args(args: &serde_json::Value) -> Result<Self, serde_json::Error> {
         Self::deserialize(args)
+    }
+
+    /// The row that stages this job, in the current span's trace: the enqueuer and the consumer
+    /// continue the trace of the request (or the admin command) that staged it.
+    fn staged(&self) -> JobToStage {
+        JobToStage {
+            job_name: Self::JOB_NAME,
+            job_args: self.to_args(),
+            trace_context: serde_json::to_value(telemetry::inject_current()).unwrap_or_default(),
+        }
+    }
+}
+
+/// One `staged_jobs` row about to be written (`schema::models::StagedJob` is the row once read).
+#[derive(Clone, Debug, PartialEq)]
+pub struct JobToStage {
+    pub job_name: &'static str,
+    pub job_args: serde_json::Value,
+    pub trace_context: serde_json::Value,
+}
+
+impl JobToStage {
+    /// Writes the row in `conn`'s transaction (crates.io's `enqueue`); its id.
+    pub async fn enqueue(&self, conn: &mut AsyncPgConnection) -> QueryResult<i64> {
+        diesel::insert_into(staged_jobs::table)
+            .values((
+                staged_jobs::job_name.eq(self.job_name),
+                staged_jobs::job_args.eq(&self.job_args),
+                staged_jobs::trace_context.eq(&self.trace_context),
+            ))
+            .returning(staged_jobs::id)
+            .get_result(conn)
+            .await
     }
 }
 
@@ -74,5 +114,9 @@ mod tests {
         assert_eq!(ReceiptJob::from_args(&job.to_args()).unwrap(), job);
         assert!(ReceiptJob::from_args(&serde_json::json!({"ride_id": 7})).is_err());
         assert!(ReceiptJob::from_args(&serde_json::json!("send_ride_receipt")).is_err());
+        let staged = job.staged();
+        assert_eq!(staged.job_name, "send_ride_receipt");
+        assert_eq!(ReceiptJob::from_args(&staged.job_args).unwrap(), job);
+        assert!(staged.trace_context.is_object());
     }
 }

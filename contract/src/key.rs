@@ -21,6 +21,11 @@
 //! waiting for the flush (nothing outside the database followed it before the receipt's flushed
 //! commit); merged with the receipt's, it has nothing left to save. A claim that only reads
 //! (a replay, a mismatch) writes no WAL and waits for nothing.
+//!
+//! What proves it: the `--ha` campaign (`proof/run.sh --ha`, in the test command) SIGKILLs the
+//! PostgreSQL primary under load and fails (`ok_key_finished`, `client_saw_ride`) if an answered
+//! ride or outcome is missing on the promoted standby, which is what a commit that did not wait
+//! would lose.
 
 use std::{collections::HashSet, time::Duration};
 
@@ -56,13 +61,36 @@ pub fn provider_refund_idempotency_key(deployment_id: &str, finding_id: i64) -> 
     format!("rocket-rides-refund-{deployment_id}-{finding_id}")
 }
 
+/// `IDEMPOTENCY_LOCK_TIMEOUT_SECS`'s default, for every process that judges a lock.
+pub const DEFAULT_LOCK_TIMEOUT_SECS: u64 = 90;
+/// `IDEMPOTENCY_KEY_TTL_HOURS`'s default: how long a key is kept (and replays) before the reaper
+/// retires it; the api-server tells callers when by it, the reaper acts on it.
+pub const DEFAULT_KEY_TTL_HOURS: u32 = 72;
+
 /// Whether a key locked at `locked_at` is still held at `now`: a lock older than the lock timeout
 /// may be taken over (its holder is presumed dead). The api-server's claim and `workers admin`
-/// both decide by it.
+/// both decide by it; the completer and the reaper, which pick keys in SQL, by its SQL form
+/// [`lock_is_free_sql!`](crate::lock_is_free_sql), which is exactly its negation (at exact
+/// equality with the cut-off a lock is free in both).
 pub fn lock_is_live(locked_at: DateTime<Utc>, now: DateTime<Utc>, lock_timeout: Duration) -> bool {
     // A timeout beyond chrono's range puts the cut-off before all time: every lock is live.
     now.checked_sub_signed(chrono_duration(lock_timeout))
         .is_none_or(|cutoff| locked_at > cutoff)
+}
+
+/// The SQL form of "no live lock" (the negation of [`lock_is_live`]), on a row whose columns
+/// are in scope unqualified: `$n`, given as a string literal such as `"$4"`, binds the lock
+/// timeout in whole seconds. A macro so that the statements that use it stay `const` strings:
+/// `concat!("... AND ", contract::lock_is_free_sql!("$4"), " ...")`.
+#[macro_export]
+macro_rules! lock_is_free_sql {
+    ($timeout_secs_param:literal) => {
+        concat!(
+            "(locked_at IS NULL OR locked_at <= now() - make_interval(secs => ",
+            $timeout_secs_param,
+            "))"
+        )
+    };
 }
 
 /// A configured duration (the lock timeout, the key TTL) as timestamp arithmetic wants it; one

@@ -23,7 +23,7 @@ pub mod message;
 pub mod outcome;
 pub mod ownership;
 
-pub use jobs::{BackgroundJob, ReceiptJob};
+pub use jobs::{BackgroundJob, JobToStage, ReceiptJob};
 pub use outcome::{
     CorruptStoredResponse, Outcome, PAYMENT_ACCEPTED, PAYMENT_REFUNDED, RideView, StoredResponse,
 };

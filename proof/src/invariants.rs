@@ -506,8 +506,8 @@ impl<'a> Checks<'a> {
         v: &mut Violations,
     ) {
         if !args.no_crash_points {
-            for point in api_server::fault::CRASH_POINTS {
-                if !crash_points_fired.contains_key(*point) {
+            for point in api_server::fault::CrashPoint::ALL.map(|point| point.name()) {
+                if !crash_points_fired.contains_key(point) {
                     v.add(
                         "crash_points_fired",
                         format!("crash point {point} never fired (is the api-server built with the fault-injection feature?)"),

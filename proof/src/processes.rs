@@ -60,7 +60,7 @@ impl Arming {
         if !AtomicBool::load(&self.armed, Ordering::SeqCst) {
             return Vec::new();
         }
-        let points = api_server::fault::CRASH_POINTS;
+        let points = api_server::fault::CrashPoint::ALL;
         let n = self.next.fetch_add(1, Ordering::SeqCst) as usize;
         let (low, high) = self.after;
         let after: u64 = self
@@ -70,7 +70,7 @@ impl Arming {
         vec![
             (
                 "FAULT_CRASH_POINT".to_owned(),
-                points[n % points.len()].to_owned(),
+                points[n % points.len()].name().to_owned(),
             ),
             ("FAULT_CRASH_AFTER".to_owned(), after.to_string()),
             ("FAULT_CRASH_LOG".to_owned(), self.log.display().to_string()),

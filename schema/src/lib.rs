@@ -34,6 +34,6 @@ mod text_enum;
 pub mod tls;
 
 pub use finding_kind::{FindingKind, UnknownFindingKind};
-pub use pool::{DbConn, PlanCache, Pool, PoolError, build_pool};
+pub use pool::{DEFAULT_DATABASE_URL, DbConn, PlanCache, Pool, PoolError, build_pool};
 pub use recovery_point::{RecoveryPoint, UnknownRecoveryPoint};
 pub use tls::{connect, database_url};

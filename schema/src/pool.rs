@@ -10,6 +10,9 @@ use diesel_async::{
     },
 };
 
+/// `DATABASE_URL`'s default in every process: the local database `deploy/local/` creates.
+pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/rocket_rides";
+
 pub type Pool = bb8::Pool<Manager>;
 pub type DbConn<'a> = bb8::PooledConnection<'a, Manager>;
 pub type PoolError = bb8::RunError<ManagerError>;

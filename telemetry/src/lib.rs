@@ -10,6 +10,8 @@
 //!   always readable in the Prometheus text format on `METRICS_LISTEN_ADDR` ([`serve_metrics`]).
 //! - Listeners: [`accept`] is every TCP listener's accept loop (back-off when out of descriptors)
 //!   and its caps on open connections; the metrics endpoint caps connections and header time.
+//! - Settings: [`settings::Vars`], the one reader of environment variables every process's
+//!   typed configuration goes through.
 //! - Logs: `RUST_LOG` filtering, JSON lines when `LOG_FORMAT=json`. Each request's or job's root
 //!   span records `trace_id`, so every line logged inside it carries the trace id.
 //!
@@ -35,6 +37,7 @@ use tracing_subscriber::{
 
 pub mod accept;
 mod metrics_endpoint;
+pub mod settings;
 
 pub use metrics_endpoint::{
     MetricsServerLimits, metrics_addr, serve_metrics, serve_metrics_with_limits,

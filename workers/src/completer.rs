@@ -96,7 +96,8 @@ pub struct ClaimedKey {
     pub created_at: DateTime<Utc>,
 }
 
-const CLAIM_BATCH: &str = "
+const CLAIM_BATCH: &str = concat!(
+    "
 UPDATE idempotency_keys AS k
 SET completer_next_attempt_at = now() + make_interval(secs => $1)
 WHERE k.id IN (
@@ -105,14 +106,17 @@ WHERE k.id IN (
       AND completer_gave_up_at IS NULL
       AND created_at < now() - make_interval(secs => $2)
       AND last_run_at < now() - make_interval(secs => $3)
-      AND (locked_at IS NULL OR locked_at < now() - make_interval(secs => $4))
+      AND ",
+    contract::lock_is_free_sql!("$4"),
+    "
       AND (completer_next_attempt_at IS NULL OR completer_next_attempt_at <= now())
     ORDER BY created_at, id
     LIMIT $5
     FOR UPDATE SKIP LOCKED
 )
 RETURNING k.id, k.user_id, k.idempotency_key, k.request_params, k.recovery_point,
-          k.completer_attempts, k.created_at";
+          k.completer_attempts, k.created_at"
+);
 
 /// What the api-server said about one key.
 #[derive(Debug, PartialEq, Eq)]

@@ -2,13 +2,15 @@
 //! and its default is listed in `docs/workers.md`. Each worker takes only its own section, so
 //! tests build those sections directly.
 
-use std::{fmt, path::PathBuf, str::FromStr, time::Duration};
+use std::time::Duration;
 
 use proto::client::ClientTls;
 
+use contract::key::{DEFAULT_KEY_TTL_HOURS, DEFAULT_LOCK_TIMEOUT_SECS};
 pub use telemetry::Secret;
+use telemetry::settings::Vars;
 
-pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/rocket_rides";
+pub use schema::DEFAULT_DATABASE_URL;
 pub const DEFAULT_AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
 pub const DEFAULT_SMTP_URL: &str = "smtp://127.0.0.1:2525";
 pub const DEFAULT_RECEIPT_FROM: &str = "Rocket Rides <receipts@rocketrides.test>";
@@ -119,68 +121,7 @@ pub struct ReconcilerConfig {
     pub refund_max_amount: i64,
 }
 
-#[derive(Debug, thiserror::Error)]
-pub enum ConfigError {
-    #[error("{name} is not valid: {reason}")]
-    Invalid { name: &'static str, reason: String },
-    #[error("{name} is required")]
-    Missing { name: &'static str },
-}
-
-struct Vars<'a>(&'a dyn Fn(&str) -> Option<String>);
-
-impl Vars<'_> {
-    fn string(&self, name: &str, default: &str) -> String {
-        (self.0)(name)
-            .filter(|value| !value.is_empty())
-            .unwrap_or_else(|| default.to_owned())
-    }
-
-    fn parse<T: FromStr>(&self, name: &'static str, default: T) -> Result<T, ConfigError>
-    where
-        T::Err: fmt::Display,
-    {
-        match (self.0)(name).filter(|value| !value.is_empty()) {
-            None => Ok(default),
-            Some(raw) => raw.parse().map_err(|error: T::Err| ConfigError::Invalid {
-                name,
-                reason: error.to_string(),
-            }),
-        }
-    }
-
-    fn positive<T: FromStr + PartialOrd + Default>(
-        &self,
-        name: &'static str,
-        default: T,
-    ) -> Result<T, ConfigError>
-    where
-        T::Err: fmt::Display,
-    {
-        let value = self.parse(name, default)?;
-        if value <= T::default() {
-            return Err(ConfigError::Invalid {
-                name,
-                reason: "must be greater than zero".into(),
-            });
-        }
-        Ok(value)
-    }
-
-    fn path(&self, name: &str) -> Option<PathBuf> {
-        (self.0)(name)
-            .filter(|value| !value.is_empty())
-            .map(PathBuf::from)
-    }
-
-    fn secs(&self, name: &'static str, default: u64) -> Result<Duration, ConfigError> {
-        Ok(Duration::from_secs(self.parse(name, default)?))
-    }
-
-    fn millis(&self, name: &'static str, default: u64) -> Result<Duration, ConfigError> {
-        Ok(Duration::from_millis(self.parse(name, default)?))
-    }
-}
+pub use telemetry::settings::ConfigError;
 
 impl Config {
     pub fn from_env() -> Result<Config, ConfigError> {
@@ -189,8 +130,8 @@ impl Config {
 
     /// Reads configuration through `lookup`, so tests never touch the process environment.
     pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Config, ConfigError> {
-        let vars = Vars(&lookup);
-        let lock_timeout = vars.secs("IDEMPOTENCY_LOCK_TIMEOUT_SECS", 90)?;
+        let vars = Vars::new(&lookup);
+        let lock_timeout = vars.secs("IDEMPOTENCY_LOCK_TIMEOUT_SECS", DEFAULT_LOCK_TIMEOUT_SECS)?;
         let smtp_timeout = vars.secs("SMTP_TIMEOUT_SECS", 30)?;
         let claim_lease = vars.secs("RECEIPTS_CLAIM_LEASE_SECS", 120)?;
         if claim_lease <= smtp_timeout {
@@ -251,9 +192,7 @@ impl Config {
                 interval: vars.secs("COMPLETER_INTERVAL_SECS", 30)?,
             },
             reaper: ReaperConfig {
-                key_ttl: Duration::from_secs(
-                    u64::from(vars.positive::<u32>("IDEMPOTENCY_KEY_TTL_HOURS", 72)?) * 3600,
-                ),
+                key_ttl: vars.hours("IDEMPOTENCY_KEY_TTL_HOURS", DEFAULT_KEY_TTL_HOURS)?,
                 lock_timeout,
                 batch_size: vars.positive("REAPER_BATCH_SIZE", 1000)?,
                 interval: vars.secs("REAPER_INTERVAL_SECS", 600)?,

@@ -57,12 +57,15 @@ struct BatchCounts {
 
 /// One batch in one statement (so in one transaction): pick expired keys, record the unfinished
 /// ones, delete them all.
-const REAP_BATCH: &str = "
+const REAP_BATCH: &str = concat!(
+    "
 WITH doomed AS (
     SELECT id, user_id, idempotency_key, recovery_point, request_params, completer_attempts
     FROM idempotency_keys
     WHERE created_at < now() - make_interval(secs => $1)
-      AND (locked_at IS NULL OR locked_at < now() - make_interval(secs => $2))
+      AND ",
+    contract::lock_is_free_sql!("$2"),
+    "
     ORDER BY created_at, id
     LIMIT $3
     FOR UPDATE SKIP LOCKED
@@ -80,7 +83,8 @@ WITH doomed AS (
     DELETE FROM idempotency_keys k USING doomed d
     WHERE k.id = d.id AND k.user_id = d.user_id RETURNING 1
 )
-SELECT (SELECT count(*) FROM deleted) AS deleted, (SELECT count(*) FROM recorded) AS recorded";
+SELECT (SELECT count(*) FROM deleted) AS deleted, (SELECT count(*) FROM recorded) AS recorded"
+);
 
 pub struct Reaper {
     pool: Pool,

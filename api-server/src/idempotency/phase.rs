@@ -24,13 +24,15 @@ use diesel::{
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use futures_util::FutureExt;
 use schema::{
-    Pool, RecoveryPoint,
+    Pool,
     prepared::prepared,
     schema::idempotency_keys,
     store::{RetryPolicy, StoreError, lost_connection_discarded, retry_transient},
 };
 use scoped_futures::{ScopedBoxFuture, ScopedFutureExt};
 use uuid::Uuid;
+
+use crate::fault::CrashPoint;
 
 use super::{BatchStatement, Batcher, Lease};
 
@@ -56,12 +58,12 @@ where
     retry_transient(policy, || async move {
         let mut conn = pool.get().await.map_err(StoreError::Unavailable)?;
         // The phase's work is decided; it becomes durable when this statement commits.
-        crate::fault::crash_point(crash_point_name(lease.recovery_point, false));
+        crash_around(lease, false);
         let done = statement(&mut conn)
             .await
             .map_err(|error| lost_connection_discarded(&mut conn, error))?
             .ok_or(StoreError::LockLost)?;
-        crate::fault::crash_point(crash_point_name(lease.recovery_point, true));
+        crash_around(lease, true);
         Ok(done)
     })
     .await
@@ -83,26 +85,20 @@ where
     Fut: Future<Output = Result<T, StoreError>>,
 {
     if batcher.enabled() {
-        crate::fault::crash_point(crash_point_name(lease.recovery_point, false));
+        crash_around(lease, false);
         if let Some(decided) = batcher.submit(item()).await? {
             let done = decided.ok_or(StoreError::LockLost)?;
-            crate::fault::crash_point(crash_point_name(lease.recovery_point, true));
+            crash_around(lease, true);
             return Ok(done);
         }
     }
     alone().await
 }
 
-/// The crash points around the commit of the phase that starts at `point`.
-fn crash_point_name(point: RecoveryPoint, committed: bool) -> &'static str {
-    match (point, committed) {
-        (RecoveryPoint::Started, false) => "started.before_commit",
-        (RecoveryPoint::Started, true) => "started.after_commit",
-        (RecoveryPoint::RideCreated, false) => "ride_created.before_commit",
-        (RecoveryPoint::RideCreated, true) => "ride_created.after_commit",
-        (RecoveryPoint::ChargeCreated, false) => "charge_created.before_commit",
-        (RecoveryPoint::ChargeCreated, true) => "charge_created.after_commit",
-        (RecoveryPoint::Finished, _) => "finished",
+/// The crash point around the commit of the phase `lease` is at (`committed`: after it).
+fn crash_around(lease: &Lease, committed: bool) {
+    if let Some(point) = CrashPoint::around_phase(lease.recovery_point, committed) {
+        crate::fault::crash_point(point);
     }
 }
 

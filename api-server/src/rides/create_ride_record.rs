@@ -224,17 +224,3 @@ impl Statement for CreateRideRecordBatch {
          SELECT ride.* FROM ride JOIN moved ON moved.id = ride.idempotency_key_id"
     );
 }
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// `ride_created` must be durable before the charge it leads to (the durability
-    /// table in `contract::key`): its commit waits for the flush.
-    #[test]
-    fn the_ride_is_flushed_before_the_charge() {
-        for sql in [CreateRideRecord::SQL, CreateRideRecordBatch::SQL] {
-            assert!(!sql.contains("synchronous_commit"), "{sql}");
-        }
-    }
-}

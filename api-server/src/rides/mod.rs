@@ -58,6 +58,7 @@ use self::{
 use crate::{
     auth::Caller,
     config::{IdempotencyConfig, Price},
+    fault::CrashPoint,
     idempotency::{
         self, BatchCounts, Batcher, Claimed, Claims, Decision, IdempotencyKey, Lease, WaitBudget,
         WaitEnd, Waits,
@@ -243,7 +244,7 @@ impl Rides {
         let signature = params.signature();
         let claim = || async {
             // The claim of a fresh key commits phase `started` (its ride) with the key.
-            crate::fault::crash_point("started.before_commit");
+            crate::fault::crash_point(CrashPoint::StartedBeforeCommit);
             idempotency::claim(
                 &self.claims,
                 caller,
@@ -325,9 +326,9 @@ impl Rides {
                 )
             }
             Decision::Execute(mut lease) => {
-                crate::fault::crash_point("claim.after_commit");
+                crate::fault::crash_point(CrashPoint::ClaimAfterCommit);
                 if claimed.first_ride.is_some() {
-                    crate::fault::crash_point("started.after_commit");
+                    crate::fault::crash_point(CrashPoint::StartedAfterCommit);
                 }
                 // Duplicates waiting on this process hear how this attempt ends.
                 let holding = self.waits.hold(lease.user_id, key);

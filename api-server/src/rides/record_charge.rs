@@ -35,6 +35,7 @@ use super::{
     stage_receipt::{Receipt, ReceiptArrays, finish_batch_with_receipts, finish_with_receipt},
 };
 use crate::{
+    fault::CrashPoint,
     idempotency::{self, BatchStatement, Fence, FenceArrays, Lease},
     metrics::metrics,
     payments::{ChargeError, ChargeRequest, PaymentIntent},
@@ -133,7 +134,7 @@ impl Rides {
         let charge = charge_request(lease, request, &ride);
         // No transaction is open and no connection is held here: the call may take seconds.
         let started = Instant::now();
-        crate::fault::crash_point("charge.before_call");
+        crate::fault::crash_point(CrashPoint::ChargeBeforeCall);
         let charged = if self.beyond_provider_key_window(&ride) {
             // The provider may have forgotten our idempotency key: an earlier attempt that
             // charged but was never recorded would be charged again. Look for it first.
@@ -167,7 +168,7 @@ impl Rides {
             .record(started.elapsed().as_secs_f64(), &[attr("outcome", outcome)]);
         match charged {
             Ok(intent) => {
-                crate::fault::crash_point("charge.after_success");
+                crate::fault::crash_point(CrashPoint::ChargeAfterSuccess);
                 Ok(self.record_charge(lease, ride, intent.id).await?)
             }
             Err(ChargeError::Declined {
@@ -212,7 +213,7 @@ impl Rides {
             receipt: receipt.clone(),
         };
         let (charge_id, receipt) = (&charge_id, &receipt);
-        crate::fault::crash_point("charge_created.before_commit");
+        crate::fault::crash_point(CrashPoint::ChargeCreatedBeforeCommit);
         idempotency::batched_phase(&self.charges, lease, charge_made, || async {
             idempotency::atomic_phase(&self.pool, self.retry, lease, |conn| {
                 prepared::<RecordCharge, _>(|q| {
@@ -221,9 +222,9 @@ impl Rides {
                         .bind::<BigInt, _>(lease.user_id)
                         .bind::<Text, _>(charge_id)
                         .bind::<BigInt, _>(ride_id)
-                        .bind::<Text, _>(ReceiptJob::JOB_NAME)
-                        .bind::<Jsonb, _>(&receipt.job_args)
-                        .bind::<Jsonb, _>(&receipt.trace_context)
+                        .bind::<Text, _>(receipt.job.job_name)
+                        .bind::<Jsonb, _>(&receipt.job.job_args)
+                        .bind::<Jsonb, _>(&receipt.job.trace_context)
                         .bind::<Integer, _>(receipt.response_code)
                         .bind::<Jsonb, _>(&receipt.response_body)
                 })
@@ -235,7 +236,7 @@ impl Rides {
             .map(|_| ())
         })
         .await?;
-        crate::fault::crash_point("charge_created.after_commit");
+        crate::fault::crash_point(CrashPoint::ChargeCreatedAfterCommit);
         Ok(outcome)
     }
 
@@ -336,19 +337,4 @@ impl Statement for RecordChargeBatch {
          settled AS (SELECT fence.* FROM fence JOIN charged USING (key_id)), ",
         finish_batch_with_receipts!("settled", "$10"),
     );
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// The charge's record now finishes the key, which must be durable before the caller is
-    /// answered (the durability table in `contract::key`).
-    #[test]
-    fn the_charge_and_the_outcome_are_flushed_before_the_answer() {
-        for sql in [RecordCharge::SQL, RecordChargeBatch::SQL] {
-            assert!(!sql.contains("synchronous_commit"), "{sql}");
-            assert!(sql.contains("recovery_point = 'finished'"), "{sql}");
-        }
-    }
 }

@@ -8,7 +8,7 @@
 //! [`Receipt`] and the SQL below). This phase runs on its own only for a key an older server left
 //! at `charge_created`.
 
-use contract::{BackgroundJob, Outcome, ReceiptJob, key::KeyMoved};
+use contract::{BackgroundJob, JobToStage, Outcome, ReceiptJob, key::KeyMoved};
 use diesel::{
     OptionalExtension,
     result::Error as DieselError,
@@ -45,9 +45,9 @@ impl Rides {
                     q.bind::<BigInt, _>(lease.key_id)
                         .bind::<sql_types::Uuid, _>(lease.token)
                         .bind::<BigInt, _>(lease.user_id)
-                        .bind::<Text, _>(ReceiptJob::JOB_NAME)
-                        .bind::<Jsonb, _>(&receipt.job_args)
-                        .bind::<Jsonb, _>(&receipt.trace_context)
+                        .bind::<Text, _>(receipt.job.job_name)
+                        .bind::<Jsonb, _>(&receipt.job.job_args)
+                        .bind::<Jsonb, _>(&receipt.job.trace_context)
                         .bind::<Integer, _>(receipt.response_code)
                         .bind::<Jsonb, _>(&receipt.response_body)
                 })
@@ -66,8 +66,8 @@ impl Rides {
 /// What finishing a charged ride's key writes: the receipt job and the stored outcome.
 #[derive(Clone, Debug)]
 pub struct Receipt {
-    pub job_args: serde_json::Value,
-    pub trace_context: serde_json::Value,
+    /// The receipt job's row (`contract::BackgroundJob::staged`).
+    pub job: JobToStage,
     pub response_code: i32,
     pub response_body: serde_json::Value,
 }
@@ -77,13 +77,11 @@ impl Receipt {
     /// Built inside the phase's span: the receipt continues this request's trace (the enqueuer
     /// and the receipt worker pick the context up from the job).
     pub(super) fn for_charged(ride: Ride) -> (Outcome, Receipt) {
-        let trace_context = serde_json::to_value(telemetry::inject_current()).unwrap_or_default();
-        let job_args = ReceiptJob::from(&ride).to_args();
+        let job = ReceiptJob::from(&ride).staged();
         let outcome = Outcome::ride_created(ride);
         let stored = outcome.to_stored();
         let receipt = Receipt {
-            job_args,
-            trace_context,
+            job,
             response_code: stored.code,
             response_body: stored.body,
         };
@@ -102,8 +100,8 @@ pub(super) struct ReceiptArrays<'a> {
 impl<'a> ReceiptArrays<'a> {
     pub(super) fn of(receipts: impl Iterator<Item = &'a Receipt> + Clone) -> ReceiptArrays<'a> {
         ReceiptArrays {
-            job_args: receipts.clone().map(|r| &r.job_args).collect(),
-            trace_contexts: receipts.clone().map(|r| &r.trace_context).collect(),
+            job_args: receipts.clone().map(|r| &r.job.job_args).collect(),
+            trace_contexts: receipts.clone().map(|r| &r.job.trace_context).collect(),
             codes: receipts.clone().map(|r| r.response_code).collect(),
             bodies: receipts.map(|r| &r.response_body).collect(),
         }
@@ -225,22 +223,4 @@ impl Statement for StageReceiptBatch {
         ", ",
         finish_batch_with_receipts!("fence", "$8"),
     );
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// `finished` must be durable before the caller is answered (the durability table in
-    /// `contract::key`), and so must a decline, finished by `FinishKey`.
-    #[test]
-    fn the_outcome_is_flushed_before_the_answer() {
-        for sql in [
-            StageReceipt::SQL,
-            StageReceiptBatch::SQL,
-            contract::key::FinishKey::SQL,
-        ] {
-            assert!(!sql.contains("synchronous_commit"), "{sql}");
-        }
-    }
 }

@@ -352,3 +352,47 @@ async fn rate_limits_and_an_unreachable_server_spend_no_attempts() {
         "an unreachable server counted"
     );
 }
+
+/// The completer and the reaper pick keys with `contract::lock_is_free_sql!`; the api-server's
+/// claim and `workers admin` decide with `contract::key::lock_is_live`. The two must be exact
+/// negations, at the cut-off itself too (once they disagreed there: the SQL kept a lock the
+/// Rust rule had let go).
+#[tokio::test(flavor = "multi_thread")]
+async fn the_sql_lock_rule_is_the_negation_of_the_rust_one_at_the_cut_off() {
+    #[derive(diesel::QueryableByName)]
+    struct Judged {
+        #[diesel(sql_type = diesel::sql_types::Timestamptz)]
+        now: chrono::DateTime<chrono::Utc>,
+        #[diesel(sql_type = diesel::sql_types::Timestamptz)]
+        locked_at: chrono::DateTime<chrono::Utc>,
+        #[diesel(sql_type = diesel::sql_types::Bool)]
+        free: bool,
+    }
+    let db = schema::testing::TestDatabase::new().await;
+    let mut conn = db.connect().await;
+    let timeout = Duration::from_secs(90);
+    for offset_micros in [-1_000_000_i64, -1, 0, 1, 1_000_000] {
+        // `now()` is one value within a statement: the lock is `offset` from the cut-off.
+        let judged: Judged = diesel::sql_query(concat!(
+            "SELECT now() AS now, locked_at, ",
+            contract::lock_is_free_sql!("$1"),
+            " AS free FROM (SELECT now() - make_interval(secs => $1) \
+             + $2 * interval '1 microsecond' AS locked_at) AS k"
+        ))
+        .bind::<diesel::sql_types::Double, _>(timeout.as_secs_f64())
+        .bind::<diesel::sql_types::BigInt, _>(offset_micros)
+        .get_result(&mut conn)
+        .await
+        .unwrap();
+        let live = contract::key::lock_is_live(judged.locked_at, judged.now, timeout);
+        assert_eq!(
+            judged.free, !live,
+            "lock {offset_micros} µs from the cut-off"
+        );
+        assert_eq!(
+            live,
+            offset_micros > 0,
+            "lock {offset_micros} µs from the cut-off"
+        );
+    }
+}

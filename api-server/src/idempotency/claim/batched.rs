@@ -241,23 +241,3 @@ impl Statement for ClaimBatchByToken {
          LEFT JOIN ride ON ride.idempotency_key_id = found.id"
     );
 }
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// A claim may commit a key at `ride_created` with its first ride, which must be durable
-    /// before the charge (the durability table in `contract::key`): every claim's commit waits
-    /// for the flush.
-    #[test]
-    fn claims_wait_for_the_flush() {
-        for sql in [
-            ClaimBatchByToken::SQL,
-            super::super::ClaimByToken::SQL,
-            super::super::ClaimById::SQL,
-        ] {
-            assert!(!sql.contains("synchronous_commit"), "{sql}");
-            assert!(sql.contains("INSERT INTO rides"), "{sql}");
-        }
-    }
-}
