@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Runs every check the project has: formatting, clippy, the full test suite under nextest
 # against real PostgreSQL and RabbitMQ (started or installed here when absent), then the short
-# crash-and-fault campaign (proof/run.sh --short; skip it with PROOF=0) and its high-availability
-# smoke run: one PostgreSQL primary SIGKILL and one RabbitMQ node SIGKILL on the Patroni + 3-node
-# topology of deploy/local/ha.sh (installs patroni and etcd-server when absent; skip it with HA=0).
+# crash-and-fault campaign with the money campaign (proof/run.sh --short --money; skip it with
+# PROOF=0) and its high-availability smoke run: one PostgreSQL primary SIGKILL and one RabbitMQ
+# node SIGKILL on the Patroni + 3-node topology of deploy/local/ha.sh (installs patroni and
+# etcd-server when absent; skip it with HA=0).
 set -euo pipefail
 # shellcheck source=deploy/local/lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
@@ -26,8 +27,8 @@ deploy/local/buf-lint.sh
 log "cargo nextest run --workspace"
 cargo nextest run --workspace --locked --profile "${NEXTEST_PROFILE:-default}" "$@"
 if [[ "${PROOF:-1}" != 0 ]]; then
-  log "proof/run.sh --short (crash-and-fault campaign, about 90 s)"
-  proof/run.sh --short
+  log "proof/run.sh --short --money (crash-and-fault campaign with the money campaign, about 90 s)"
+  proof/run.sh --short --money
 fi
 if [[ "${PROOF:-1}" != 0 && "${HA:-1}" != 0 ]]; then
   log "proof/run.sh --ha smoke run (one failover, one broker node kill; about 3 minutes)"

@@ -120,12 +120,12 @@ pub(crate) struct Args {
     #[arg(long)]
     pub(crate) no_crash_points: bool,
     /// Add the money campaign (another product's look-alike charges, the reconciler refunding
-    /// during traffic, riders retrying given-up keys; docs/reliability.md). Not yet in `--short`:
-    /// its riders' refund path is not reliably exercised within a short run.
+    /// during traffic, riders retrying given-up keys; docs/reliability.md). The test command runs
+    /// it with `--short`.
     #[arg(long)]
     pub(crate) money: bool,
     /// Money riders: each makes keys the completer gives up with a charge made, then retries them.
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, default_value_t = 3)]
     pub(crate) money_riders: u32,
     /// Mean milliseconds between the other product's look-alike charges.
     #[arg(long, default_value_t = 500)]

@@ -168,6 +168,12 @@ impl Money {
         while Instant::now() < deadline && open_refundable(&pool).await != Some(0) {
             refunding_pass(plan, wiring, &self.counts).await;
         }
+        for key in &keys {
+            println!(
+                "proof: money key {}: given up {}, refunded before the retry {}, answers {:?}",
+                key.key, key.given_up, key.refunded_before_retry, key.answers
+            );
+        }
         println!(
             "proof: money: {} rider keys; open refundable findings left {:?}",
             keys.len(),

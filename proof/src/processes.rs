@@ -115,7 +115,7 @@ impl Proc {
         self.child = Some(child);
         self.starts += 1;
         if let Some(port) = self.port
-            && let Err(error) = wait_for_port(port, Duration::from_secs(30)).await
+            && let Err(error) = self.wait_listening(port, Duration::from_secs(30)).await
         {
             // What the child was doing: a start that never listens has been seen a few times
             // in long campaigns, and its log was empty.
@@ -128,6 +128,23 @@ impl Proc {
             return Err(error.context(format!("{} did not listen on {port} ({state})", self.name)));
         }
         Ok(())
+    }
+
+    /// Until the child listens on `port`, or has exited: an armed api-server can reach its crash
+    /// point within moments of listening (the completer's backlog arrives at once), between two
+    /// polls. Its exit is then the supervisor's to see (counted as a self exit) and restart at its
+    /// next tick, rather than a dead server waited for until the timeout.
+    async fn wait_listening(&mut self, port: u16, timeout: Duration) -> anyhow::Result<()> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if port_in_use(port).await || self.exited().is_some() {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                bail!("port {port} not open after {timeout:?}");
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
     }
 
     /// SIGKILL (tokio's `start_kill` sends SIGKILL on Unix) and reap.
