@@ -34,7 +34,6 @@
 
 use std::time::Duration;
 
-use contract::{BackgroundJob as _, ReceiptJob, message::ReceiptMessage};
 use diesel::{
     BoolExpressionMethods, ExpressionMethods, QueryDsl, SelectableHelper,
     sql_types::{Array, BigInt, Bool, Double, Integer, Text},
@@ -55,7 +54,7 @@ use crate::{
     config::EnqueuerConfig,
     metrics::{self, Handled},
     shutdown::{self, Next, Passes},
-    topology::{RECEIPT_ROUTING_KEY, Topology},
+    topology::Topology,
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -432,31 +431,24 @@ async fn publish_all(
     published
 }
 
-/// The routing key and body of a job. Receipt jobs become the versioned [`ReceiptMessage`].
-/// Receipt args that do not fit it are published as they are, so that the consumer rejects them
-/// into the dead-letter queue where a human sees them, instead of blocking the drain. Unknown
-/// job names are routed by name: with no queue bound they are returned and set aside.
+/// The routing key and body of a job, by the job registry ([`crate::jobs`]). Args that do not
+/// fit their type's message are published as they are, so that the consumer rejects them into the
+/// dead-letter queue where a person sees them, instead of blocking the drain. Unknown job names
+/// are routed by name: with no queue bound they are returned and set aside.
 fn encode(job: &StagedJob) -> (String, Vec<u8>) {
-    if job.job_name == ReceiptJob::JOB_NAME {
-        let body = ReceiptJob::from_args(&job.job_args)
-            .ok()
-            .and_then(ReceiptMessage::from_job)
-            .and_then(|message| message.encode().ok());
-        match body {
-            Some(body) => return (RECEIPT_ROUTING_KEY.to_owned(), body),
-            None => {
-                tracing::error!(
-                    job_id = job.id,
-                    "receipt job args do not fit the message contract"
-                );
-                return (
-                    RECEIPT_ROUTING_KEY.to_owned(),
-                    job.job_args.to_string().into_bytes(),
-                );
-            }
-        }
-    }
-    (job.job_name.clone(), job.job_args.to_string().into_bytes())
+    let raw = || job.job_args.to_string().into_bytes();
+    let Some(kind) = crate::jobs::find(&job.job_name) else {
+        return (job.job_name.clone(), raw());
+    };
+    let body = (kind.encode)(&job.job_args).unwrap_or_else(|| {
+        tracing::error!(
+            job_id = job.id,
+            job_name = kind.job_name,
+            "job args do not fit the message contract"
+        );
+        raw()
+    });
+    (kind.routing_key.to_owned(), body)
 }
 
 /// The message's properties. Its headers carry the trace context of a `publish` span that

@@ -30,6 +30,7 @@ pub mod backoff;
 pub mod completer;
 pub mod config;
 pub mod enqueuer;
+pub mod jobs;
 pub mod mailer;
 pub mod metrics;
 pub mod reaper;

@@ -9,7 +9,9 @@
 //!                               {prefix}.dead-letter (fanout) ──► {prefix}.dead-letter (quorum)
 //! ```
 //!
-//! Every name derives from one prefix so that each test can own a private copy.
+//! Every name derives from one prefix so that each test can own a private copy. Each job type of
+//! the registry ([`crate::jobs::REGISTRY`]) gets its queue, declared and bound as the receipts
+//! queue above is.
 
 use lapin::{
     Channel, ExchangeKind,
@@ -20,8 +22,10 @@ use lapin::{
     types::{AMQPValue, FieldTable, LongString, ShortString},
 };
 
-/// Routing key of `contract::message::ReceiptMessage`.
-pub const RECEIPT_ROUTING_KEY: &str = "ride.receipt";
+use crate::jobs::{JobType, RECEIPT, REGISTRY};
+
+/// Routing key of `contract::message::ReceiptMessage` (the registry's [`RECEIPT`]).
+pub const RECEIPT_ROUTING_KEY: &str = RECEIPT.routing_key;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Topology {
@@ -37,7 +41,7 @@ impl Topology {
     pub fn from_prefix(prefix: &str, delivery_limit: u32) -> Topology {
         Topology {
             exchange: prefix.to_owned(),
-            receipts_queue: format!("{prefix}.receipts"),
+            receipts_queue: job_queue(prefix, &RECEIPT),
             dead_letter_exchange: format!("{prefix}.dead-letter"),
             dead_letter_queue: format!("{prefix}.dead-letter"),
             delivery_limit,
@@ -89,26 +93,29 @@ impl Topology {
                 FieldTable::default(),
             )
             .await?;
-        channel
-            .queue_declare(
-                self.receipts_queue.as_str().into(),
-                queue_options,
-                self.receipts_queue_arguments(),
-            )
-            .await?;
-        channel
-            .queue_bind(
-                self.receipts_queue.as_str().into(),
-                self.exchange.as_str().into(),
-                RECEIPT_ROUTING_KEY.into(),
-                QueueBindOptions::default(),
-                FieldTable::default(),
-            )
-            .await?;
+        for kind in REGISTRY {
+            let queue = job_queue(&self.exchange, kind);
+            channel
+                .queue_declare(
+                    queue.as_str().into(),
+                    queue_options,
+                    self.job_queue_arguments(),
+                )
+                .await?;
+            channel
+                .queue_bind(
+                    queue.as_str().into(),
+                    self.exchange.as_str().into(),
+                    kind.routing_key.into(),
+                    QueueBindOptions::default(),
+                    FieldTable::default(),
+                )
+                .await?;
+        }
         Ok(())
     }
 
-    fn receipts_queue_arguments(&self) -> FieldTable {
+    fn job_queue_arguments(&self) -> FieldTable {
         let mut args = FieldTable::default();
         // Replicated and durable: a broker node loss loses no receipt.
         args.insert(short("x-queue-type"), long("quorum"));
@@ -133,7 +140,8 @@ impl Topology {
 
     /// Deletes everything [`Topology::declare`] created. For tests and teardown scripts.
     pub async fn delete(&self, channel: &Channel) -> lapin::Result<()> {
-        for queue in [&self.receipts_queue, &self.dead_letter_queue] {
+        let job_queues = REGISTRY.iter().map(|kind| job_queue(&self.exchange, kind));
+        for queue in job_queues.chain([self.dead_letter_queue.clone()]) {
             channel
                 .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
                 .await?;
@@ -145,6 +153,11 @@ impl Topology {
         }
         Ok(())
     }
+}
+
+/// A job type's queue under the topology's prefix (the exchange's name).
+fn job_queue(prefix: &str, kind: &JobType) -> String {
+    format!("{prefix}.{}", kind.queue_suffix)
 }
 
 fn short(value: &str) -> ShortString {
