@@ -1,0 +1,367 @@
+//! The clients: the users they call as, their connections, the seeding of keys to replay, and
+//! the closed loops of logical requests whose answers they count.
+
+use std::{
+    collections::BTreeMap,
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use anyhow::Context;
+use bench::latency::Latencies;
+use futures_util::{StreamExt, TryStreamExt};
+use proto::v1::CreateRideRequest;
+use rand::Rng;
+use rides_client::{AttemptRecord, Credential, RetryPolicy, RidesClient};
+use tonic::transport::Channel;
+
+use crate::args::{Args, policy};
+
+pub(crate) const PARAMS: CreateRideRequest = CreateRideRequest {
+    origin_lat: Some(37.7749),
+    origin_lon: Some(-122.4194),
+    target_lat: Some(37.3382),
+    target_lon: Some(-121.8863),
+};
+
+pub(crate) struct BenchUser {
+    pub(crate) id: i64,
+    pub(crate) token: String,
+    pub(crate) customer: String,
+}
+
+/// What one client saw.
+#[derive(Default)]
+pub(crate) struct ClientStats {
+    pub(crate) latencies: Latencies,
+    /// Every attempt's answer, by `CODE/REASON`.
+    pub(crate) attempts: BTreeMap<String, u64>,
+    /// Measured window: logical requests finished, and those that succeeded.
+    pub(crate) measured_done: u64,
+    pub(crate) measured_ok: u64,
+    /// New keys that ended in success (whole run, warm-up and seeding included).
+    pub(crate) new_keys_ok: u64,
+    /// New keys that ended in anything else after all retries.
+    pub(crate) new_keys_failed: u64,
+    pub(crate) replays_ok: u64,
+    /// Replays of a finished key that did not come back as `idempotent-replayed: true`.
+    pub(crate) replays_not_marked: u64,
+    pub(crate) replays_failed: u64,
+    pub(crate) aborted: u64,
+}
+
+pub(crate) struct Shared {
+    pub(crate) run_id: String,
+    pub(crate) policy: RetryPolicy,
+    pub(crate) replay_ratio: f64,
+    pub(crate) measure_from: Instant,
+    pub(crate) deadline: Option<Instant>,
+    pub(crate) remaining: Option<AtomicU64>,
+}
+
+pub(crate) enum Final {
+    Ok { replayed: bool },
+    Err,
+}
+
+impl ClientStats {
+    pub(crate) fn absorb(&mut self, other: ClientStats) {
+        self.latencies.merge(&other.latencies);
+        for (k, v) in other.attempts {
+            *self.attempts.entry(k).or_default() += v;
+        }
+        self.measured_done += other.measured_done;
+        self.measured_ok += other.measured_ok;
+        self.new_keys_ok += other.new_keys_ok;
+        self.new_keys_failed += other.new_keys_failed;
+        self.replays_ok += other.replays_ok;
+        self.replays_not_marked += other.replays_not_marked;
+        self.replays_failed += other.replays_failed;
+        self.aborted += other.aborted;
+    }
+}
+
+/// A client task's `rides-client`, as its user, over one of the shared connections.
+pub(crate) fn rides_client(
+    channel: &tonic::transport::Channel,
+    user: &BenchUser,
+    policy: &RetryPolicy,
+) -> RidesClient {
+    RidesClient::new(channel.clone(), Credential::user(user.token.as_str()))
+        .with_policy(policy.clone())
+}
+
+/// One logical request: one `rides-client` call, which retries with the same key until a final
+/// answer. Every attempt's answer is counted by its `CODE/REASON` label.
+async fn request(
+    shared: &Shared,
+    rpc: &RidesClient,
+    key: &str,
+    stats: &mut ClientStats,
+    replay: bool,
+) -> Final {
+    let started = Instant::now();
+    let result = rpc.create_ride_with_key(key, PARAMS).await;
+    let (log, outcome): (&[AttemptRecord], Final) = match &result {
+        Ok(created) => (
+            &created.log,
+            Final::Ok {
+                replayed: created.replayed,
+            },
+        ),
+        Err(error) => (&error.log, Final::Err),
+    };
+    for attempt in log {
+        let label = match (&outcome, attempt.outcome.as_str()) {
+            (Final::Ok { replayed: true }, "OK") => "OK (replayed)",
+            (_, label) => label,
+        };
+        *stats.attempts.entry(label.to_owned()).or_default() += 1;
+        if label.starts_with("Aborted/") {
+            stats.aborted += 1;
+        }
+    }
+    if let Err(error) = &result
+        && error.log.is_empty()
+    {
+        // Nothing was sent (the token or key cannot be metadata).
+        *stats.attempts.entry(error.error.label()).or_default() += 1;
+    }
+    let measured = started >= shared.measure_from;
+    if measured {
+        stats.latencies.record(started.elapsed());
+        stats.measured_done += 1;
+    }
+    match (&outcome, replay) {
+        (Final::Ok { .. }, false) => stats.new_keys_ok += 1,
+        (Final::Err, false) => stats.new_keys_failed += 1,
+        (Final::Ok { replayed }, true) => {
+            stats.replays_ok += 1;
+            if !replayed {
+                stats.replays_not_marked += 1;
+            }
+        }
+        (Final::Err, true) => stats.replays_failed += 1,
+    }
+    if measured && matches!(outcome, Final::Ok { .. }) {
+        stats.measured_ok += 1;
+    }
+    outcome
+}
+
+/// The run's users: one per client (or `--users`), or with `--riders` the rider pool every
+/// client draws from, each created with a token a freshly started api-server has never seen.
+pub(crate) async fn create_users(args: &Args, run_id: &str) -> anyhow::Result<Vec<Arc<BenchUser>>> {
+    let concurrency = args.create_users_concurrency.max(1);
+    let pool = schema::build_pool(
+        &args.database_url,
+        u32::try_from(concurrency).unwrap_or(u32::MAX),
+        Duration::from_secs(30),
+        schema::PlanCache::Auto,
+    );
+    let user_count = args.riders.or(args.users).unwrap_or(args.clients).max(1);
+    let created_from = Instant::now();
+    let users: Vec<Arc<BenchUser>> = futures_util::stream::iter(0..user_count)
+        .map(|i| {
+            let pool = &pool;
+            let customer = format!("cus_bench_{run_id}_{i}");
+            let email = format!("bench-{run_id}-{i}@bench.rocketrides.test");
+            async move {
+                let (user, token) =
+                    api_server::auth::create_user(pool, &email, &customer, "pm_card_visa")
+                        .await
+                        .with_context(|| format!("cannot create bench user {i}"))?;
+                anyhow::Ok(Arc::new(BenchUser {
+                    id: user.id,
+                    token,
+                    customer,
+                }))
+            }
+        })
+        .buffer_unordered(concurrency)
+        .try_collect()
+        .await?;
+    if args.riders.is_some() {
+        eprintln!(
+            "created {} riders in {:.1} s",
+            users.len(),
+            created_from.elapsed().as_secs_f64()
+        );
+    }
+    Ok(users)
+}
+
+/// The shared connections (`--connections`, else one per 50 clients), connected up front.
+pub(crate) async fn connect(args: &Args) -> anyhow::Result<Vec<Channel>> {
+    let connections = args
+        .connections
+        .unwrap_or_else(|| args.clients.div_ceil(50))
+        .max(1);
+    let tls = proto::client::ClientTls {
+        ca: args.ca.clone(),
+        cert: args.client_cert.clone(),
+        key: args.client_key.clone(),
+    };
+    let mut channels = Vec::new();
+    for _ in 0..connections {
+        let channel = proto::client::endpoint(&args.target, &tls)?
+            .connect()
+            .await
+            .with_context(|| format!("cannot connect to {}", args.target))?;
+        channels.push(channel);
+    }
+    Ok(channels)
+}
+
+/// What one client made before the measured run: its counts and its finished keys.
+pub(crate) type Seeded = (ClientStats, Vec<String>);
+
+/// Seeding: finished keys to replay (`--seed-keys-per-client`), made before the clock starts.
+pub(crate) async fn seed(
+    args: &Args,
+    run_id: &str,
+    users: &[Arc<BenchUser>],
+    channels: &[Channel],
+) -> anyhow::Result<Vec<Seeded>> {
+    let mut seeded = Vec::new();
+    if args.seed_keys_per_client == 0 {
+        return Ok(seeded);
+    }
+    let shared = Arc::new(Shared {
+        run_id: run_id.to_owned(),
+        policy: policy(args),
+        replay_ratio: 0.0,
+        measure_from: Instant::now() + Duration::from_secs(86_400),
+        deadline: None,
+        remaining: None,
+    });
+    let mut tasks = Vec::new();
+    for client in 0..args.clients {
+        let shared = Arc::clone(&shared);
+        let user = Arc::clone(&users[client as usize % users.len()]);
+        let rpc = rides_client(
+            &channels[client as usize % channels.len()],
+            &user,
+            &shared.policy,
+        );
+        let seeds = args.seed_keys_per_client;
+        tasks.push(tokio::spawn(async move {
+            let mut stats = ClientStats::default();
+            let mut finished = Vec::new();
+            for n in 0..seeds {
+                let key = format!("bench-{}-seed-{client:05}-{n:09}", shared.run_id);
+                if let Final::Ok { .. } = request(&shared, &rpc, &key, &mut stats, false).await {
+                    finished.push(key);
+                }
+            }
+            (stats, finished)
+        }));
+    }
+    for task in tasks {
+        seeded.push(task.await?);
+    }
+    eprintln!(
+        "seeded {} finished keys",
+        seeded.iter().map(|(_, keys)| keys.len()).sum::<usize>()
+    );
+    Ok(seeded)
+}
+
+/// The measured run: every client's closed loop until the deadline or the request budget; the
+/// clients' counts, seeding included.
+pub(crate) async fn run(
+    args: &Args,
+    shared: &Arc<Shared>,
+    users: &[Arc<BenchUser>],
+    channels: &[Channel],
+    seeded: Vec<Seeded>,
+) -> anyhow::Result<ClientStats> {
+    let mut seeded = seeded.into_iter();
+    let rider_pool = args.riders.is_some().then(|| Arc::new(users.to_vec()));
+    let mut tasks = Vec::new();
+    for client in 0..args.clients {
+        let user = Arc::clone(&users[client as usize % users.len()]);
+        let channel = channels[client as usize % channels.len()].clone();
+        let (seed_stats, finished) = seeded.next().unwrap_or_default();
+        let loop_ = ClientLoop {
+            client,
+            shared: Arc::clone(shared),
+            rpc: rides_client(&channel, &user, &shared.policy),
+            channel,
+            rider_pool: rider_pool.clone(),
+            finished,
+        };
+        tasks.push(tokio::spawn(async move {
+            let stats = loop_.run().await;
+            (seed_stats, stats)
+        }));
+    }
+    let mut total = ClientStats::default();
+    for task in tasks {
+        let (seed_stats, stats) = task.await?;
+        total.absorb(seed_stats);
+        total.absorb(stats);
+    }
+    Ok(total)
+}
+
+/// One client: a closed loop of logical requests, new keys or (`--replay-ratio`) replays of its
+/// own finished ones, as its user or as a random rider of the pool.
+struct ClientLoop {
+    client: u32,
+    shared: Arc<Shared>,
+    rpc: RidesClient,
+    channel: Channel,
+    rider_pool: Option<Arc<Vec<Arc<BenchUser>>>>,
+    finished: Vec<String>,
+}
+
+impl ClientLoop {
+    async fn run(mut self) -> ClientStats {
+        let shared = Arc::clone(&self.shared);
+        let mut stats = ClientStats::default();
+        let mut n: u64 = 0;
+        loop {
+            if let Some(deadline) = shared.deadline
+                && Instant::now() >= deadline
+            {
+                break;
+            }
+            if let Some(remaining) = &shared.remaining
+                && remaining
+                    .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |r| r.checked_sub(1))
+                    .is_err()
+            {
+                break;
+            }
+            let replay = !self.finished.is_empty()
+                && shared.replay_ratio > 0.0
+                && rand::rng().random::<f64>() < shared.replay_ratio;
+            let key = if replay {
+                self.finished[rand::rng().random_range(0..self.finished.len())].clone()
+            } else {
+                n += 1;
+                format!("bench-{}-c{:05}-{n:012}", shared.run_id, self.client)
+            };
+            let outcome = match &self.rider_pool {
+                Some(riders) => {
+                    let rider = &riders[rand::rng().random_range(0..riders.len())];
+                    let rpc = rides_client(&self.channel, rider, &shared.policy);
+                    request(&shared, &rpc, &key, &mut stats, replay).await
+                }
+                None => request(&shared, &self.rpc, &key, &mut stats, replay).await,
+            };
+            if !replay
+                && shared.replay_ratio > 0.0
+                && matches!(outcome, Final::Ok { .. })
+                && self.finished.len() < 100_000
+            {
+                self.finished.push(key);
+            }
+        }
+        stats
+    }
+}
