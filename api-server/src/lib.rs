@@ -8,7 +8,8 @@
 //! - [`rides`]: CreateRide as a state machine over recovery points (the domain), one file per
 //!   phase.
 //! - [`idempotency`]: the engine underneath: key claims and fenced atomic phases.
-//! - [`payments`]: the Stripe client and its error classification.
+//! - the Stripe client and its error classification are the `provider` crate's, shared with the
+//!   workers' reconciler.
 //! - [`auth`]: API tokens, stored as digests, and who a call's [`Caller`](auth::Caller) is.
 //!
 //! Below it: `contract` (what this service and the workers agree on: the stored outcome, the
@@ -31,7 +32,6 @@ pub mod limits;
 pub mod listener;
 pub mod message_cap;
 pub mod metrics;
-pub mod payments;
 pub mod penalty;
 pub mod rides;
 pub mod server;
@@ -43,7 +43,7 @@ use std::sync::Arc;
 
 use config::{Config, Secret, ServingConfig, TlsConfig, TransportConfig};
 use limits::LimitsConfig;
-use payments::StripeClient;
+use provider::StripeClient;
 use rides::Rides;
 
 /// Everything a serving process shares between requests.

@@ -24,7 +24,7 @@ use lapin::{
 };
 use tokio_util::sync::CancellationToken;
 
-use crate::{backoff::Backoff, shutdown, topology::Topology};
+use crate::{backoff::Backoff, topology::Topology, worker_loop};
 
 /// An open connection with one channel on which the topology is declared.
 pub struct AmqpSession {
@@ -152,7 +152,7 @@ pub async fn connect_with_backoff(
             Err(error) => {
                 let delay = backoff.next_delay();
                 tracing::warn!(%error, ?delay, "cannot reach RabbitMQ, retrying");
-                if !shutdown::sleep(shutdown_token, delay).await {
+                if !worker_loop::sleep(shutdown_token, delay).await {
                     return None;
                 }
             }

@@ -30,7 +30,7 @@ use crate::{
     config::{CompleterConfig, ConfigError, Secret},
     metrics::{self, Handled},
     redact,
-    shutdown::{self, Next, Passes},
+    worker_loop::{self, Next, Passes},
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -293,7 +293,7 @@ impl Completer {
             total: CompleteSummary::default(),
         };
         let failing = backoff::Backoff::new(self.config.interval, self.config.interval);
-        shutdown::run_passes(&mut passes, &shutdown_token, failing).await;
+        worker_loop::run_passes(&mut passes, &shutdown_token, failing).await;
         passes.total
     }
 

@@ -53,8 +53,8 @@ use crate::{
     backoff::{Backoff, exponential},
     config::EnqueuerConfig,
     metrics::{self, Handled},
-    shutdown::{self, Next, Passes},
     topology::Topology,
+    worker_loop::{self, Next, Passes},
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -186,7 +186,7 @@ impl Enqueuer {
             total: EnqueueSummary::default(),
         };
         let failing = Backoff::new(Duration::from_millis(200), Duration::from_secs(30));
-        shutdown::run_passes(&mut passes, &shutdown_token, failing).await;
+        worker_loop::run_passes(&mut passes, &shutdown_token, failing).await;
         if let Some(session) = passes.enqueuer.session.take() {
             session.close().await;
         }

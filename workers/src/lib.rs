@@ -40,5 +40,6 @@ pub mod redact;
 pub mod relay_search;
 pub mod shutdown;
 pub mod topology;
+pub mod worker_loop;
 
 pub use tokio_util::sync::CancellationToken;

@@ -16,7 +16,7 @@ use crate::{
     backoff::Backoff,
     config::ReaperConfig,
     metrics::{self, Handled},
-    shutdown::{self, Next, Passes},
+    worker_loop::{self, Next, Passes},
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -131,7 +131,7 @@ impl Reaper {
             total: ReapSummary::default(),
         };
         let failing = Backoff::new(interval, interval);
-        shutdown::run_passes(&mut passes, &shutdown_token, failing).await;
+        worker_loop::run_passes(&mut passes, &shutdown_token, failing).await;
         passes.total
     }
 }

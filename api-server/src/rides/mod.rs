@@ -38,6 +38,7 @@ use chrono::{DateTime, Utc};
 use contract::{Outcome, RideView, key::chrono_duration};
 use diesel::{ExpressionMethods, OptionalExtension, QueryDsl, SelectableHelper};
 use diesel_async::RunQueryDsl;
+use provider::{ChargeError, StripeClient};
 use schema::{
     Pool, RecoveryPoint,
     models::{Ride, User},
@@ -64,7 +65,6 @@ use crate::{
         WaitEnd, Waits,
     },
     metrics::metrics,
-    payments::{ChargeError, StripeClient},
 };
 
 /// Why a CreateRide attempt ended without a final outcome.

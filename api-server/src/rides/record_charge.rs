@@ -22,6 +22,7 @@ use diesel::{
 };
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use futures_util::FutureExt;
+use provider::{ChargeError, ChargeRequest, PaymentIntent};
 use schema::{
     models::Ride,
     prepared::{Statement, prepared},
@@ -38,7 +39,6 @@ use crate::{
     fault::CrashPoint,
     idempotency::{self, BatchStatement, Fence, FenceArrays, Lease},
     metrics::metrics,
-    payments::{ChargeError, ChargeRequest, PaymentIntent},
 };
 
 /// The charge of `ride` for the key `lease` holds: every attempt at that ride, by any process,

@@ -42,7 +42,7 @@ impl ReceiptWorker {
                 "another attempt holds this receipt; waiting for it"
             );
             // A little past the lease's end, so the claim has lapsed when we look again.
-            crate::shutdown::sleep(
+            crate::worker_loop::sleep(
                 shutdown,
                 wait.min(self.config.claim_lease) + Duration::from_millis(20),
             )

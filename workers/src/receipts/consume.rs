@@ -188,7 +188,7 @@ impl ReceiptWorker {
                     "receipt failed temporarily, requeueing"
                 );
                 // On shutdown requeue at once: another worker takes it.
-                crate::shutdown::sleep(shutdown, delay).await;
+                crate::worker_loop::sleep(shutdown, delay).await;
                 delivery
                     .acker
                     .nack(BasicNackOptions {

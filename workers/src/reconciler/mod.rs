@@ -35,7 +35,7 @@ use crate::{
     backoff::Backoff,
     config::ReconcilerConfig,
     metrics,
-    shutdown::{self, Next, Passes},
+    worker_loop::{self, Next, Passes},
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -249,7 +249,7 @@ impl Reconciler {
             total: ReconcileSummary::default(),
         };
         let failing = Backoff::new(Duration::from_secs(5), interval);
-        shutdown::run_passes(&mut passes, &shutdown_token, failing).await;
+        worker_loop::run_passes(&mut passes, &shutdown_token, failing).await;
         passes.total
     }
 }
