@@ -178,7 +178,9 @@ run_pgbench() { # script clients seconds log [pgbench options...]
   local script=$1 clients=$2 seconds=$3 logf=$4
   shift 4
   # The same plan cache mode as the api-server's pool (schema::PlanCache::Generic).
-  PGOPTIONS="-c plan_cache_mode=force_generic_plan" timeout $((seconds + 120)) pgbench -n -M prepared -c "$clients" -j 2 \
+  # The sessions declare what the services' do (schema::tls::SESSION_DECLARATIONS), so the ceiling
+  # pays what the service pays when it takes a key's lock.
+  PGOPTIONS="-c plan_cache_mode=force_generic_plan -c rocket_rides.provider_keys=deployment" timeout $((seconds + 120)) pgbench -n -M prepared -c "$clients" -j 2 \
     -T "$seconds" -f "$script" -D user_base="$USER_BASE" -D users=$PG_USERS -D keys_per_user=50 "$@" "$DATABASE_URL" \
     >"$logf" 2>&1 || { cat "$logf" >&2; die "pgbench $script failed"; }
 }

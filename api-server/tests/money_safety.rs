@@ -309,3 +309,56 @@ async fn a_key_finished_as_refunded_replays_payment_refunded() {
     assert!(app.staged_jobs().await.is_empty(), "no receipt");
     assert_eq!(app.stripe.create_calls(), 1, "never charged again");
 }
+
+/// During a rolling upgrade (or after a roll-back) an api-server from before deployment ids
+/// would resume a ride created under one with the old provider key, and the provider would charge
+/// it again. The database refuses such a server the key's lock (a serialization failure, which it
+/// retries as a conflict) and writes nothing; a server of this version takes it; a ride of an
+/// older server (no deployment id) stays open to both. The key then finishes, charged once.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_server_from_before_deployment_ids_is_refused_the_lock_of_a_newer_rides_key() {
+    use diesel::result::{DatabaseErrorKind, Error};
+    let app = TestApp::spawn().await;
+    let user = app.create_user(GOOD_CARD).await;
+    let key = new_key();
+    app.fail_at_the_provider(&user, &key).await;
+    let row = app.key_row(&user, &key).await.unwrap();
+    assert_eq!(row.recovery_point, RecoveryPoint::RideCreated);
+    let deployment = app.rides().await[0].deployment_id.clone().unwrap();
+    let take = "UPDATE idempotency_keys SET locked_at = now(), lock_token = gen_random_uuid() \
+                WHERE id = $1";
+    let release = "UPDATE idempotency_keys SET locked_at = NULL, lock_token = NULL WHERE id = $1";
+    let run = async |conn: &mut diesel_async::AsyncPgConnection, statement: &str| {
+        diesel::sql_query(statement)
+            .bind::<diesel::sql_types::BigInt, _>(row.id)
+            .execute(conn)
+            .await
+    };
+
+    let mut older = app.db.connect_as_an_older_process().await;
+    let refused = run(&mut older, take).await.unwrap_err();
+    assert!(
+        matches!(
+            refused,
+            Error::DatabaseError(DatabaseErrorKind::SerializationFailure, _)
+        ),
+        "{refused:?}"
+    );
+    assert_eq!(app.key_row(&user, &key).await.unwrap().locked_at, None);
+
+    let mut current = app.db.connect().await;
+    assert_eq!(run(&mut current, take).await.unwrap(), 1);
+    assert_eq!(run(&mut current, release).await.unwrap(), 1);
+
+    sql(&app, "UPDATE rides SET deployment_id = NULL").await;
+    assert_eq!(run(&mut older, take).await.unwrap(), 1, "an older ride");
+    assert_eq!(run(&mut older, release).await.unwrap(), 1);
+    sql(
+        &app,
+        &format!("UPDATE rides SET deployment_id = '{deployment}'"),
+    )
+    .await;
+
+    app.create_ride(&user, &key, ride_request()).await.unwrap();
+    assert_eq!(app.stripe.succeeded_charges(), 1);
+}

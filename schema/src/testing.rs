@@ -86,7 +86,17 @@ impl TestDatabase {
         )
     }
 
+    /// A connection as the processes open theirs (`crate::connect`: the session declarations
+    /// included).
     pub async fn connect(&self) -> AsyncPgConnection {
+        crate::connect(&self.url)
+            .await
+            .expect("connect to the test database")
+    }
+
+    /// A connection as a process from before [`crate::tls::SESSION_DECLARATIONS`] opened its
+    /// own: what an older server's statements run on, for the fences against it.
+    pub async fn connect_as_an_older_process(&self) -> AsyncPgConnection {
         AsyncPgConnection::establish(&self.url)
             .await
             .expect("connect to the test database")

@@ -28,7 +28,7 @@ use std::{
 };
 
 use diesel::{ConnectionError, ConnectionResult};
-use diesel_async::{AsyncConnection, AsyncPgConnection};
+use diesel_async::{AsyncConnection, AsyncPgConnection, SimpleAsyncConnection};
 use futures_util::future::BoxFuture;
 use rustls::{
     ClientConfig, DigitallySignedStruct, RootCertStore, SignatureScheme,
@@ -112,8 +112,22 @@ pub fn parse(url: &str) -> Result<(String, Option<TlsParams>), String> {
     ))
 }
 
-/// Opens one connection to `url`, with TLS as its `sslmode` asks.
+/// Opens one connection to `url`, with TLS as its `sslmode` asks, saying what this version
+/// of the processes knows ([`SESSION_DECLARATIONS`]).
 pub async fn connect(url: &str) -> ConnectionResult<AsyncPgConnection> {
+    let mut conn = open(url).await?;
+    conn.batch_execute(SESSION_DECLARATIONS)
+        .await
+        .map_err(|error| bad("cannot set up the session", error))?;
+    Ok(conn)
+}
+
+/// What every connection of this version declares: it knows deployment ids, so the migration
+/// `2026-11-26-100000_fence_older_servers` lets it take the lock of a key whose ride carries one
+/// (a server from before deployment ids would charge that ride under another provider key).
+pub const SESSION_DECLARATIONS: &str = "SET rocket_rides.provider_keys = 'deployment'";
+
+async fn open(url: &str) -> ConnectionResult<AsyncPgConnection> {
     let (url, tls) = parse(url).map_err(ConnectionError::BadConnection)?;
     let Some(tls) = tls else {
         return AsyncPgConnection::establish(&url).await;
