@@ -49,8 +49,11 @@ use crate::{
 const REFUND_PASS_EVERY: Duration = Duration::from_secs(3);
 /// A rider starts a key only while this much traffic is left: about what one takes.
 const KEY_TIME: Duration = Duration::from_secs(20);
-/// How long after the traffic a rider may still wait for its last key's give-up or refund.
-const OVERRUN: Duration = Duration::from_secs(10);
+/// How long after the traffic a rider may still wait for its last key's give-up or refund. The
+/// completer's passes run one key after another under the campaign's faults: a pass stalled on a
+/// provider timeout, or killed with its keys leased (`COMPLETER_LEASE_SECS`, 30 s), can hold a
+/// rider's key back for half a minute (run 28e00bb2: no key given up within 10 s of the end).
+const OVERRUN: Duration = Duration::from_secs(40);
 /// The completer's attempts before it gives a key up, in this mode (20 otherwise): the riders'
 /// keys must be given up within the traffic window.
 pub(crate) const COMPLETER_MAX_ATTEMPTS: &str = "4";
@@ -329,12 +332,25 @@ impl Rider {
         };
         self.aim("error_500", 100).await;
         record.answers.push(self.call(&key, params).await);
+        // A call cut off before its claim committed (an api-server killed at a crash point, with
+        // this call in flight) left no key for the completer to give up: the rider's app tries
+        // again, as it would.
+        for _ in 0..10 {
+            if self.key_state(&key).await.is_some() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            record.answers.push(self.call(&key, params).await);
+        }
         let given_up = self
-            .wait_for(&key, Duration::from_secs(40), last_wait, |state| {
+            .wait_for(&key, Duration::from_secs(70), last_wait, |state| {
                 state.gave_up
             })
             .await;
         record.given_up = given_up.is_some();
+        if !record.given_up {
+            record.answers.push(self.diagnosis(&key).await);
+        }
         self.aim("charge_then_drop", 1).await;
         record.answers.push(self.call(&key, params).await);
         self.aim("charge_then_drop", 0).await;
@@ -410,6 +426,30 @@ impl Rider {
         .get_result(&mut conn)
         .await
         .ok()
+    }
+
+    /// Why a key was not given up in time: its completer state, for the run's output.
+    async fn diagnosis(&self, key: &str) -> String {
+        #[derive(QueryableByName)]
+        struct State {
+            #[diesel(sql_type = Text)]
+            state: String,
+        }
+        let Ok(mut conn) = self.pool.get().await else {
+            return "not given up (no connection to say why)".to_owned();
+        };
+        diesel::sql_query(
+            "SELECT format('not given up: %s, %s completer attempts, next attempt %s, \
+             locked %s, last run %s, now %s', recovery_point, completer_attempts, \
+             coalesce(completer_next_attempt_at::text, '-'), coalesce(locked_at::text, '-'), \
+             last_run_at, now()) AS state \
+             FROM idempotency_keys WHERE user_id = $1 AND idempotency_key = $2",
+        )
+        .bind::<BigInt, _>(self.user_id)
+        .bind::<Text, _>(key)
+        .get_result::<State>(&mut conn)
+        .await
+        .map_or_else(|error| format!("not given up ({error})"), |row| row.state)
     }
 
     /// A receipt job for the refunded key's ride, naming the refunded charge, as a bug or a
