@@ -20,27 +20,19 @@
 
 use std::{
     collections::VecDeque,
-    convert::Infallible,
     net::SocketAddr,
     path::{Path, PathBuf},
     sync::{Arc, Mutex, PoisonError},
     time::Duration,
 };
 
-use bytes::Bytes;
-use http_body_util::Full;
-use hyper::{StatusCode, body::Incoming, server::conn::http1, service::service_fn};
-use hyper_util::rt::TokioIo;
-use tokio::{
-    io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader},
-    net::{TcpListener, TcpStream},
-    sync::Notify,
-};
+use tokio::{net::TcpListener, sync::Notify};
 use tokio_util::sync::CancellationToken;
 
-/// Longest accepted command line and mail; both are generous for receipts.
-const MAX_LINE: usize = 4096;
-const MAX_MESSAGE: usize = 10 * 1024 * 1024;
+mod search;
+mod smtp;
+
+use self::{search::serve_http, smtp::session};
 
 /// One accepted mail.
 #[derive(Clone, Debug)]
@@ -324,114 +316,6 @@ async fn serve(
     }
 }
 
-async fn serve_http(listener: TcpListener, state: Arc<State>, stop: CancellationToken) {
-    loop {
-        let accepted = tokio::select! {
-            () = stop.cancelled() => return,
-            accepted = listener.accept() => accepted,
-        };
-        let Ok((stream, _)) = accepted else {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-            continue;
-        };
-        let state = Arc::clone(&state);
-        tokio::spawn(async move {
-            let service = service_fn(move |request: hyper::Request<Incoming>| {
-                let answer = search(&state, request.uri());
-                async move { Ok::<_, Infallible>(answer) }
-            });
-            let _ = http1::Builder::new()
-                .serve_connection(TokioIo::new(stream), service)
-                .await;
-        });
-    }
-}
-
-/// `GET /api/v1/search?query=message-id:<id>`, answered in Mailpit's shape. Only Message-ID
-/// searches are supported; anything else is a 400 rather than a silently empty answer.
-fn search(state: &State, uri: &hyper::Uri) -> hyper::Response<Full<Bytes>> {
-    let reply = |status: StatusCode, body: serde_json::Value| {
-        let mut response = hyper::Response::new(Full::new(Bytes::from(body.to_string())));
-        *response.status_mut() = status;
-        response.headers_mut().insert(
-            hyper::header::CONTENT_TYPE,
-            hyper::header::HeaderValue::from_static("application/json"),
-        );
-        response
-    };
-    if uri.path() != "/api/v1/search" {
-        return reply(
-            StatusCode::NOT_FOUND,
-            serde_json::json!({"Error": "not found"}),
-        );
-    }
-    {
-        let mut failures = state
-            .search_failures
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        if *failures > 0 {
-            *failures -= 1;
-            return reply(
-                StatusCode::SERVICE_UNAVAILABLE,
-                serde_json::json!({"Error": "injected failure"}),
-            );
-        }
-    }
-    let query = uri
-        .query()
-        .and_then(|q| serde_urlencoded::from_str::<Vec<(String, String)>>(q).ok())
-        .and_then(|pairs| pairs.into_iter().find(|(k, _)| k == "query"))
-        .map(|(_, v)| v)
-        .unwrap_or_default();
-    let Some(wanted) = query.trim().strip_prefix("message-id:") else {
-        return reply(
-            StatusCode::BAD_REQUEST,
-            serde_json::json!({"Error": "only message-id:<id> searches are supported"}),
-        );
-    };
-    let wanted = bare(wanted.trim_matches('"'));
-    let mails = state.mails();
-    let messages: Vec<serde_json::Value> = mails
-        .iter()
-        .enumerate()
-        .filter_map(|(n, mail)| {
-            let id = mail.message_id()?;
-            (bare(&id) == wanted).then(|| {
-                serde_json::json!({
-                    "ID": n.to_string(),
-                    "MessageID": bare(&id),
-                    "Subject": mail.header("Subject").unwrap_or_default(),
-                })
-            })
-        })
-        .collect();
-    reply(
-        StatusCode::OK,
-        serde_json::json!({
-            "total": mails.len(),
-            "unread": mails.len(),
-            "count": messages.len(),
-            "messages_count": messages.len(),
-            "start": 0,
-            "tags": [],
-            "messages": messages,
-        }),
-    )
-}
-
-/// `<id@host>` → `id@host`, as a relay compares Message-IDs. Deliberately the sink's own and not
-/// the receipt worker's (`workers::relay_search::bare`): the sink stands in for a real relay, as
-/// fake-stripe does for Stripe, so it must not borrow its client's reading of the protocol (and
-/// it does not depend on the fleet).
-fn bare(message_id: &str) -> &str {
-    let trimmed = message_id.trim();
-    trimmed
-        .strip_prefix('<')
-        .and_then(|rest| rest.strip_suffix('>'))
-        .unwrap_or(trimmed)
-}
-
 /// The mails a previous run stored in `dir`.
 async fn load(dir: &Path) -> std::io::Result<Vec<ReceivedMail>> {
     let mut names = Vec::new();
@@ -455,144 +339,6 @@ async fn load(dir: &Path) -> std::io::Result<Vec<ReceivedMail>> {
     Ok(mails)
 }
 
-/// One SMTP conversation.
-async fn session(stream: TcpStream, state: &State, dir: Option<&Path>) -> std::io::Result<()> {
-    let (read, mut write) = stream.into_split();
-    let mut reader = BufReader::new(read);
-    write.write_all(b"220 mail-sink ESMTP ready\r\n").await?;
-    let mut mail_from: Option<String> = None;
-    let mut rcpt_to: Vec<String> = Vec::new();
-    let mut line = String::new();
-    loop {
-        line.clear();
-        let read = (&mut reader)
-            .take(MAX_LINE as u64)
-            .read_line(&mut line)
-            .await?;
-        if read == 0 {
-            return Ok(());
-        }
-        let command = line.trim_end_matches(['\r', '\n']);
-        let verb = command
-            .split_whitespace()
-            .next()
-            .unwrap_or_default()
-            .to_ascii_uppercase();
-        let reply: &[u8] = match verb.as_str() {
-            "EHLO" | "HELO" => {
-                mail_from = None;
-                rcpt_to.clear();
-                b"250 mail-sink\r\n"
-            }
-            "MAIL" => match address_after(command, "FROM:") {
-                Some(address) => {
-                    mail_from = Some(address);
-                    rcpt_to.clear();
-                    b"250 2.1.0 OK\r\n"
-                }
-                None => b"501 5.5.4 syntax: MAIL FROM:<address>\r\n",
-            },
-            "RCPT" => match (&mail_from, address_after(command, "TO:")) {
-                (None, _) => b"503 5.5.1 MAIL first\r\n",
-                (Some(_), Some(address)) => {
-                    rcpt_to.push(address);
-                    b"250 2.1.5 OK\r\n"
-                }
-                (Some(_), None) => b"501 5.5.4 syntax: RCPT TO:<address>\r\n",
-            },
-            "DATA" => {
-                let Some(from) = mail_from.take().filter(|_| !rcpt_to.is_empty()) else {
-                    write
-                        .write_all(b"503 5.5.1 MAIL and RCPT first\r\n")
-                        .await?;
-                    continue;
-                };
-                write.write_all(b"354 end with <CRLF>.<CRLF>\r\n").await?;
-                let data = read_data(&mut reader).await?;
-                let rcpts = std::mem::take(&mut rcpt_to);
-                match data {
-                    None => b"552 5.3.4 message too big\r\n",
-                    Some(data) => {
-                        if let Some(code) = state.next_failure() {
-                            let reply = format!("{code} injected failure, try again\r\n");
-                            write.write_all(reply.as_bytes()).await?;
-                            continue;
-                        }
-                        if let Some(delay) = state.next_slow_accept() {
-                            tokio::time::sleep(delay).await;
-                        }
-                        let mail = ReceivedMail {
-                            mail_from: from,
-                            rcpt_to: rcpts,
-                            data,
-                        };
-                        if let Some(dir) = dir {
-                            store(dir, &mail).await?;
-                        }
-                        state.keep(mail);
-                        state.received.notify_waiters();
-                        b"250 2.0.0 queued\r\n"
-                    }
-                }
-            }
-            "RSET" => {
-                mail_from = None;
-                rcpt_to.clear();
-                b"250 2.0.0 OK\r\n"
-            }
-            "NOOP" => b"250 2.0.0 OK\r\n",
-            "VRFY" => b"252 2.5.2 cannot verify\r\n",
-            "QUIT" => {
-                write.write_all(b"221 2.0.0 bye\r\n").await?;
-                return Ok(());
-            }
-            _ => b"502 5.5.2 command not implemented\r\n",
-        };
-        write.write_all(reply).await?;
-    }
-}
-
-/// Reads DATA up to the lone dot, undoing dot-stuffing. `None` if the message is too big (the
-/// rest is still consumed so the conversation stays in step).
-async fn read_data<R: tokio::io::AsyncBufRead + Unpin>(
-    reader: &mut R,
-) -> std::io::Result<Option<String>> {
-    let mut data = String::new();
-    let mut too_big = false;
-    let mut raw = Vec::new();
-    loop {
-        raw.clear();
-        let read = reader.read_until(b'\n', &mut raw).await?;
-        if read == 0 {
-            return Err(std::io::ErrorKind::UnexpectedEof.into());
-        }
-        let line = String::from_utf8_lossy(&raw);
-        let line = line.trim_end_matches(['\r', '\n']);
-        if line == "." {
-            return Ok((!too_big).then_some(data));
-        }
-        let line = line.strip_prefix('.').unwrap_or(line);
-        if data.len() + line.len() > MAX_MESSAGE {
-            too_big = true;
-            continue;
-        }
-        if !data.is_empty() {
-            data.push_str("\r\n");
-        }
-        data.push_str(line);
-    }
-}
-
-/// `MAIL FROM:<a@b> BODY=8BITMIME` → `a@b`.
-fn address_after(command: &str, keyword: &str) -> Option<String> {
-    let upper = command.to_ascii_uppercase();
-    let start = upper.find(keyword)? + keyword.len();
-    let rest = command[start..].trim_start();
-    let rest = rest.strip_prefix('<')?;
-    let end = rest.find('>')?;
-    Some(rest[..end].to_owned())
-}
-
 /// Writes `<nanos>-<n>.eml` via a temporary name, so readers never see half a mail.
 async fn store(dir: &Path, mail: &ReceivedMail) -> std::io::Result<()> {
     static SEQUENCE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
@@ -606,7 +352,9 @@ async fn store(dir: &Path, mail: &ReceivedMail) -> std::io::Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
+    use tokio::io::BufReader;
+
+    use super::{search::*, smtp::*, *};
 
     #[test]
     fn parses_addresses() {
