@@ -1,0 +1,179 @@
+//! Publishing a batch with publisher confirms: each job encoded by the job registry, with the
+//! trace context it was staged under, and what the broker confirmed, returned or refused.
+
+use std::time::Duration;
+
+use lapin::{
+    BasicProperties, Channel, Confirmation,
+    options::BasicPublishOptions,
+    types::{AMQPValue, FieldTable, LongString, ShortString},
+};
+use schema::models::StagedJob;
+
+use super::*;
+
+pub(super) struct Published {
+    pub(super) confirmed: Vec<i64>,
+    /// Returned or nacked, with why: these are set aside.
+    pub(super) refused: Vec<(i64, String)>,
+    pub(super) returned: u64,
+    pub(super) nacked: u64,
+    pub(super) error: Option<EnqueueError>,
+}
+
+/// Publishes every job, then collects the confirms. Publishing all before awaiting any keeps
+/// the batch pipelined (one round trip, not one per job).
+pub(super) async fn publish_all(
+    channel: &Channel,
+    exchange: &str,
+    jobs: &[StagedJob],
+    confirm_timeout: Duration,
+) -> Published {
+    let mut published = Published {
+        confirmed: Vec::with_capacity(jobs.len()),
+        refused: Vec::new(),
+        returned: 0,
+        nacked: 0,
+        error: None,
+    };
+    let mut pending = Vec::with_capacity(jobs.len());
+    for job in jobs {
+        let (routing_key, body) = encode(job);
+        let result = channel
+            .basic_publish(
+                exchange.into(),
+                routing_key.as_str().into(),
+                BasicPublishOptions {
+                    mandatory: true,
+                    ..BasicPublishOptions::default()
+                },
+                &body,
+                properties(job, exchange),
+            )
+            .await;
+        match result {
+            Ok(confirm) => pending.push((job.id, confirm)),
+            Err(error) => {
+                published.error = Some(error.into());
+                break;
+            }
+        }
+    }
+    let deadline = tokio::time::Instant::now() + confirm_timeout;
+    for (job_id, confirm) in pending {
+        match tokio::time::timeout_at(deadline, confirm).await {
+            // Routed to at least one queue and accepted: the only case that deletes the job.
+            Ok(Ok(Confirmation::Ack(None))) => published.confirmed.push(job_id),
+            Ok(Ok(Confirmation::Ack(Some(returned)))) => {
+                published.returned += 1;
+                tracing::warn!(
+                    job_id,
+                    reply_code = returned.reply_code,
+                    reply_text = %returned.reply_text,
+                    "job returned as unroutable; it stays staged, set aside"
+                );
+                let reason = format!("returned {} {}", returned.reply_code, returned.reply_text);
+                published.refused.push((job_id, reason));
+            }
+            Ok(Ok(Confirmation::Nack(_))) => {
+                published.nacked += 1;
+                tracing::warn!(job_id, "broker refused job; it stays staged, set aside");
+                published
+                    .refused
+                    .push((job_id, "nacked by the broker".to_owned()));
+            }
+            Ok(Ok(Confirmation::NotRequested)) => {
+                // Cannot happen on a confirm-mode channel; without a confirm nothing is known.
+                published.nacked += 1;
+                tracing::error!(
+                    job_id,
+                    "publish was not confirmed; it stays staged, set aside"
+                );
+                published.refused.push((job_id, "not confirmed".to_owned()));
+            }
+            Ok(Err(error)) => {
+                if published.error.is_none() {
+                    published.error = Some(error.into());
+                }
+            }
+            Err(_) => {
+                if published.error.is_none() {
+                    published.error = Some(EnqueueError::ConfirmTimeout(confirm_timeout));
+                }
+            }
+        }
+    }
+    published
+}
+
+/// The routing key and body of a job, by the job registry ([`crate::jobs`]). Args that do not
+/// fit their type's message are published as they are, so that the consumer rejects them into the
+/// dead-letter queue where a person sees them, instead of blocking the drain. Unknown job names
+/// are routed by name: with no queue bound they are returned and set aside.
+pub(super) fn encode(job: &StagedJob) -> (String, Vec<u8>) {
+    let raw = || job.job_args.to_string().into_bytes();
+    let Some(kind) = crate::jobs::find(&job.job_name) else {
+        return (job.job_name.clone(), raw());
+    };
+    let body = (kind.encode)(&job.job_args).unwrap_or_else(|| {
+        tracing::error!(
+            job_id = job.id,
+            job_name = kind.job_name,
+            "job args do not fit the message contract"
+        );
+        raw()
+    });
+    (kind.routing_key.to_owned(), body)
+}
+
+/// The message's properties. Its headers carry the trace context of a `publish` span that
+/// continues the trace the job was staged under, so the consumer's span joins the same trace.
+pub(super) fn properties(job: &StagedJob, exchange: &str) -> BasicProperties {
+    let mut headers = FieldTable::default();
+    headers.insert(
+        ShortString::from("x-job-name"),
+        AMQPValue::LongString(LongString::from(job.job_name.as_str())),
+    );
+    let staged_under: std::collections::HashMap<String, String> = job
+        .trace_context
+        .as_object()
+        .map(|context| {
+            context
+                .iter()
+                .filter_map(|(name, value)| Some((name.clone(), value.as_str()?.to_owned())))
+                .collect()
+        })
+        .unwrap_or_default();
+    let span = tracing::info_span!(
+        "publish",
+        otel.name = %format_args!("{exchange} publish"),
+        otel.kind = "producer",
+        messaging.system = "rabbitmq",
+        messaging.operation.type = "send",
+        messaging.destination.name = exchange,
+        messaging.message.id = job.id,
+        trace_id = tracing::field::Empty,
+    );
+    telemetry::continue_trace(&span, &telemetry::MapExtractor(&staged_under));
+    let mut carried = span.in_scope(telemetry::inject_current);
+    if !carried.contains_key("traceparent") {
+        // No OpenTelemetry layer is installed (a library user, a test): pass the staged context
+        // on unchanged rather than drop it.
+        carried = staged_under
+            .into_iter()
+            .filter(|(name, _)| name == "traceparent" || name == "tracestate")
+            .collect();
+    }
+    for (name, value) in carried {
+        headers.insert(
+            ShortString::from(name.as_str()),
+            AMQPValue::LongString(LongString::from(value.as_str())),
+        );
+    }
+    BasicProperties::default()
+        .with_delivery_mode(2)
+        .with_content_type("application/json".into())
+        .with_message_id(job.id.to_string().into())
+        .with_timestamp(u64::try_from(job.created_at.timestamp()).unwrap_or(0))
+        .with_headers(headers)
+}
