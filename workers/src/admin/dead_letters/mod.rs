@@ -13,11 +13,9 @@
 
 use std::fmt::Write as _;
 
-use super::render::time;
-
 use std::time::Duration;
 
-use chrono::{DateTime, TimeZone, Utc};
+use chrono::{DateTime, Utc};
 use lapin::{
     BasicProperties, Channel, Confirmation,
     message::Delivery,
@@ -25,34 +23,22 @@ use lapin::{
         BasicAckOptions, BasicGetOptions, BasicNackOptions, BasicPublishOptions,
         ConfirmSelectOptions,
     },
-    types::{AMQPValue, DeliveryTag, FieldTable},
+    types::{DeliveryTag, FieldTable},
 };
 use serde::Serialize;
 
 use super::{AdminError, Mode, QueueDepth, close_channel, connect_broker, queue_depth};
-use contract::message::ReceiptMessage;
 
-use crate::{
-    redact,
-    topology::{RECEIPT_ROUTING_KEY, Topology},
-};
+use crate::topology::{RECEIPT_ROUTING_KEY, Topology};
+
+mod describe;
+
+pub use self::describe::summarize;
+use self::describe::*;
 
 /// Most messages one listing holds unacknowledged.
 pub const MAX_LIST: u32 = 1000;
 const CONFIRM_TIMEOUT: Duration = Duration::from_secs(30);
-
-/// Headers the broker writes when it dead-letters or redelivers a message. A requeued message
-/// starts afresh without them (the broker adds new ones if it is dead-lettered again).
-const BROKER_HEADERS: &[&str] = &[
-    "x-death",
-    "x-first-death-reason",
-    "x-first-death-queue",
-    "x-first-death-exchange",
-    "x-last-death-reason",
-    "x-last-death-queue",
-    "x-last-death-exchange",
-    "x-delivery-count",
-];
 
 /// One dead-lettered message, as listed.
 #[derive(Clone, Debug, Serialize)]
@@ -324,146 +310,6 @@ pub fn requeue_properties(original: &BasicProperties) -> BasicProperties {
     original.clone().with_headers(headers).with_delivery_mode(2)
 }
 
-fn describe(delivery: &Delivery) -> DeadLetter {
-    let properties = &delivery.properties;
-    let headers = properties.headers().as_ref();
-    let header = |name: &str| headers.and_then(|table| table.inner().get(name));
-    let death = header("x-death")
-        .and_then(|value| match value {
-            AMQPValue::FieldArray(array) => array.as_slice().first(),
-            _ => None,
-        })
-        .and_then(|entry| match entry {
-            AMQPValue::FieldTable(table) => Some(table),
-            _ => None,
-        })
-        .map(|table| {
-            let field = |name: &str| table.inner().get(name);
-            Death {
-                reason: field("reason").and_then(string),
-                count: field("count").and_then(integer),
-                queue: field("queue").and_then(string),
-                time: field("time").and_then(timestamp),
-            }
-        });
-    DeadLetter {
-        message_id: properties.message_id().as_ref().map(|id| id.to_string()),
-        job_name: header("x-job-name").and_then(string),
-        routing_key: delivery.routing_key.to_string(),
-        published_at: properties
-            .timestamp()
-            .and_then(|seconds| i64::try_from(seconds).ok())
-            .and_then(|seconds| Utc.timestamp_opt(seconds, 0).single()),
-        death,
-        delivery_count: header("x-delivery-count").and_then(integer),
-        summary: summarize(&delivery.data),
-    }
-}
-
-/// A one-line description of a body that never prints more than a receipt's own fields: an
-/// undecodable body shows why, its size and its field names, not its values.
-pub fn summarize(body: &[u8]) -> String {
-    match ReceiptMessage::decode(body) {
-        Ok(receipt) => format!(
-            "receipt v{}: ride {} user {} {} {} charge {}",
-            receipt.version,
-            receipt.ride_id,
-            receipt.user_id,
-            receipt.amount,
-            receipt.currency,
-            receipt.charge_id
-        ),
-        Err(error) => {
-            let fields = serde_json::from_slice::<serde_json::Value>(body)
-                .ok()
-                .and_then(|value| {
-                    value.as_object().map(|object| {
-                        object
-                            .keys()
-                            .map(String::as_str)
-                            .collect::<Vec<_>>()
-                            .join(",")
-                    })
-                });
-            let mut reason: String = error.to_string().chars().take(160).collect();
-            reason = scrub_emails(&reason);
-            match fields {
-                Some(fields) => format!(
-                    "undecodable ({reason}); {} bytes, fields [{fields}]",
-                    body.len()
-                ),
-                None => format!("undecodable ({reason}); {} bytes", body.len()),
-            }
-        }
-    }
-}
-
-/// Replaces anything that looks like an e-mail address with its redacted form.
-fn scrub_emails(text: &str) -> String {
-    text.split(' ')
-        .map(|word| {
-            if word.contains('@') {
-                redact::email(word.trim_matches(|c: char| !c.is_alphanumeric()))
-            } else {
-                word.to_owned()
-            }
-        })
-        .collect::<Vec<_>>()
-        .join(" ")
-}
-
-fn string(value: &AMQPValue) -> Option<String> {
-    match value {
-        AMQPValue::LongString(text) => Some(String::from_utf8_lossy(text.as_bytes()).into_owned()),
-        AMQPValue::ShortString(text) => Some(text.as_str().to_owned()),
-        _ => None,
-    }
-}
-
-fn integer(value: &AMQPValue) -> Option<i64> {
-    match value {
-        AMQPValue::ShortShortInt(n) => Some(i64::from(*n)),
-        AMQPValue::ShortShortUInt(n) => Some(i64::from(*n)),
-        AMQPValue::ShortInt(n) => Some(i64::from(*n)),
-        AMQPValue::ShortUInt(n) => Some(i64::from(*n)),
-        AMQPValue::LongInt(n) => Some(i64::from(*n)),
-        AMQPValue::LongUInt(n) => Some(i64::from(*n)),
-        AMQPValue::LongLongInt(n) => Some(*n),
-        _ => None,
-    }
-}
-
-fn timestamp(value: &AMQPValue) -> Option<DateTime<Utc>> {
-    match value {
-        AMQPValue::Timestamp(seconds) => i64::try_from(*seconds)
-            .ok()
-            .and_then(|seconds| Utc.timestamp_opt(seconds, 0).single()),
-        _ => None,
-    }
-}
-
-fn dead_letter_line(message: &DeadLetter) -> String {
-    let death = message.death.as_ref().map_or_else(
-        || "no x-death".to_owned(),
-        |death| {
-            format!(
-                "{} x{} from {} at {}",
-                death.reason.as_deref().unwrap_or("?"),
-                death.count.unwrap_or(0),
-                death.queue.as_deref().unwrap_or("?"),
-                death.time.map_or_else(|| "?".to_owned(), time)
-            )
-        },
-    );
-    format!(
-        "message {} job {} routing {}: {death}; {}",
-        message.message_id.as_deref().unwrap_or("-"),
-        message.job_name.as_deref().unwrap_or("-"),
-        message.routing_key,
-        message.summary
-    )
-}
-
 impl DeadLetterList {
     /// The report as text, for a terminal.
     pub fn render(&self) -> String {
@@ -526,9 +372,9 @@ impl RequeueReport {
 
 #[cfg(test)]
 mod tests {
-    use lapin::types::{FieldArray, LongString, ShortString};
+    use lapin::types::{AMQPValue, FieldArray, LongString, ShortString};
 
-    use super::*;
+    use super::{describe::*, *};
 
     #[test]
     fn requeue_properties_drop_only_the_brokers_headers() {
