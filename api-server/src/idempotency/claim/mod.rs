@@ -8,6 +8,7 @@
 
 mod batched;
 mod first_ride;
+mod statements;
 
 use std::{sync::Arc, time::Duration};
 
@@ -21,7 +22,7 @@ use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use schema::{
     Pool, RecoveryPoint,
     models::{IdempotencyKey as KeyRow, Ride, User},
-    prepared::{Statement, prepared},
+    prepared::prepared,
     schema::idempotency_keys,
     store::{RetryPolicy, StoreError, retry_transient},
 };
@@ -31,6 +32,7 @@ pub use batched::Claims;
 pub use first_ride::FirstRide;
 
 use first_ride::{first_ride_writes, inserted_recovery_point};
+use statements::{ClaimById, ClaimByToken, key_columns};
 
 use super::{Batcher, IdempotencyKey, Lease, RequestSignature};
 use crate::auth::Caller;
@@ -229,103 +231,6 @@ fn count_statement(step: &'static str) {
 
 /// How many insert/inspect rounds a claim makes before giving up on a key that keeps vanishing.
 const CLAIM_ROUNDS: usize = 5;
-
-/// Every column of `idempotency_keys` that [`KeyRow`] reads, by name, each with the same prefix
-/// (a table alias and its dot) if one is given.
-macro_rules! key_columns {
-    () => {
-        key_columns!("")
-    };
-    ($p:literal) => {
-        concat!(
-            $p,
-            "id, ",
-            $p,
-            "created_at, ",
-            $p,
-            "idempotency_key, ",
-            $p,
-            "last_run_at, ",
-            $p,
-            "locked_at, ",
-            $p,
-            "lock_token, ",
-            $p,
-            "request_method, ",
-            $p,
-            "request_path, ",
-            $p,
-            "request_params, ",
-            $p,
-            "response_code, ",
-            $p,
-            "response_body, ",
-            $p,
-            "recovery_point, ",
-            $p,
-            "user_id"
-        )
-    };
-}
-pub(super) use key_columns;
-
-/// The claim's one statement, for the user `caller` selects (`$1`). The key row if it exists (a
-/// replay, a mismatch or a resumption is decided from it without a lock); otherwise the key
-/// inserted, locked by a fresh token. `ON CONFLICT DO NOTHING` waits for a concurrent inserter of
-/// the same key and then yields to it; that key is newer than this statement's snapshot, so no
-/// row comes back and the claim looks again. A key that exists inserts nothing, so a replay
-/// writes nothing and burns no sequence value; no user, no row and nothing written. If `$7` is
-/// true, the inserted key's first ride is inserted with it (`$8`–`$16`, [`FirstRide`]) and the key
-/// is born at `ride_created`; that commit waits for the WAL flush, as the first phase's own does.
-macro_rules! claim_sql {
-    ($caller:literal) => {
-        concat!(
-            "WITH caller AS (SELECT id, created_at, email, stripe_customer_id, \
-             stripe_payment_method_id, api_token_digest FROM users WHERE ",
-            $caller,
-            "), existing AS (SELECT ",
-            key_columns!(),
-            " FROM idempotency_keys WHERE user_id = (SELECT id FROM caller) \
-             AND idempotency_key = $2), \
-             inserted AS (INSERT INTO idempotency_keys (user_id, idempotency_key, lock_token, \
-             request_method, request_path, request_params, recovery_point, locked_at) \
-             SELECT caller.id, $2, $3, $4, $5, $6, ",
-            inserted_recovery_point!("$7::bool"),
-            ", now() FROM caller WHERE NOT EXISTS (SELECT FROM existing) \
-             ON CONFLICT (user_id, idempotency_key) DO NOTHING RETURNING ",
-            key_columns!(),
-            "), first_ride AS (SELECT inserted.id AS key_id, inserted.user_id, \
-             $8::float8 AS origin_lat, $9::float8 AS origin_lon, $10::float8 AS target_lat, \
-             $11::float8 AS target_lon, $12::int8 AS amount, $13::text AS currency, \
-             $14::jsonb AS data, $15::cidr AS origin_ip, $16::text AS deployment_id \
-             FROM inserted WHERE $7::bool), ",
-            first_ride_writes!(),
-            ", found AS (SELECT ",
-            key_columns!(),
-            ", true AS inserted FROM inserted UNION ALL SELECT ",
-            key_columns!(),
-            ", false FROM existing) \
-             SELECT caller.id AS caller_id, caller.created_at AS caller_created_at, caller.email, \
-             caller.stripe_customer_id, caller.stripe_payment_method_id, caller.api_token_digest, \
-             found.*, ride.id AS ride_id, ride.created_at AS ride_created_at \
-             FROM caller, found LEFT JOIN ride ON ride.idempotency_key_id = found.id"
-        )
-    };
-}
-
-/// The claim of a user known by id.
-struct ClaimById;
-
-impl Statement for ClaimById {
-    const SQL: &'static str = claim_sql!("id = $1");
-}
-
-/// The claim of the owner of an API token, by its digest: authentication in the same round trip.
-struct ClaimByToken;
-
-impl Statement for ClaimByToken {
-    const SQL: &'static str = claim_sql!("api_token_digest = $1");
-}
 
 /// What a claim statement returns: the caller and the key row. Public only as the output of
 /// [`Claims`]; its fields stay private.
