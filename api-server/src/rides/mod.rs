@@ -28,6 +28,7 @@
 //! here with its statements, and an arm in [`Rides::run_phase`].
 
 mod create_ride_record;
+mod error;
 mod params;
 mod record_charge;
 mod stage_receipt;
@@ -38,7 +39,7 @@ use chrono::{DateTime, Utc};
 use contract::{Outcome, RideView, key::chrono_duration};
 use diesel::{ExpressionMethods, OptionalExtension, QueryDsl, SelectableHelper};
 use diesel_async::RunQueryDsl;
-use provider::{ChargeError, StripeClient};
+use provider::StripeClient;
 use schema::{
     Pool, RecoveryPoint,
     models::{Ride, User},
@@ -48,6 +49,7 @@ use schema::{
 use telemetry::attr;
 use tracing::Instrument;
 
+pub use error::CreateRideError;
 pub use params::{CREATE_RIDE_METHOD, CREATE_RIDE_PATH, FieldViolation, RideParams};
 #[cfg(feature = "testing")]
 pub(crate) use record_charge::charge_request;
@@ -66,42 +68,6 @@ use crate::{
     },
     metrics::metrics,
 };
-
-/// Why a CreateRide attempt ended without a final outcome.
-#[derive(Debug, thiserror::Error)]
-pub enum CreateRideError {
-    #[error("the idempotency key was used with different parameters")]
-    KeyReused,
-    /// `waited`: this call waited for that request until its own wait was over (so a retry may
-    /// come at once and wait again).
-    #[error("another request with this idempotency key is in progress")]
-    KeyInUse { waited: bool },
-    #[error("another attempt took over this idempotency key")]
-    LockLost,
-    #[error("the request kept conflicting with concurrent requests")]
-    Contended(#[source] StoreError),
-    #[error("the database is unavailable")]
-    DatabaseUnavailable(#[source] StoreError),
-    #[error("the payment provider is unavailable")]
-    ProviderUnavailable(#[source] ChargeError),
-    #[error("internal error")]
-    Internal(#[source] Box<dyn std::error::Error + Send + Sync>),
-}
-
-impl From<StoreError> for CreateRideError {
-    fn from(error: StoreError) -> CreateRideError {
-        match error {
-            StoreError::LockLost => CreateRideError::LockLost,
-            error @ StoreError::Contended { .. } => CreateRideError::Contended(error),
-            error @ (StoreError::Unavailable(_) | StoreError::ConnectionLost(_)) => {
-                CreateRideError::DatabaseUnavailable(error)
-            }
-            error @ (StoreError::CorruptStoredResponse
-            | StoreError::KeyVanished
-            | StoreError::Database(_)) => CreateRideError::Internal(Box::new(error)),
-        }
-    }
-}
 
 /// What a CreateRide call answered.
 #[derive(Debug)]

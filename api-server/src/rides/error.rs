@@ -1,0 +1,41 @@
+//! Why a CreateRide attempt ended without a final outcome; `crate::grpc::status` maps each to
+//! its `Status` exhaustively.
+
+use provider::ChargeError;
+use schema::store::StoreError;
+
+/// Why a CreateRide attempt ended without a final outcome.
+#[derive(Debug, thiserror::Error)]
+pub enum CreateRideError {
+    #[error("the idempotency key was used with different parameters")]
+    KeyReused,
+    /// `waited`: this call waited for that request until its own wait was over (so a retry may
+    /// come at once and wait again).
+    #[error("another request with this idempotency key is in progress")]
+    KeyInUse { waited: bool },
+    #[error("another attempt took over this idempotency key")]
+    LockLost,
+    #[error("the request kept conflicting with concurrent requests")]
+    Contended(#[source] StoreError),
+    #[error("the database is unavailable")]
+    DatabaseUnavailable(#[source] StoreError),
+    #[error("the payment provider is unavailable")]
+    ProviderUnavailable(#[source] ChargeError),
+    #[error("internal error")]
+    Internal(#[source] Box<dyn std::error::Error + Send + Sync>),
+}
+
+impl From<StoreError> for CreateRideError {
+    fn from(error: StoreError) -> CreateRideError {
+        match error {
+            StoreError::LockLost => CreateRideError::LockLost,
+            error @ StoreError::Contended { .. } => CreateRideError::Contended(error),
+            error @ (StoreError::Unavailable(_) | StoreError::ConnectionLost(_)) => {
+                CreateRideError::DatabaseUnavailable(error)
+            }
+            error @ (StoreError::CorruptStoredResponse
+            | StoreError::KeyVanished
+            | StoreError::Database(_)) => CreateRideError::Internal(Box::new(error)),
+        }
+    }
+}
