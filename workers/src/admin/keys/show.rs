@@ -299,7 +299,6 @@ async fn ride_details(conn: &mut AsyncPgConnection, ride: Ride) -> Result<RideDe
 impl KeyReport {
     /// The report as text, for a terminal.
     pub fn render(&self) -> String {
-        let now = self.now;
         let mut out = String::new();
         match &self.key {
             None => {
@@ -308,133 +307,146 @@ impl KeyReport {
                     "The idempotency key no longer exists (reaped). Attention rows about it follow."
                 );
             }
-            Some(key) => {
-                let _ = writeln!(out, "Idempotency key {}", key.id);
-                let line = |out: &mut String, label: &str, value: String| {
-                    let _ = writeln!(out, "  {label:<16}{value}");
-                };
-                line(
-                    &mut out,
-                    "user",
-                    format!(
-                        "{} ({})",
-                        key.user_id,
-                        key.user_email.as_deref().unwrap_or("unknown")
-                    ),
-                );
-                line(&mut out, "key", key.idempotency_key.clone());
-                line(
-                    &mut out,
-                    "request",
-                    format!(
-                        "{} {} {}",
-                        key.request_method, key.request_path, key.request_params
-                    ),
-                );
-                line(&mut out, "created_at", relative(key.created_at, now));
-                line(
-                    &mut out,
-                    "expires_at",
-                    optional_time(key.expires_at, now, "never"),
-                );
-                line(&mut out, "last_run_at", relative(key.last_run_at, now));
-                line(&mut out, "recovery_point", key.recovery_point.to_string());
-                let lock = match key.lock.locked_at {
-                    None => "none".to_owned(),
-                    Some(locked_at) => format!(
-                        "held since {}, {} (expires {})",
-                        relative(locked_at, now),
-                        if key.lock.live {
-                            "LIVE: its holder may still be running"
-                        } else {
-                            "expired: abandoned, may be taken over"
-                        },
-                        optional_time(key.lock.expires_at, now, "?")
-                    ),
-                };
-                line(&mut out, "lock", lock);
-                line(
-                    &mut out,
-                    "provider key",
-                    match &key.provider_idempotency_key {
-                        Some(provider_key) => {
-                            format!("{provider_key} (the charge's idempotency key at the provider)")
-                        }
-                        None => "none yet (no ride, so no charge)".to_owned(),
-                    },
-                );
-                line(
-                    &mut out,
-                    "completer",
-                    format!(
-                        "{} attempt(s), next attempt {}, gave up {}",
-                        key.completer.attempts,
-                        optional_time(key.completer.next_attempt_at, now, "-"),
-                        optional_time(key.completer.gave_up_at, now, "no")
-                    ),
-                );
-                let stored = match &key.stored_outcome {
-                    None => "none (unfinished)".to_owned(),
-                    Some(stored) => match &stored.outcome {
-                        Some(decoded) => {
-                            format!("code {}: {}", stored.response_code, outcome(decoded))
-                        }
-                        None => format!(
-                            "code {}: UNDECODABLE body {} (a replay fails with INTERNAL)",
-                            stored.response_code,
-                            stored
-                                .undecodable
-                                .as_ref()
-                                .map(ToString::to_string)
-                                .unwrap_or_default()
-                        ),
-                    },
-                };
-                line(&mut out, "stored outcome", stored);
-            }
+            Some(key) => key.render(&mut out, self.now),
         }
         match &self.ride {
             None if self.key.is_some() => {
                 let _ = writeln!(out, "Ride: none");
             }
             None => {}
-            Some(ride) => {
-                let _ = writeln!(out, "Ride {}", ride.id);
-                let _ = writeln!(
-                    out,
-                    "  {:<16}{}",
-                    "charge_id",
-                    ride.charge_id.as_deref().unwrap_or("none")
-                );
-                let _ = writeln!(out, "  {:<16}{} {}", "amount", ride.amount, ride.currency);
-                let _ = writeln!(
-                    out,
-                    "  {:<16}{}",
-                    "created_at",
-                    relative(ride.created_at, now)
-                );
-                let receipt = match (&ride.receipt.sent_at, ride.receipt.staged_jobs) {
-                    (Some(sent_at), _) => format!(
-                        "sent {} (message {})",
-                        relative(*sent_at, now),
-                        ride.receipt.sent_message_id.as_deref().unwrap_or("?")
-                    ),
-                    (None, 0) => "not staged, not sent (in flight in RabbitMQ, dead-lettered, or \
-                                  never staged)"
-                        .to_owned(),
-                    (None, staged) => format!("{staged} job(s) staged, not yet published"),
-                };
-                let _ = writeln!(out, "  {:<16}{receipt}", "receipt");
-            }
+            Some(ride) => ride.render(&mut out, self.now),
         }
         if self.attention.is_empty() {
             let _ = writeln!(out, "Keys needing attention: none");
         } else {
             let _ = writeln!(out, "Keys needing attention");
             for row in &self.attention {
-                let _ = writeln!(out, "  {}", crate::admin::attention::line(row, now));
+                let _ = writeln!(out, "  {}", crate::admin::attention::line(row, self.now));
             }
         }
         out
+    }
+}
+
+/// One `label  value` line of a section.
+fn line(out: &mut String, label: &str, value: String) {
+    let _ = writeln!(out, "  {label:<16}{value}");
+}
+
+impl KeyDetails {
+    fn render(&self, out: &mut String, now: DateTime<Utc>) {
+        let key = self;
+        let _ = writeln!(out, "Idempotency key {}", key.id);
+        line(
+            out,
+            "user",
+            format!(
+                "{} ({})",
+                key.user_id,
+                key.user_email.as_deref().unwrap_or("unknown")
+            ),
+        );
+        line(out, "key", key.idempotency_key.clone());
+        line(
+            out,
+            "request",
+            format!(
+                "{} {} {}",
+                key.request_method, key.request_path, key.request_params
+            ),
+        );
+        line(out, "created_at", relative(key.created_at, now));
+        line(
+            out,
+            "expires_at",
+            optional_time(key.expires_at, now, "never"),
+        );
+        line(out, "last_run_at", relative(key.last_run_at, now));
+        line(out, "recovery_point", key.recovery_point.to_string());
+        line(out, "lock", key.lock.describe(now));
+        line(
+            out,
+            "provider key",
+            match &key.provider_idempotency_key {
+                Some(provider_key) => {
+                    format!("{provider_key} (the charge's idempotency key at the provider)")
+                }
+                None => "none yet (no ride, so no charge)".to_owned(),
+            },
+        );
+        line(
+            out,
+            "completer",
+            format!(
+                "{} attempt(s), next attempt {}, gave up {}",
+                key.completer.attempts,
+                optional_time(key.completer.next_attempt_at, now, "-"),
+                optional_time(key.completer.gave_up_at, now, "no")
+            ),
+        );
+        let stored = key
+            .stored_outcome
+            .as_ref()
+            .map_or_else(|| "none (unfinished)".to_owned(), StoredOutcome::describe);
+        line(out, "stored outcome", stored);
+    }
+}
+
+impl LockState {
+    fn describe(&self, now: DateTime<Utc>) -> String {
+        match self.locked_at {
+            None => "none".to_owned(),
+            Some(locked_at) => format!(
+                "held since {}, {} (expires {})",
+                relative(locked_at, now),
+                if self.live {
+                    "LIVE: its holder may still be running"
+                } else {
+                    "expired: abandoned, may be taken over"
+                },
+                optional_time(self.expires_at, now, "?")
+            ),
+        }
+    }
+}
+
+impl StoredOutcome {
+    fn describe(&self) -> String {
+        match &self.outcome {
+            Some(decoded) => format!("code {}: {}", self.response_code, outcome(decoded)),
+            None => format!(
+                "code {}: UNDECODABLE body {} (a replay fails with INTERNAL)",
+                self.response_code,
+                self.undecodable
+                    .as_ref()
+                    .map(ToString::to_string)
+                    .unwrap_or_default()
+            ),
+        }
+    }
+}
+
+impl RideDetails {
+    fn render(&self, out: &mut String, now: DateTime<Utc>) {
+        let _ = writeln!(out, "Ride {}", self.id);
+        line(
+            out,
+            "charge_id",
+            self.charge_id.as_deref().unwrap_or("none").to_owned(),
+        );
+        line(out, "amount", format!("{} {}", self.amount, self.currency));
+        line(out, "created_at", relative(self.created_at, now));
+        let receipt = match (&self.receipt.sent_at, self.receipt.staged_jobs) {
+            (Some(sent_at), _) => format!(
+                "sent {} (message {})",
+                relative(*sent_at, now),
+                self.receipt.sent_message_id.as_deref().unwrap_or("?")
+            ),
+            (None, 0) => "not staged, not sent (in flight in RabbitMQ, dead-lettered, or \
+                          never staged)"
+                .to_owned(),
+            (None, staged) => format!("{staged} job(s) staged, not yet published"),
+        };
+        line(out, "receipt", receipt);
     }
 }
