@@ -160,11 +160,29 @@ impl Report<'_> {
     }
 
     fn text(&self, report: &Value, total: Duration, passed: bool) -> String {
-        let (args, plan, tallies) = (self.args, self.plan, self.tallies);
         let mut text = String::new();
-        let line = |text: &mut String, k: &str, val: String| {
-            text.push_str(&format!("{k:<58} {val}\n"));
-        };
+        self.text_header(&mut text, total);
+        self.text_tallies(&mut text);
+        if self.args.ha {
+            text_ha_faults(&mut text, report);
+        }
+        section(
+            &mut text,
+            "completer / reaper passes",
+            self.tallies.maintenance.snapshot(),
+        );
+        self.text_evidence(&mut text, report);
+        self.text_invariants(&mut text);
+        text.push_str(&format!(
+            "RESULT: {}\n",
+            if passed { "PASS" } else { "FAIL" }
+        ));
+        text
+    }
+
+    /// The run, its length and its traffic.
+    fn text_header(&self, text: &mut String, total: Duration) {
+        let (args, plan, tallies) = (self.args, self.plan, self.tallies);
         text.push_str(&format!(
             "Rocket Rides proof campaign {} (seed {}, {} mode)\n",
             plan.run_id,
@@ -172,90 +190,76 @@ impl Report<'_> {
             if args.long { "long" } else { "short" }
         ));
         line(
-            &mut text,
+            text,
             "traffic / total duration",
             format!("{}s / {:.1}s", plan.duration.as_secs(), total.as_secs_f64()),
         );
         line(
-            &mut text,
+            text,
             "clients (declining cards)",
             format!("{} ({})", args.clients, args.declined_clients),
         );
-        line(&mut text, "keys", self.facts.records.len().to_string());
+        line(text, "keys", self.facts.records.len().to_string());
         line(
-            &mut text,
+            text,
             "requests (attempts)",
             AtomicU64::load(&tallies.requests, Ordering::Relaxed).to_string(),
         );
         line(
-            &mut text,
+            text,
             "retries",
             AtomicU64::load(&tallies.retries, Ordering::Relaxed).to_string(),
         );
-        text.push_str("-- outcomes seen by clients\n");
-        for (k, n) in &self.verdict.outcomes {
-            line(&mut text, &format!("  {k}"), n.to_string());
-        }
-        text.push_str("-- abandoned / given-up keys\n");
-        for (k, n) in &self.verdict.abandoned {
-            line(&mut text, &format!("  {k}"), n.to_string());
-        }
-        text.push_str("-- answers per attempt\n");
-        for (k, n) in tallies.attempts.snapshot() {
-            line(&mut text, &format!("  {k}"), n.to_string());
-        }
-        text.push_str("-- faults injected\n");
-        for (k, n) in tallies.faults.snapshot() {
-            line(&mut text, &format!("  {k}"), n.to_string());
-        }
-        if args.ha {
-            text.push_str(
-                "-- HA faults: healed after / clients unavailable (first failed to first answered) / failed attempts / keys left to the completer\n",
-            );
-            for event in report["ha_faults"].as_array().into_iter().flatten() {
-                line(
-                    &mut text,
-                    &format!(
-                        "  {:>6.1}s {}",
-                        event["at_secs"].as_f64().unwrap_or(0.0),
-                        event["fault"].as_str().unwrap_or("?")
-                    ),
-                    format!(
-                        "{:.1}s / {} ms / {} / {}",
-                        event["healed_after_secs"].as_f64().unwrap_or(0.0),
-                        event["clients_unavailable_ms"],
-                        event["failed_attempts"],
-                        event["keys_left_to_completer"]
-                    ),
-                );
-            }
-        }
-        text.push_str("-- completer / reaper passes\n");
-        for (k, n) in tallies.maintenance.snapshot() {
-            line(&mut text, &format!("  {k}"), n.to_string());
-        }
+    }
+
+    /// What the clients saw, and the faults injected.
+    fn text_tallies(&self, text: &mut String) {
+        section(
+            text,
+            "outcomes seen by clients",
+            self.verdict.outcomes.clone(),
+        );
+        section(
+            text,
+            "abandoned / given-up keys",
+            self.verdict.abandoned.clone(),
+        );
+        section(
+            text,
+            "answers per attempt",
+            self.tallies.attempts.snapshot(),
+        );
+        section(text, "faults injected", self.tallies.faults.snapshot());
+    }
+
+    /// The evidence, the drain, the replays, the reconciler and the money campaign.
+    fn text_evidence(&self, text: &mut String, report: &Value) {
         text.push_str("-- evidence\n");
         for (k, val) in report["evidence"].as_object().into_iter().flatten() {
-            line(&mut text, &format!("  {k}"), val.to_string());
+            line(text, &format!("  {k}"), val.to_string());
         }
         for (k, val) in report["drain"].as_object().into_iter().flatten() {
-            line(&mut text, &format!("  drain.{k}"), val.to_string());
+            line(text, &format!("  drain.{k}"), val.to_string());
         }
         for (k, val) in &self.facts.replays.stats {
-            line(&mut text, &format!("  replays.{k}"), val.to_string());
+            line(text, &format!("  replays.{k}"), val.to_string());
         }
         text.push_str("-- reconciler pass over the run\n");
         for (k, val) in report["reconciliation"].as_object().into_iter().flatten() {
-            line(&mut text, &format!("  {k}"), val.to_string());
+            line(text, &format!("  {k}"), val.to_string());
         }
         if let Some(money) = report["money"].as_object() {
             text.push_str("-- money campaign (another product on the account, refunds on)\n");
             for section in money.values() {
                 for (k, val) in section.as_object().into_iter().flatten() {
-                    line(&mut text, &format!("  {k}"), val.to_string());
+                    line(text, &format!("  {k}"), val.to_string());
                 }
             }
         }
+    }
+
+    /// Every invariant: PASS, FAIL with its count, or not checked in this mode.
+    fn text_invariants(&self, text: &mut String) {
         text.push_str("-- invariants\n");
         for (id, what) in &INVARIANTS {
             let n = self
@@ -267,7 +271,7 @@ impl Report<'_> {
                 .unwrap_or(0);
             let unchecked = self.money.is_none() && crate::money_checks::INVARIANTS.contains(id);
             line(
-                &mut text,
+                text,
                 &format!("  {what}"),
                 if unchecked {
                     "not checked (no --money)".to_owned()
@@ -278,11 +282,47 @@ impl Report<'_> {
                 },
             );
         }
-        text.push_str(&format!(
-            "RESULT: {}\n",
-            if passed { "PASS" } else { "FAIL" }
-        ));
-        text
+    }
+}
+
+/// One `key  value` line of the report.
+fn line(text: &mut String, k: &str, val: String) {
+    text.push_str(&format!("{k:<58} {val}\n"));
+}
+
+/// A titled section of counts.
+fn section<K: std::fmt::Display, N: std::fmt::Display>(
+    text: &mut String,
+    title: &str,
+    counts: impl IntoIterator<Item = (K, N)>,
+) {
+    text.push_str(&format!("-- {title}\n"));
+    for (k, n) in counts {
+        line(text, &format!("  {k}"), n.to_string());
+    }
+}
+
+/// Each `--ha` fault: when it healed, and what the clients saw after it.
+fn text_ha_faults(text: &mut String, report: &Value) {
+    text.push_str(
+        "-- HA faults: healed after / clients unavailable (first failed to first answered) / failed attempts / keys left to the completer\n",
+    );
+    for event in report["ha_faults"].as_array().into_iter().flatten() {
+        line(
+            text,
+            &format!(
+                "  {:>6.1}s {}",
+                event["at_secs"].as_f64().unwrap_or(0.0),
+                event["fault"].as_str().unwrap_or("?")
+            ),
+            format!(
+                "{:.1}s / {} ms / {} / {}",
+                event["healed_after_secs"].as_f64().unwrap_or(0.0),
+                event["clients_unavailable_ms"],
+                event["failed_attempts"],
+                event["keys_left_to_completer"]
+            ),
+        );
     }
 }
 
