@@ -142,22 +142,7 @@ impl Config {
     /// environment.
     pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Config, ConfigError> {
         let vars = Vars::new(&lookup);
-        let price = Price {
-            amount: vars.parse("RIDE_PRICE_AMOUNT", 2000_i64)?,
-            currency: vars.string("RIDE_PRICE_CURRENCY", "usd"),
-        };
-        if price.amount <= 0 {
-            return Err(ConfigError::Invalid {
-                name: "RIDE_PRICE_AMOUNT",
-                reason: "must be a positive number of cents".into(),
-            });
-        }
-        if price.currency.len() != 3 || !price.currency.bytes().all(|b| b.is_ascii_lowercase()) {
-            return Err(ConfigError::Invalid {
-                name: "RIDE_PRICE_CURRENCY",
-                reason: "must be a lower-case ISO 4217 code such as usd".into(),
-            });
-        }
+        let price = price(&vars)?;
         let stripe =
             StripeConfig::from_lookup(&lookup).map_err(|invalid| ConfigError::Invalid {
                 name: invalid.name,
@@ -183,47 +168,7 @@ impl Config {
                 drain_delay: Duration::from_millis(vars.parse("SHUTDOWN_DRAIN_DELAY_MS", 0)?),
             },
             limits: limits(&vars)?,
-            transport: TransportConfig {
-                max_concurrent_streams: vars.parse("GRPC_MAX_CONCURRENT_STREAMS", 128)?,
-                max_connections: vars.parse("GRPC_MAX_CONNECTIONS", 10_000)?,
-                max_connections_per_ip: vars.parse("GRPC_MAX_CONNECTIONS_PER_IP", 256)?,
-                reserved_descriptors: vars.parse(
-                    "GRPC_RESERVED_DESCRIPTORS",
-                    telemetry::accept::DEFAULT_RESERVED_DESCRIPTORS,
-                )?,
-                refusals_per_ip: {
-                    // Only failed authentications count, and an address that presented a valid
-                    // credential is never shut out: 40 in 4 s is no legitimate client.
-                    let per_sec = vars.parse("GRPC_REFUSALS_PER_IP_PER_SEC", 10.0)?;
-                    Rate {
-                        per_sec,
-                        burst: (per_sec * REFUSAL_BURST_SECS).max(1.0),
-                    }
-                },
-                refusal_cooldown: Duration::from_secs(
-                    vars.parse("GRPC_REFUSAL_COOLDOWN_SECS", 10)?,
-                ),
-                preface_timeout: Duration::from_millis(
-                    vars.parse("GRPC_PREFACE_TIMEOUT_MS", 10_000)?,
-                ),
-                keepalive_interval: Duration::from_secs(
-                    vars.parse("GRPC_KEEPALIVE_INTERVAL_SECS", 60)?,
-                ),
-                keepalive_timeout: Duration::from_secs(
-                    vars.parse("GRPC_KEEPALIVE_TIMEOUT_SECS", 20)?,
-                ),
-                idle_timeout: Duration::from_millis(vars.parse("GRPC_IDLE_TIMEOUT_MS", 300_000)?),
-                max_connection_age: Duration::from_secs(
-                    vars.parse("GRPC_MAX_CONNECTION_AGE_SECS", 1800)?,
-                ),
-                max_connection_age_grace: Duration::from_secs(
-                    vars.parse("GRPC_MAX_CONNECTION_AGE_GRACE_SECS", 60)?,
-                ),
-                tcp_keepalive: Duration::from_secs(vars.parse("GRPC_TCP_KEEPALIVE_SECS", 60)?),
-                request_timeout: Duration::from_secs(vars.parse("GRPC_REQUEST_TIMEOUT_SECS", 120)?),
-                max_local_error_reset_streams: vars
-                    .parse("GRPC_MAX_LOCAL_ERROR_RESET_STREAMS", 1024)?,
-            },
+            transport: transport(&vars)?,
             tls: tls_config(&vars)?,
             trusted_proxies: vars.parse("GRPC_TRUSTED_PROXIES", TrustedProxies::default())?,
             internal_api_token: lookup("INTERNAL_API_TOKEN")
@@ -257,6 +202,61 @@ impl Config {
         }
         Ok(config)
     }
+}
+
+/// The price of a ride, in the currency's smallest unit.
+fn price(vars: &Vars<'_>) -> Result<Price, ConfigError> {
+    let price = Price {
+        amount: vars.parse("RIDE_PRICE_AMOUNT", 2000_i64)?,
+        currency: vars.string("RIDE_PRICE_CURRENCY", "usd"),
+    };
+    if price.amount <= 0 {
+        return Err(ConfigError::Invalid {
+            name: "RIDE_PRICE_AMOUNT",
+            reason: "must be a positive number of cents".into(),
+        });
+    }
+    if price.currency.len() != 3 || !price.currency.bytes().all(|b| b.is_ascii_lowercase()) {
+        return Err(ConfigError::Invalid {
+            name: "RIDE_PRICE_CURRENCY",
+            reason: "must be a lower-case ISO 4217 code such as usd".into(),
+        });
+    }
+    Ok(price)
+}
+
+/// The listener's limits and timeouts (docs/security.md).
+fn transport(vars: &Vars<'_>) -> Result<TransportConfig, ConfigError> {
+    Ok(TransportConfig {
+        max_concurrent_streams: vars.parse("GRPC_MAX_CONCURRENT_STREAMS", 128)?,
+        max_connections: vars.parse("GRPC_MAX_CONNECTIONS", 10_000)?,
+        max_connections_per_ip: vars.parse("GRPC_MAX_CONNECTIONS_PER_IP", 256)?,
+        reserved_descriptors: vars.parse(
+            "GRPC_RESERVED_DESCRIPTORS",
+            telemetry::accept::DEFAULT_RESERVED_DESCRIPTORS,
+        )?,
+        refusals_per_ip: {
+            // Only failed authentications count, and an address that presented a valid
+            // credential is never shut out: 40 in 4 s is no legitimate client.
+            let per_sec = vars.parse("GRPC_REFUSALS_PER_IP_PER_SEC", 10.0)?;
+            Rate {
+                per_sec,
+                burst: (per_sec * REFUSAL_BURST_SECS).max(1.0),
+            }
+        },
+        refusal_cooldown: Duration::from_secs(vars.parse("GRPC_REFUSAL_COOLDOWN_SECS", 10)?),
+        preface_timeout: Duration::from_millis(vars.parse("GRPC_PREFACE_TIMEOUT_MS", 10_000)?),
+        keepalive_interval: Duration::from_secs(vars.parse("GRPC_KEEPALIVE_INTERVAL_SECS", 60)?),
+        keepalive_timeout: Duration::from_secs(vars.parse("GRPC_KEEPALIVE_TIMEOUT_SECS", 20)?),
+        idle_timeout: Duration::from_millis(vars.parse("GRPC_IDLE_TIMEOUT_MS", 300_000)?),
+        max_connection_age: Duration::from_secs(vars.parse("GRPC_MAX_CONNECTION_AGE_SECS", 1800)?),
+        max_connection_age_grace: Duration::from_secs(
+            vars.parse("GRPC_MAX_CONNECTION_AGE_GRACE_SECS", 60)?,
+        ),
+        tcp_keepalive: Duration::from_secs(vars.parse("GRPC_TCP_KEEPALIVE_SECS", 60)?),
+        request_timeout: Duration::from_secs(vars.parse("GRPC_REQUEST_TIMEOUT_SECS", 120)?),
+        max_local_error_reset_streams: vars.parse("GRPC_MAX_LOCAL_ERROR_RESET_STREAMS", 1024)?,
+    })
 }
 
 /// The idempotency settings. A duplicate waits by default a little longer than the provider
