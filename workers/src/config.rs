@@ -132,94 +132,108 @@ impl Config {
     pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Config, ConfigError> {
         let vars = Vars::new(&lookup);
         let lock_timeout = vars.secs("IDEMPOTENCY_LOCK_TIMEOUT_SECS", DEFAULT_LOCK_TIMEOUT_SECS)?;
-        let smtp_timeout = vars.secs("SMTP_TIMEOUT_SECS", 30)?;
-        let claim_lease = vars.secs("RECEIPTS_CLAIM_LEASE_SECS", 120)?;
-        if claim_lease <= smtp_timeout {
-            // A claim that lapses while its holder may still be sending lets a second attempt
-            // send the same receipt.
-            return Err(ConfigError::Invalid {
-                name: "RECEIPTS_CLAIM_LEASE_SECS",
-                reason: "must be longer than SMTP_TIMEOUT_SECS".into(),
-            });
-        }
-        let internal_api_token = lookup("INTERNAL_API_TOKEN")
-            .filter(|token| !token.is_empty())
-            .map(Secret::new);
         Ok(Config {
             database_url: Secret::new(vars.string("DATABASE_URL", DEFAULT_DATABASE_URL)),
             database_pool_size: vars.positive("DATABASE_POOL_SIZE", 20)?,
             amqp_url: Secret::new(vars.string("AMQP_URL", DEFAULT_AMQP_URL)),
             topology_prefix: vars.string("AMQP_TOPOLOGY_PREFIX", DEFAULT_TOPOLOGY_PREFIX),
             receipt_delivery_limit: vars.positive("RECEIPTS_DELIVERY_LIMIT", 10)?,
-            enqueuer: EnqueuerConfig {
-                batch_size: vars.positive("ENQUEUER_BATCH_SIZE", 1000)?,
-                idle_max: vars.millis("ENQUEUER_IDLE_MAX_MS", 250)?,
-                confirm_timeout: vars.millis("ENQUEUER_CONFIRM_TIMEOUT_MS", 30_000)?,
-                max_attempts: vars.positive("ENQUEUER_MAX_ATTEMPTS", 20)?,
-                // Zero would set a job aside only to select it again in the same pass.
-                backoff_base: Duration::from_millis(
-                    vars.positive("ENQUEUER_BACKOFF_BASE_MS", 1000)?,
-                ),
-                backoff_max: vars.millis("ENQUEUER_BACKOFF_MAX_MS", 300_000)?,
-            },
-            receipts: ReceiptsConfig {
-                smtp_url: Secret::new(vars.string("SMTP_URL", DEFAULT_SMTP_URL)),
-                from: vars.string("RECEIPT_FROM", DEFAULT_RECEIPT_FROM),
-                smtp_timeout,
-                prefetch: vars.positive("RECEIPTS_PREFETCH", 16)?,
-                retry_base_delay: vars.millis("RECEIPTS_RETRY_BASE_MS", 5000)?,
-                retry_max_delay: vars.millis("RECEIPTS_RETRY_MAX_MS", 60_000)?,
-                mail_search_url: lookup("MAIL_SEARCH_URL").filter(|url| !url.is_empty()),
-                claim_lease,
-            },
-            completer: CompleterConfig {
-                api_server_url: vars.string("API_SERVER_URL", DEFAULT_API_SERVER_URL),
-                api_server_tls: ClientTls {
-                    ca: vars.path("API_SERVER_CA"),
-                    cert: vars.path("API_SERVER_CLIENT_CERT"),
-                    key: vars.path("API_SERVER_CLIENT_KEY"),
-                },
-                internal_api_token,
-                min_age: vars.secs("COMPLETER_MIN_AGE_SECS", 300)?,
-                idle: vars.secs("COMPLETER_IDLE_SECS", 60)?,
-                lock_timeout,
-                batch_size: vars.positive("COMPLETER_BATCH_SIZE", 100)?,
-                backoff_base: vars.secs("COMPLETER_BACKOFF_BASE_SECS", 60)?,
-                backoff_max: vars.secs("COMPLETER_BACKOFF_MAX_SECS", 3600)?,
-                max_attempts: vars.positive("COMPLETER_MAX_ATTEMPTS", 8)?,
-                lease: vars.secs("COMPLETER_LEASE_SECS", 300)?,
-                rpc_timeout: vars.secs("COMPLETER_RPC_TIMEOUT_SECS", 60)?,
-                interval: vars.secs("COMPLETER_INTERVAL_SECS", 30)?,
-            },
+            enqueuer: enqueuer(&vars)?,
+            receipts: receipts(&vars)?,
+            completer: completer(&vars, lock_timeout)?,
             reaper: ReaperConfig {
                 key_ttl: vars.hours("IDEMPOTENCY_KEY_TTL_HOURS", DEFAULT_KEY_TTL_HOURS)?,
                 lock_timeout,
                 batch_size: vars.positive("REAPER_BATCH_SIZE", 1000)?,
                 interval: vars.secs("REAPER_INTERVAL_SECS", 600)?,
             },
-            reconciler: ReconcilerConfig {
-                stripe: provider::StripeConfig::from_lookup(&lookup).map_err(|invalid| {
-                    ConfigError::Invalid {
-                        name: invalid.name,
-                        reason: invalid.reason,
-                    }
-                })?,
-                settle_delay: vars.secs("RECONCILER_SETTLE_SECS", 900)?,
-                overlap: vars.secs("RECONCILER_OVERLAP_SECS", 3600)?,
-                initial_lookback: Duration::from_secs(
-                    vars.positive::<u64>("RECONCILER_LOOKBACK_HOURS", 168)?
-                        .saturating_mul(3600),
-                ),
-                max_window: Duration::from_secs(
-                    vars.positive::<u64>("RECONCILER_MAX_WINDOW_HOURS", 24)?
-                        .saturating_mul(3600),
-                ),
-                interval: vars.secs("RECONCILER_INTERVAL_SECS", 3600)?,
-                refund_max_findings: vars.positive("RECONCILER_REFUND_MAX_FINDINGS", 5)?,
-                refund_max_amount: vars.positive("RECONCILER_REFUND_MAX_AMOUNT", 10_000)?,
-            },
+            reconciler: reconciler(&vars, &lookup)?,
         })
     }
+}
+
+fn enqueuer(vars: &Vars<'_>) -> Result<EnqueuerConfig, ConfigError> {
+    Ok(EnqueuerConfig {
+        batch_size: vars.positive("ENQUEUER_BATCH_SIZE", 1000)?,
+        idle_max: vars.millis("ENQUEUER_IDLE_MAX_MS", 250)?,
+        confirm_timeout: vars.millis("ENQUEUER_CONFIRM_TIMEOUT_MS", 30_000)?,
+        max_attempts: vars.positive("ENQUEUER_MAX_ATTEMPTS", 20)?,
+        // Zero would set a job aside only to select it again in the same pass.
+        backoff_base: Duration::from_millis(vars.positive("ENQUEUER_BACKOFF_BASE_MS", 1000)?),
+        backoff_max: vars.millis("ENQUEUER_BACKOFF_MAX_MS", 300_000)?,
+    })
+}
+
+fn receipts(vars: &Vars<'_>) -> Result<ReceiptsConfig, ConfigError> {
+    let smtp_timeout = vars.secs("SMTP_TIMEOUT_SECS", 30)?;
+    let claim_lease = vars.secs("RECEIPTS_CLAIM_LEASE_SECS", 120)?;
+    if claim_lease <= smtp_timeout {
+        // A claim that lapses while its holder may still be sending lets a second attempt
+        // send the same receipt.
+        return Err(ConfigError::Invalid {
+            name: "RECEIPTS_CLAIM_LEASE_SECS",
+            reason: "must be longer than SMTP_TIMEOUT_SECS".into(),
+        });
+    }
+    Ok(ReceiptsConfig {
+        smtp_url: Secret::new(vars.string("SMTP_URL", DEFAULT_SMTP_URL)),
+        from: vars.string("RECEIPT_FROM", DEFAULT_RECEIPT_FROM),
+        smtp_timeout,
+        prefetch: vars.positive("RECEIPTS_PREFETCH", 16)?,
+        retry_base_delay: vars.millis("RECEIPTS_RETRY_BASE_MS", 5000)?,
+        retry_max_delay: vars.millis("RECEIPTS_RETRY_MAX_MS", 60_000)?,
+        mail_search_url: vars.raw("MAIL_SEARCH_URL"),
+        claim_lease,
+    })
+}
+
+fn completer(vars: &Vars<'_>, lock_timeout: Duration) -> Result<CompleterConfig, ConfigError> {
+    Ok(CompleterConfig {
+        api_server_url: vars.string("API_SERVER_URL", DEFAULT_API_SERVER_URL),
+        api_server_tls: ClientTls {
+            ca: vars.path("API_SERVER_CA"),
+            cert: vars.path("API_SERVER_CLIENT_CERT"),
+            key: vars.path("API_SERVER_CLIENT_KEY"),
+        },
+        internal_api_token: vars.raw("INTERNAL_API_TOKEN").map(Secret::new),
+        min_age: vars.secs("COMPLETER_MIN_AGE_SECS", 300)?,
+        idle: vars.secs("COMPLETER_IDLE_SECS", 60)?,
+        lock_timeout,
+        batch_size: vars.positive("COMPLETER_BATCH_SIZE", 100)?,
+        backoff_base: vars.secs("COMPLETER_BACKOFF_BASE_SECS", 60)?,
+        backoff_max: vars.secs("COMPLETER_BACKOFF_MAX_SECS", 3600)?,
+        max_attempts: vars.positive("COMPLETER_MAX_ATTEMPTS", 8)?,
+        lease: vars.secs("COMPLETER_LEASE_SECS", 300)?,
+        rpc_timeout: vars.secs("COMPLETER_RPC_TIMEOUT_SECS", 60)?,
+        interval: vars.secs("COMPLETER_INTERVAL_SECS", 30)?,
+    })
+}
+
+fn reconciler(
+    vars: &Vars<'_>,
+    lookup: &dyn Fn(&str) -> Option<String>,
+) -> Result<ReconcilerConfig, ConfigError> {
+    Ok(ReconcilerConfig {
+        stripe: provider::StripeConfig::from_lookup(lookup).map_err(|invalid| {
+            ConfigError::Invalid {
+                name: invalid.name,
+                reason: invalid.reason,
+            }
+        })?,
+        settle_delay: vars.secs("RECONCILER_SETTLE_SECS", 900)?,
+        overlap: vars.secs("RECONCILER_OVERLAP_SECS", 3600)?,
+        initial_lookback: Duration::from_secs(
+            vars.positive::<u64>("RECONCILER_LOOKBACK_HOURS", 168)?
+                .saturating_mul(3600),
+        ),
+        max_window: Duration::from_secs(
+            vars.positive::<u64>("RECONCILER_MAX_WINDOW_HOURS", 24)?
+                .saturating_mul(3600),
+        ),
+        interval: vars.secs("RECONCILER_INTERVAL_SECS", 3600)?,
+        refund_max_findings: vars.positive("RECONCILER_REFUND_MAX_FINDINGS", 5)?,
+        refund_max_amount: vars.positive("RECONCILER_REFUND_MAX_AMOUNT", 10_000)?,
+    })
 }
 
 impl CompleterConfig {
