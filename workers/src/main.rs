@@ -106,16 +106,61 @@ async fn main() -> anyhow::Result<()> {
     result
 }
 
+/// The database pool of a worker process.
+fn database_pool(config: &Config) -> schema::Pool {
+    schema::build_pool(
+        config.database_url.expose(),
+        config.database_pool_size,
+        Duration::from_secs(30),
+        schema::PlanCache::Auto,
+    )
+}
+
+/// The receipt worker: one pass (`--once`, its summary) or until shutdown (`None`).
+async fn receipt_worker(
+    config: &Config,
+    pool: schema::Pool,
+    topology: Topology,
+    once: bool,
+    shutdown: tokio_util::sync::CancellationToken,
+) -> anyhow::Result<Option<serde_json::Value>> {
+    let amqp_url = config.amqp_url.expose();
+    let mailer = Mailer::new(
+        config.receipts.smtp_url.expose(),
+        &config.receipts.from,
+        config.receipts.smtp_timeout,
+    )?;
+    let relay_search = config
+        .receipts
+        .mail_search_url
+        .as_deref()
+        .map(|url| RelaySearch::new(url, config.receipts.smtp_timeout))
+        .transpose()?;
+    let worker = ReceiptWorker::new(
+        pool,
+        mailer,
+        relay_search,
+        topology.clone(),
+        config.receipts.clone(),
+    );
+    if !once {
+        let total = worker.run(amqp_url, shutdown).await;
+        tracing::info!(?total, "receipt worker stopped");
+        return Ok(None);
+    }
+    let session = AmqpSession::open(amqp_url, &topology)
+        .await
+        .context("cannot reach RabbitMQ")?;
+    let summary = worker.run_once(&session.channel).await;
+    session.close().await;
+    Ok(Some(serde_json::to_value(
+        summary.context("receipts pass failed")?,
+    )?))
+}
+
 async fn run(cli: Cli, shutdown: tokio_util::sync::CancellationToken) -> anyhow::Result<()> {
     let config = Config::from_env().context("invalid configuration")?;
-    let pool = || {
-        schema::build_pool(
-            config.database_url.expose(),
-            config.database_pool_size,
-            Duration::from_secs(30),
-            schema::PlanCache::Auto,
-        )
-    };
+    let pool = || database_pool(&config);
     let topology = Topology::from_prefix(&config.topology_prefix, config.receipt_delivery_limit);
     let amqp_url = config.amqp_url.expose();
     let summary = match cli.command {
@@ -133,35 +178,9 @@ async fn run(cli: Cli, shutdown: tokio_util::sync::CancellationToken) -> anyhow:
             }
         }
         Command::Receipts(Once { once }) => {
-            let mailer = Mailer::new(
-                config.receipts.smtp_url.expose(),
-                &config.receipts.from,
-                config.receipts.smtp_timeout,
-            )?;
-            let relay_search = config
-                .receipts
-                .mail_search_url
-                .as_deref()
-                .map(|url| RelaySearch::new(url, config.receipts.smtp_timeout))
-                .transpose()?;
-            let worker = ReceiptWorker::new(
-                pool(),
-                mailer,
-                relay_search,
-                topology.clone(),
-                config.receipts.clone(),
-            );
-            if once {
-                let session = AmqpSession::open(amqp_url, &topology)
-                    .await
-                    .context("cannot reach RabbitMQ")?;
-                let summary = worker.run_once(&session.channel).await;
-                session.close().await;
-                serde_json::to_value(summary.context("receipts pass failed")?)?
-            } else {
-                let total = worker.run(amqp_url, shutdown).await;
-                tracing::info!(?total, "receipt worker stopped");
-                return Ok(());
+            match receipt_worker(&config, pool(), topology, once, shutdown).await? {
+                Some(summary) => summary,
+                None => return Ok(()),
             }
         }
         Command::Completer(Once { once }) => {
