@@ -86,26 +86,7 @@ fn parse_create(pairs: &[(String, String)]) -> Result<CreateParams, ApiError> {
         }
         *field = Some(value.clone());
     }
-    let amount_raw = amount.ok_or_else(|| ApiError::missing("amount"))?;
-    let amount: i64 = amount_raw.parse().map_err(|_| {
-        ApiError::invalid(
-            Some("parameter_invalid_integer"),
-            "amount",
-            format!("Invalid integer: {amount_raw}"),
-        )
-    })?;
-    if amount < 1 {
-        let msg = "This value must be greater than or equal to 1.";
-        return Err(ApiError::invalid(
-            Some("parameter_invalid_integer"),
-            "amount",
-            msg,
-        ));
-    }
-    if amount > MAX_AMOUNT {
-        let msg = "Amount must be no more than $999,999.99";
-        return Err(ApiError::invalid(Some("amount_too_large"), "amount", msg));
-    }
+    let amount = parse_amount(amount)?;
     let currency = currency.ok_or_else(|| ApiError::missing("currency"))?;
     if currency.len() != 3 || !currency.chars().all(|c| c.is_ascii_alphabetic()) {
         return Err(ApiError::invalid(
@@ -126,6 +107,31 @@ fn parse_create(pairs: &[(String, String)]) -> Result<CreateParams, ApiError> {
         description,
         metadata,
     })
+}
+
+/// `amount`: required, an integer from 1 to [`MAX_AMOUNT`], with Stripe's error for each miss.
+fn parse_amount(amount: Option<String>) -> Result<i64, ApiError> {
+    let amount_raw = amount.ok_or_else(|| ApiError::missing("amount"))?;
+    let amount: i64 = amount_raw.parse().map_err(|_| {
+        ApiError::invalid(
+            Some("parameter_invalid_integer"),
+            "amount",
+            format!("Invalid integer: {amount_raw}"),
+        )
+    })?;
+    if amount < 1 {
+        let msg = "This value must be greater than or equal to 1.";
+        return Err(ApiError::invalid(
+            Some("parameter_invalid_integer"),
+            "amount",
+            msg,
+        ));
+    }
+    if amount > MAX_AMOUNT {
+        let msg = "Amount must be no more than $999,999.99";
+        return Err(ApiError::invalid(Some("amount_too_large"), "amount", msg));
+    }
+    Ok(amount)
 }
 
 /// Stripe's test payment methods that decline: `(code, decline_code, message)`.
