@@ -26,32 +26,7 @@ pub fn render(records: &[Record]) -> String {
             row.load_avg,
         ));
     }
-    let ceilings: Vec<&PgbenchRecord> = records
-        .iter()
-        .filter_map(|record| match record {
-            Record::Pgbench(pg) => Some(pg),
-            _ => None,
-        })
-        .collect();
-    if !ceilings.is_empty() {
-        out.push_str("\npgbench ceilings (-M prepared, same PostgreSQL, scratch database):\n\n");
-        out.push_str(
-            "| for scenario | script | clients | rides per statement | tps | rides /s | load avg (1/5/15) |\n",
-        );
-        out.push_str("| --- | --- | --- | --- | --- | --- | --- |\n");
-        for pg in ceilings {
-            out.push_str(&format!(
-                "| {} | {} | {} | {} | {:.1} | {:.1} | {} |\n",
-                pg.scenario,
-                pg.script,
-                pg.clients,
-                pg.batch.unwrap_or(1),
-                pg.tps,
-                pg.rides_per_s(),
-                pg.load_avg
-            ));
-        }
-    }
+    render_ceilings(&mut out, records);
     if let Some(batched) = batched_ceiling(records) {
         out.push_str(&format!(
             "\nbatched ceiling (best of the {BATCHED_CEILING} grid): {batched:.1} rides/s\n"
@@ -93,4 +68,34 @@ pub fn render(records: &[Record]) -> String {
         ));
     }
     out
+}
+
+/// The pgbench ceilings the rows were divided by.
+fn render_ceilings(out: &mut String, records: &[Record]) {
+    let ceilings: Vec<&PgbenchRecord> = records
+        .iter()
+        .filter_map(|record| match record {
+            Record::Pgbench(pg) => Some(pg),
+            _ => None,
+        })
+        .collect();
+    if !ceilings.is_empty() {
+        out.push_str("\npgbench ceilings (-M prepared, same PostgreSQL, scratch database):\n\n");
+        out.push_str(
+            "| for scenario | script | clients | rides per statement | tps | rides /s | load avg (1/5/15) |\n",
+        );
+        out.push_str("| --- | --- | --- | --- | --- | --- | --- |\n");
+        for pg in ceilings {
+            out.push_str(&format!(
+                "| {} | {} | {} | {} | {:.1} | {:.1} | {} |\n",
+                pg.scenario,
+                pg.script,
+                pg.clients,
+                pg.batch.unwrap_or(1),
+                pg.tps,
+                pg.rides_per_s(),
+                pg.load_avg
+            ));
+        }
+    }
 }
