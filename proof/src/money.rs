@@ -298,6 +298,8 @@ impl Rider {
     /// Keys one after the other, each started while at least [`KEY_TIME`] of traffic is left;
     /// no wait lasts past [`OVERRUN`] after the traffic, so that the mode costs the run little.
     async fn run(mut self, window: Window) -> Vec<MoneyKey> {
+        // Riders start apart, so that one api-server's crash does not cut all their calls at once.
+        tokio::time::sleep(Duration::from_secs(3) * self.n).await;
         let mut keys = Vec::new();
         let mut i = 0_u32;
         let last_wait = window.end + OVERRUN;
@@ -351,8 +353,20 @@ impl Rider {
         if !record.given_up {
             record.answers.push(self.diagnosis(&key).await);
         }
+        // The charge whose answer is lost. A call cut off before it reached the provider (its
+        // api-server killed at a crash point) charged nothing and left the fault pending: the
+        // rider's app tries again, until the provider holds one more of its charges.
+        let charges_before = self.charges().await;
         self.aim("charge_then_drop", 1).await;
-        record.answers.push(self.call(&key, params).await);
+        for _ in 0..5 {
+            let answer = self.call(&key, params).await;
+            let finished = answer == "ok";
+            record.answers.push(answer);
+            if finished || charges_before.is_none() || self.charges().await != charges_before {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
         self.aim("charge_then_drop", 0).await;
         if wait_for_refund {
             let refunded = self
@@ -367,6 +381,23 @@ impl Rider {
         }
         record.answers.push(self.call(&key, params).await);
         record
+    }
+
+    /// How many PaymentIntents the provider holds for this rider's customer (`None` if it
+    /// cannot say).
+    async fn charges(&self) -> Option<usize> {
+        let path = format!("/v1/payment_intents?customer={}&limit=100", self.customer);
+        let body: Value = self
+            .http
+            .get(format!("{}{path}", self.stripe_base))
+            .bearer_auth(crate::setup::STRIPE_KEY)
+            .send()
+            .await
+            .ok()?
+            .json()
+            .await
+            .ok()?;
+        Some(body["data"].as_array()?.len())
     }
 
     /// Aims `count` provider faults of `mode` at this rider's charges (0 clears them).
