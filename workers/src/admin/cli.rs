@@ -195,3 +195,19 @@ impl CommitArgs {
         }
     }
 }
+
+impl TryFrom<KeySelectorArgs> for super::keys::KeySelector {
+    type Error = AdminError;
+
+    fn try_from(args: KeySelectorArgs) -> Result<Self, AdminError> {
+        match (args.key_id, args.user_id, args.key) {
+            (Some(key_id), _, _) => Ok(super::keys::KeySelector::Id(key_id)),
+            (None, Some(user_id), Some(key)) => {
+                Ok(super::keys::KeySelector::UserKey { user_id, key })
+            }
+            _ => Err(AdminError::Invalid(
+                "give --key-id N, or --user-id U and --key K".into(),
+            )),
+        }
+    }
+}

@@ -286,15 +286,7 @@ async fn dispatch(
 ) -> Result<Output, AdminError> {
     Ok(match command {
         AdminCommand::Key(KeyCommand::Show(selector)) => {
-            let selector = match (selector.key_id, selector.user_id, selector.key) {
-                (Some(key_id), _, _) => keys::KeySelector::Id(key_id),
-                (None, Some(user_id), Some(key)) => keys::KeySelector::UserKey { user_id, key },
-                _ => {
-                    return Err(AdminError::Invalid(
-                        "give --key-id N, or --user-id U and --key K".into(),
-                    ));
-                }
-            };
+            let selector = keys::KeySelector::try_from(selector)?;
             Output::Key(Box::new(keys::show(pool, settings, &selector).await?))
         }
         AdminCommand::Key(KeyCommand::Unlock {
@@ -351,18 +343,10 @@ async fn dispatch(
             operator,
             commit,
         }) => {
-            let requester = crate::reconciler::refund::RefundRequester::operator(&operator)?;
+            use crate::reconciler::refund::{RefundRequester, refund_finding};
+            let requester = RefundRequester::operator(&operator)?;
             let stripe = stripe_client(stripe)?;
-            Output::Change(
-                crate::reconciler::refund::refund_finding(
-                    pool,
-                    &stripe,
-                    id,
-                    commit.mode(),
-                    &requester,
-                )
-                .await?,
-            )
+            Output::Change(refund_finding(pool, &stripe, id, commit.mode(), &requester).await?)
         }
     })
 }
