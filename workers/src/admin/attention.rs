@@ -154,28 +154,7 @@ pub async fn resolve(
                 )));
             }
             let mut report = ChangeReport::new("keys resolve", mode, id);
-            let key_now: Option<RecoveryPoint> = idempotency_keys::table
-                .find(row.idempotency_key_id)
-                .filter(idempotency_keys::user_id.eq(row.user_id))
-                .select(idempotency_keys::recovery_point)
-                .first(conn)
-                .await
-                .optional()?;
-            match key_now {
-                Some(RecoveryPoint::Finished) => report.notes.push(format!(
-                    "key {} is finished; nothing is left to do for it",
-                    row.idempotency_key_id
-                )),
-                Some(point) => report.warnings.push(format!(
-                    "key {} still exists unfinished at {point}; resolving this row does not \
-                     change the key (see `workers admin key show --key-id {}`)",
-                    row.idempotency_key_id, row.idempotency_key_id
-                )),
-                None => report.notes.push(format!(
-                    "key {} no longer exists (reaped)",
-                    row.idempotency_key_id
-                )),
-            }
+            note_the_key(conn, &row, &mut report).await?;
             if let Some(note) = note {
                 report.notes.push(format!("note: {note}"));
             }
@@ -215,6 +194,37 @@ pub async fn resolve(
         );
     }
     Ok(report)
+}
+
+/// What resolving the row leaves of its key, as a note or a warning for the operator.
+async fn note_the_key(
+    conn: &mut AsyncPgConnection,
+    row: &KeyNeedingAttention,
+    report: &mut ChangeReport,
+) -> Result<(), AdminError> {
+    let key_now: Option<RecoveryPoint> = idempotency_keys::table
+        .find(row.idempotency_key_id)
+        .filter(idempotency_keys::user_id.eq(row.user_id))
+        .select(idempotency_keys::recovery_point)
+        .first(conn)
+        .await
+        .optional()?;
+    match key_now {
+        Some(RecoveryPoint::Finished) => report.notes.push(format!(
+            "key {} is finished; nothing is left to do for it",
+            row.idempotency_key_id
+        )),
+        Some(point) => report.warnings.push(format!(
+            "key {} still exists unfinished at {point}; resolving this row does not \
+             change the key (see `workers admin key show --key-id {}`)",
+            row.idempotency_key_id, row.idempotency_key_id
+        )),
+        None => report.notes.push(format!(
+            "key {} no longer exists (reaped)",
+            row.idempotency_key_id
+        )),
+    }
+    Ok(())
 }
 
 /// One attention row, as `key show` and `keys needing-attention` print it.
