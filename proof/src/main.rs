@@ -23,9 +23,9 @@
 //!   client finally saw.
 //! - [`faults`]: the fault tasks, while traffic runs.
 //! - [`maintenance`]: the completer and reaper passes, and the drains after traffic.
-//! - [`money`], [`other_product`], [`money_checks`]: the money campaign (with `--money`):
-//!   another product's look-alike charges, the reconciler refunding while traffic runs, riders
-//!   retrying keys the completer gave up, and its invariants.
+//! - [`money`], [`money_rider`], [`other_product`], [`money_checks`]: the money campaign (with
+//!   `--money`): another product's look-alike charges, the reconciler refunding while traffic
+//!   runs, riders retrying keys the completer gave up, and its invariants.
 //! - [`replays`]: every finished key sent again, to compare with its first answer.
 //! - [`evidence`]: the database rows, the ledger and the mail, read once drained.
 //! - [`reconciliation`]: a reconciler pass over the whole run, and the findings it recorded.
@@ -46,6 +46,7 @@ mod invariants;
 mod maintenance;
 mod money;
 mod money_checks;
+mod money_rider;
 mod other_product;
 mod processes;
 mod reconciliation;
