@@ -60,20 +60,15 @@ pub(super) async fn publish_all(
         }
     }
     let deadline = tokio::time::Instant::now() + confirm_timeout;
+    let mut acked = Vec::with_capacity(pending.len());
+    let mut returns = Returns::default();
     for (job_id, confirm) in pending {
         match tokio::time::timeout_at(deadline, confirm).await {
-            // Routed to at least one queue and accepted: the only case that deletes the job.
-            Ok(Ok(Confirmation::Ack(None))) => published.confirmed.push(job_id),
-            Ok(Ok(Confirmation::Ack(Some(returned)))) => {
-                published.returned += 1;
-                tracing::warn!(
-                    job_id,
-                    reply_code = returned.reply_code,
-                    reply_text = %returned.reply_text,
-                    "job returned as unroutable; it stays staged, set aside"
-                );
-                let reason = format!("returned {} {}", returned.reply_code, returned.reply_text);
-                published.refused.push((job_id, reason));
+            Ok(Ok(Confirmation::Ack(returned))) => {
+                acked.push(job_id);
+                if let Some(returned) = returned {
+                    returns.add_message(job_id, &returned);
+                }
             }
             Ok(Ok(Confirmation::Nack(_))) => {
                 published.nacked += 1;
@@ -103,7 +98,72 @@ pub(super) async fn publish_all(
             }
         }
     }
+    for job_id in acked {
+        // Routed to at least one queue and accepted: the only case that deletes the job.
+        match returns.of(job_id) {
+            None => published.confirmed.push(job_id),
+            Some(reason) => {
+                published.returned += 1;
+                tracing::warn!(
+                    job_id,
+                    %reason,
+                    "job returned as unroutable; it stays staged, set aside"
+                );
+                published.refused.push((job_id, reason));
+            }
+        }
+    }
     published
+}
+
+/// The messages the broker returned as unroutable, by the job they carry. A `basic.return` has
+/// no delivery tag: the client hands it to whichever ack it processes next, which with acks
+/// that confirm several publishes at once is not always the returned message's own (a returned
+/// job once counted as published, and deleted, while a routed one was set aside). The message id
+/// the enqueuer gives every message (the job's id) says whose it is; a return without one makes
+/// every ack of the batch doubtful, and a doubtful job stays staged (published again later, which
+/// the consumers' deduplication absorbs) rather than be deleted unpublished.
+#[derive(Default)]
+struct Returns {
+    by_job: std::collections::HashMap<i64, String>,
+    unidentified: Option<String>,
+}
+
+impl Returns {
+    fn add_message(&mut self, carried_by: i64, returned: &lapin::message::BasicReturnMessage) {
+        let job = returned
+            .properties
+            .message_id()
+            .as_ref()
+            .and_then(|id| id.as_str().parse::<i64>().ok());
+        let reason = format!("returned {} {}", returned.reply_code, returned.reply_text);
+        self.add(carried_by, job, reason);
+    }
+
+    /// A return carrying the message of `job` (`None`: a message without a job id), handed to
+    /// the ack of `carried_by`.
+    fn add(&mut self, carried_by: i64, job: Option<i64>, reason: String) {
+        match job {
+            Some(job) => {
+                self.by_job.insert(job, reason);
+            }
+            None => {
+                tracing::error!(
+                    carried_by,
+                    "a returned message carries no job id; every job of its batch stays staged"
+                );
+                self.unidentified = Some(reason);
+            }
+        }
+    }
+
+    /// Why `job` was not routed, if it was returned (or might have been).
+    fn of(&self, job: i64) -> Option<String> {
+        self.by_job
+            .get(&job)
+            .or(self.unidentified.as_ref())
+            .cloned()
+    }
 }
 
 /// The routing key and body of a job, by the job registry ([`crate::jobs`]). Args that do not
@@ -176,4 +236,28 @@ pub(super) fn properties(job: &StagedJob, exchange: &str) -> BasicProperties {
         .with_message_id(job.id.to_string().into())
         .with_timestamp(u64::try_from(job.created_at.timestamp()).unwrap_or(0))
         .with_headers(headers)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Returns;
+
+    #[test]
+    fn a_return_counts_against_the_job_it_carries_not_the_ack_it_came_with() {
+        let mut returns = Returns::default();
+        // Job 65's return handed to job 64's ack (acks confirming several publishes at once).
+        returns.add(64, Some(65), "returned 312 NO_ROUTE".to_owned());
+        assert_eq!(returns.of(64), None, "64 was routed: published");
+        assert_eq!(returns.of(65).as_deref(), Some("returned 312 NO_ROUTE"));
+        assert_eq!(returns.of(66), None);
+    }
+
+    #[test]
+    fn a_return_without_a_job_id_keeps_every_job_of_the_batch_staged() {
+        let mut returns = Returns::default();
+        returns.add(64, None, "returned 312 NO_ROUTE".to_owned());
+        for job in [64, 65, 66] {
+            assert!(returns.of(job).is_some(), "job {job} stays staged");
+        }
+    }
 }
