@@ -143,11 +143,7 @@ impl Config {
     pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Config, ConfigError> {
         let vars = Vars::new(&lookup);
         let price = price(&vars)?;
-        let stripe =
-            StripeConfig::from_lookup(&lookup).map_err(|invalid| ConfigError::Invalid {
-                name: invalid.name,
-                reason: invalid.reason,
-            })?;
+        let stripe = StripeConfig::from_lookup(&lookup)?;
         let config = Config {
             database: DatabaseConfig {
                 url: Secret::new(vars.string("DATABASE_URL", DEFAULT_DATABASE_URL)),

@@ -55,6 +55,17 @@ pub struct InvalidVariable {
     pub reason: String,
 }
 
+/// Each process reads the provider's variables with the rest of its configuration: the same
+/// refusal, naming the variable.
+impl From<InvalidVariable> for telemetry::settings::ConfigError {
+    fn from(invalid: InvalidVariable) -> Self {
+        telemetry::settings::ConfigError::Invalid {
+            name: invalid.name,
+            reason: invalid.reason,
+        }
+    }
+}
+
 impl StripeConfig {
     /// Reads `STRIPE_API_BASE`, `STRIPE_SECRET_KEY`, `STRIPE_TIMEOUT_MS`,
     /// `STRIPE_IDEMPOTENCY_WINDOW_SECS` and `DEPLOYMENT_ID` through `lookup` (empty counts as

@@ -214,12 +214,7 @@ fn reconciler(
     lookup: &dyn Fn(&str) -> Option<String>,
 ) -> Result<ReconcilerConfig, ConfigError> {
     Ok(ReconcilerConfig {
-        stripe: provider::StripeConfig::from_lookup(lookup).map_err(|invalid| {
-            ConfigError::Invalid {
-                name: invalid.name,
-                reason: invalid.reason,
-            }
-        })?,
+        stripe: provider::StripeConfig::from_lookup(lookup)?,
         settle_delay: vars.secs("RECONCILER_SETTLE_SECS", 900)?,
         overlap: vars.secs("RECONCILER_OVERLAP_SECS", 3600)?,
         initial_lookback: Duration::from_secs(
