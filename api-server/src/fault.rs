@@ -27,11 +27,10 @@ use schema::RecoveryPoint;
 ///   `started.before_commit` fires before the claim's statement, and `claim.after_commit` and
 ///   `started.after_commit` after it;
 /// - the charge's record commits phase `charge_created` with it (`crate::rides`'s
-///   `record_charge`): `charge_created.before_commit` and `ride_created.before_commit` fire before
+///   `ride_created`): `charge_created.before_commit` and `ride_created.before_commit` fire before
 ///   that statement, and `ride_created.after_commit` and `charge_created.after_commit` after it.
 ///
-/// A key left at `started` or `charge_created` (an older server's) passes that phase's own points
-/// around its own statement. Typed, so a misspelt point is a compile error rather than a point
+/// Typed, so a misspelt point is a compile error rather than a point
 /// that never fires; [`CrashPoint::ALL`] is the list the campaign arms, and [`CrashPoint::name`]
 /// the one spelling `FAULT_CRASH_POINT` takes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -76,18 +75,19 @@ impl CrashPoint {
         }
     }
 
-    /// The point around the commit of the phase that starts at `phase`: before its statement
-    /// is sent, or after it committed. `None` for `finished`, which no phase starts from.
+    /// The point around the commit of the atomic phase that starts at `phase`: before its
+    /// statement is sent, or after it committed. Only `ride_created` has an atomic phase of its
+    /// own: `started`'s is the claim's statement and `charge_created`'s is `ride_created`'s, which
+    /// fire their points themselves, and no phase starts from `finished`.
     pub const fn around_phase(phase: RecoveryPoint, committed: bool) -> Option<CrashPoint> {
-        Some(match (phase, committed) {
-            (RecoveryPoint::Started, false) => CrashPoint::StartedBeforeCommit,
-            (RecoveryPoint::Started, true) => CrashPoint::StartedAfterCommit,
-            (RecoveryPoint::RideCreated, false) => CrashPoint::RideCreatedBeforeCommit,
-            (RecoveryPoint::RideCreated, true) => CrashPoint::RideCreatedAfterCommit,
-            (RecoveryPoint::ChargeCreated, false) => CrashPoint::ChargeCreatedBeforeCommit,
-            (RecoveryPoint::ChargeCreated, true) => CrashPoint::ChargeCreatedAfterCommit,
-            (RecoveryPoint::Finished, _) => return None,
-        })
+        match (phase, committed) {
+            (RecoveryPoint::RideCreated, false) => Some(CrashPoint::RideCreatedBeforeCommit),
+            (RecoveryPoint::RideCreated, true) => Some(CrashPoint::RideCreatedAfterCommit),
+            (
+                RecoveryPoint::Started | RecoveryPoint::ChargeCreated | RecoveryPoint::Finished,
+                _,
+            ) => None,
+        }
     }
 }
 
@@ -172,19 +172,27 @@ mod tests {
         assert_eq!(names.len(), CrashPoint::ALL.len());
     }
 
-    /// Every phase a key can start from has a point on each side of its commit, and the name
-    /// says which phase and which side (what an operator reads in the campaign's report).
+    /// Every recovery point a key passes has a point on each side of the commit that reaches
+    /// or leaves it, and the name says which point and which side (what an operator reads in the
+    /// campaign's report); only `ride_created`'s are fired by the atomic phase itself.
     #[test]
-    fn each_phase_has_a_point_before_and_after_its_commit() {
+    fn each_recovery_point_has_a_point_before_and_after_its_commit() {
         for phase in [
             RecoveryPoint::Started,
             RecoveryPoint::RideCreated,
             RecoveryPoint::ChargeCreated,
         ] {
             for (committed, side) in [(false, "before_commit"), (true, "after_commit")] {
-                let point = CrashPoint::around_phase(phase, committed).unwrap();
-                assert!(CrashPoint::ALL.contains(&point));
-                assert_eq!(point.name(), format!("{}.{side}", phase.as_str()));
+                let name = format!("{}.{side}", phase.as_str());
+                assert!(
+                    CrashPoint::ALL.iter().any(|point| point.name() == name),
+                    "{name}"
+                );
+                let fired_by_the_phase = CrashPoint::around_phase(phase, committed);
+                assert_eq!(
+                    fired_by_the_phase.map(CrashPoint::name),
+                    (phase == RecoveryPoint::RideCreated).then_some(name.as_str())
+                );
             }
         }
         assert_eq!(

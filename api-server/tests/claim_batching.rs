@@ -1,7 +1,7 @@
 //! Claims by token that share one statement (`idempotency::Claims`) decide exactly what
 //! claims made one at a time decide: each claim gets its own answer, two claims of one new key
-//! cannot both win, and nothing is written for an unknown token. A claim that carries a first
-//! ride gets it inserted with its key only if it inserts the key.
+//! cannot both win, and nothing is written for an unknown token. Every claim carries its first
+//! ride, which is inserted with its key only if the claim inserts the key.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::{sync::Arc, time::Duration};
@@ -76,10 +76,9 @@ async fn claims_queued_together_share_a_statement_and_each_get_their_own_answer(
         other_params,
         "mismatch",
     ));
-    // Three new keys with a first ride, three without.
-    for _ in 0..3 {
+    // Six new keys.
+    for _ in 0..6 {
         claims.push((bob.token.clone(), new_key(), ride_request(), "new"));
-        claims.push((bob.token.clone(), new_key(), ride_request(), "new_bare"));
     }
     // The same new key twice in one batch: one claim inserts it, the other finds it locked.
     for _ in 0..2 {
@@ -117,19 +116,19 @@ async fn claims_queued_together_share_a_statement_and_each_get_their_own_answer(
             in_flight: 1,
         },
     );
-    let runs = claims.iter().map(|(token, key, request, kind)| {
+    let runs = claims.iter().map(|(token, key, request, _)| {
         let batcher = Arc::clone(&batcher);
         let digest = auth::token_digest(token);
         let key = IdempotencyKey::parse(key).unwrap();
         let signature = params(*request).signature();
-        let first_ride = (*kind != "new_bare").then(|| first_ride(params(*request)));
+        let first_ride = first_ride(params(*request));
         async move {
             let claimed = idempotency::claim(
                 &batcher,
                 Caller::Token(digest),
                 &key,
                 &signature,
-                first_ride.as_ref(),
+                &first_ride,
                 LOCK_TIMEOUT,
             )
             .await
@@ -139,17 +138,11 @@ async fn claims_queued_together_share_a_statement_and_each_get_their_own_answer(
                 Some((user, claimed)) => match claimed.decision {
                     Decision::Execute(lease) => {
                         assert_eq!(lease.user_id, user.id);
-                        // Born at `ride_created` exactly when its claim wrote the first ride.
-                        let expected = match &claimed.first_ride {
-                            Some(ride) => {
-                                assert_eq!(ride.idempotency_key_id, Some(lease.key_id));
-                                assert_eq!(ride.user_id, user.id);
-                                RecoveryPoint::RideCreated
-                            }
-                            None => RecoveryPoint::Started,
-                        };
-                        assert_eq!(lease.recovery_point, expected);
-                        assert_eq!(claimed.first_ride.is_some(), first_ride.is_some());
+                        // Born at `ride_created`: its claim wrote the first ride.
+                        let ride = claimed.first_ride.expect("the claim's ride");
+                        assert_eq!(ride.idempotency_key_id, Some(lease.key_id));
+                        assert_eq!(ride.user_id, user.id);
+                        assert_eq!(lease.recovery_point, RecoveryPoint::RideCreated);
                         Decided::Execute { user_id: user.id }
                     }
                     Decision::InUse => Decided::InUse,
@@ -180,9 +173,7 @@ async fn claims_queued_together_share_a_statement_and_each_get_their_own_answer(
         match *kind {
             "replay" => assert_eq!(decided, Decided::Replay { code: 0 }, "{key}"),
             "mismatch" => assert_eq!(decided, Decided::Mismatch),
-            "new" | "new_bare" => {
-                assert_eq!(decided, Decided::Execute { user_id: bob.id }, "{key}")
-            }
+            "new" => assert_eq!(decided, Decided::Execute { user_id: bob.id }, "{key}"),
             "shared" => shared.push(decided),
             "unknown" => assert_eq!(decided, Decided::NoSuchUser),
             other => unreachable!("{other}"),
@@ -200,36 +191,31 @@ async fn claims_queued_together_share_a_statement_and_each_get_their_own_answer(
     let shared_row = app.key_row(&bob, &shared_new_key).await.unwrap();
     assert_eq!(shared_row.recovery_point, RecoveryPoint::RideCreated);
     assert!(shared_row.lock_token.is_some());
-    // A ride and its audit record for each of the five new keys whose claim carried one: the
-    // three, the shared key once, alice's key string; each key at `ride_created` with its ride.
+    // A ride and its audit record for each of the eight new keys: the six, the shared key once,
+    // alice's key string; each key at `ride_created` with its ride.
     let rides = app.rides().await;
     let new_rides: Vec<_> = rides.iter().filter(|r| r.user_id == bob.id).collect();
-    assert_eq!(rides.len(), rides_before + 5);
-    assert_eq!(new_rides.len(), 5);
+    assert_eq!(rides.len(), rides_before + 8);
+    assert_eq!(new_rides.len(), 8);
     for (_, key, _, kind) in &claims {
-        if !matches!(*kind, "new" | "new_bare" | "shared") {
+        if !matches!(*kind, "new" | "shared") {
             continue;
         }
         let row = app.key_row(&bob, key).await.unwrap();
+        assert_eq!(row.recovery_point, RecoveryPoint::RideCreated, "{key}");
         let ride = new_rides
             .iter()
-            .find(|r| r.idempotency_key_id == Some(row.id));
-        if *kind == "new_bare" {
-            assert_eq!(row.recovery_point, RecoveryPoint::Started, "{key}");
-            assert!(ride.is_none(), "{key}");
-        } else {
-            assert_eq!(row.recovery_point, RecoveryPoint::RideCreated, "{key}");
-            let ride = ride.expect("the key's ride");
-            assert_eq!((ride.amount, ride.currency.as_str()), (1234, "usd"));
-            assert!(ride.stripe_charge_id.is_none());
-        }
+            .find(|r| r.idempotency_key_id == Some(row.id))
+            .expect("the key's ride");
+        assert_eq!((ride.amount, ride.currency.as_str()), (1234, "usd"));
+        assert!(ride.stripe_charge_id.is_none());
     }
     let audits = app.audit_records().await;
     let claim_audits: Vec<_> = audits
         .iter()
         .filter(|a| a.data == serde_json::json!({"from": "claim_batching"}))
         .collect();
-    assert_eq!(claim_audits.len(), 5);
+    assert_eq!(claim_audits.len(), 8);
     for audit in claim_audits {
         assert_eq!(audit.action, "ride.created");
         assert!(new_rides.iter().any(|r| r.id == audit.resource_id));

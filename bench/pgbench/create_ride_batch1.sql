@@ -8,15 +8,15 @@
 --      input unnested from the arrays, the user by a LATERAL probe on the token digest, the key
 --      row by a LATERAL probe if it exists, else INSERT ... ORDER BY ... ON CONFLICT DO NOTHING
 --      of the key with the claim's lock token, which also identifies the claim (req);
---   2. phase started (CreateRideRecordBatch, api-server/src/rides/create_ride_record.rs):
+--   2. phase started (CreateRideRecordBatch, retired with the older-server paths, issue 30):
 --      contract::batch_fence! (input, then each key locked FOR NO KEY UPDATE in key id order),
 --      INSERT rides, INSERT audit_records, UPDATE keys to ride_created by = ANY(ARRAY(...)),
 --      returning the rides;
 --   (the provider call, which is not database work and is left out)
---   3. charge recorded (RecordChargeBatch, api-server/src/rides/record_charge.rs, as it was until
+--   3. charge recorded (RecordChargeBatch, api-server/src/rides/ride_created.rs, as it was until
 --      run 24; since then it also stages the receipt and finishes the key): batch fence,
 --      UPDATE rides' charge ids, UPDATE keys to charge_created;
---   4. phase charge_created (StageReceiptBatch, api-server/src/rides/stage_receipt.rs): batch
+--   4. phase charge_created (StageReceiptBatch, retired with the older-server paths): batch
 --      fence, INSERT staged jobs, UPDATE keys finished (contract::finish_key!) from the fence.
 -- Differences from the server: as in create_ride.sql, the token digest and lock token are
 -- computed in the database (the digest once per claim, in the input), and the values are

@@ -4,7 +4,7 @@
 --      each key at ride_created with its ride and audit record, idempotency/claim/first_ride.rs);
 --   (the provider calls, which are not database work, are left out)
 --   2. charges recorded, receipts staged and keys finished (RecordChargeBatch,
---      rides/record_charge.rs).
+--      rides/ride_created.rs).
 -- In run 23 this script was three statements (the charges recorded on their own, unflushed, then
 -- the receipts); its figures in docs/performance.md are for that version.
 -- Not #18's batched ceiling (that is the four statements of create_ride_batched.sql, which the

@@ -111,8 +111,8 @@ mod tests {
 rides_idempotency_batch_size_bucket{rides_batch_statement="claim",otel_scope_name="api-server",le="1"} 10
 rides_idempotency_batch_size_sum{rides_batch_statement="claim",otel_scope_name="api-server"} 40
 rides_idempotency_batch_size_count{rides_batch_statement="claim",otel_scope_name="api-server"} 20
-rides_idempotency_batch_size_sum{otel_scope_name="api-server",rides_batch_statement="stage_receipt"} 5
-rides_idempotency_batch_size_count{otel_scope_name="api-server",rides_batch_statement="stage_receipt"} 5
+rides_idempotency_batch_size_sum{otel_scope_name="api-server",rides_batch_statement="record_charge"} 5
+rides_idempotency_batch_size_count{otel_scope_name="api-server",rides_batch_statement="record_charge"} 5
 rides_db_serialization_retries_total{otel_scope_name="api-server"} 3
 "#;
 
@@ -127,7 +127,7 @@ rides_db_serialization_retries_total{otel_scope_name="api-server"} 3
             }
         );
         assert_eq!(
-            totals["stage_receipt"],
+            totals["record_charge"],
             BatchTotals {
                 items: 5.0,
                 statements: 5.0

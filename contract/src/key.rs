@@ -12,9 +12,7 @@
 //! | commit | next outside effect |
 //! | --- | --- |
 //! | the claim of a fresh key, which inserts it with its ride at `ride_created` (phase `started` merged into the claim) | the charge, keyed by the key's id |
-//! | `started` → `ride_created` (a key left at `started`) | the charge |
 //! | `ride_created` → `finished`: the charge recorded, the receipt staged, the outcome stored (phase `charge_created` merged into the charge's record) | the answer |
-//! | `charge_created` → `finished` (a key an older server left at `charge_created`) | the answer |
 //! | → `finished` with a decline, or by an operator | the answer |
 //!
 //! Until run 24 of docs/history/performance.md the charge's record was a commit of its own, made without

@@ -62,6 +62,10 @@ pub enum RidesError {
     PaymentProviderUnavailable(#[source] Box<Status>),
     #[error("the database is unavailable (DATABASE_UNAVAILABLE)")]
     DatabaseUnavailable(#[source] Box<Status>),
+    /// The key is where a server older than this one left it; retried, an older server or the
+    /// operator's `workers admin keys upgrade` takes it on.
+    #[error("the key awaits the upgrade of an older server's keys (IDEMPOTENCY_KEY_NEEDS_UPGRADE)")]
+    IdempotencyKeyNeedsUpgrade(#[source] Box<Status>),
     #[error("the server failed unexpectedly (INTERNAL)")]
     Internal(#[source] Box<Status>),
     #[error("no such ride of this caller (RIDE_NOT_FOUND)")]
@@ -125,6 +129,7 @@ impl RidesError {
             | RidesError::ConcurrencyConflict(_)
             | RidesError::PaymentProviderUnavailable(_)
             | RidesError::DatabaseUnavailable(_)
+            | RidesError::IdempotencyKeyNeedsUpgrade(_)
             | RidesError::Internal(_)
             | RidesError::Transport(_)
             | RidesError::AttemptTimedOut(_)
@@ -169,6 +174,7 @@ impl RidesError {
             | RidesError::ConcurrencyConflict(status)
             | RidesError::PaymentProviderUnavailable(status)
             | RidesError::DatabaseUnavailable(status)
+            | RidesError::IdempotencyKeyNeedsUpgrade(status)
             | RidesError::Internal(status)
             | RidesError::RideNotFound(status)
             | RidesError::UnknownReason { status, .. }
@@ -273,6 +279,7 @@ impl From<Status> for RidesError {
             reason::CONCURRENCY_CONFLICT => RidesError::ConcurrencyConflict(status),
             reason::PAYMENT_PROVIDER_UNAVAILABLE => RidesError::PaymentProviderUnavailable(status),
             reason::DATABASE_UNAVAILABLE => RidesError::DatabaseUnavailable(status),
+            reason::IDEMPOTENCY_KEY_NEEDS_UPGRADE => RidesError::IdempotencyKeyNeedsUpgrade(status),
             reason::INTERNAL => RidesError::Internal(status),
             reason::RIDE_NOT_FOUND => RidesError::RideNotFound(status),
             other => RidesError::UnknownReason {
@@ -369,6 +376,11 @@ mod tests {
             true,
         ),
         (Code::Unavailable, reason::DATABASE_UNAVAILABLE, true),
+        (
+            Code::Unavailable,
+            reason::IDEMPOTENCY_KEY_NEEDS_UPGRADE,
+            true,
+        ),
         (Code::Internal, reason::INTERNAL, true),
         (Code::NotFound, reason::RIDE_NOT_FOUND, false),
     ];

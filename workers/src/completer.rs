@@ -124,8 +124,9 @@ pub enum Attempt {
     Completed,
     Declined,
     InUse,
-    /// Not the key's failure: a rate limit (with the server's retry hint, if any) or a transport
-    /// failure before the server answered. Never counted as an attempt, so a busy or unreachable
+    /// Not the key's failure: a rate limit (with the server's retry hint, if any), a transport
+    /// failure before the server answered, or a key that awaits the upgrade of an older server's
+    /// keys. Never counted as an attempt, so a busy or unreachable
     /// api-server cannot make the completer give keys up (and their charges refundable).
     Deferred(Option<Duration>),
     StillFailing(String),
@@ -151,6 +152,10 @@ pub fn classify(result: &Result<Created, CallError>) -> Attempt {
             Attempt::CredentialRefused(status.code())
         }
         RidesError::RateLimited { retry_after, .. } => Attempt::Deferred(*retry_after),
+        // An older server left the key where this api-server does not resume it: the operator's
+        // `workers admin keys upgrade` (or an older server's retry) takes it on, so giving it up
+        // would only hand a person what the upgrade does.
+        RidesError::IdempotencyKeyNeedsUpgrade(_) => Attempt::Deferred(None),
         // The server was not reached (connection refused or closed, a GOAWAY): nothing ran.
         // Other transport failures (a reset or a deadline mid-call) may have run the attempt.
         RidesError::Transport(status) if status.code() == Code::Unavailable => {

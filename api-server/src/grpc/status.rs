@@ -210,6 +210,20 @@ pub fn create_ride_error(error: CreateRideError) -> Status {
                 RETRY_PROVIDER,
             )
         }
+        CreateRideError::LeftByOlderServer(point) => {
+            tracing::error!(
+                recovery_point = %point,
+                "a key an older server left at {point}: run `workers admin keys upgrade` once no \
+                 older api-server runs (docs/operations.md, \"Upgrading\")"
+            );
+            retryable(
+                Code::Unavailable,
+                "this idempotency key awaits the upgrade of an older server's keys; retry with \
+                 the same key",
+                reason::IDEMPOTENCY_KEY_NEEDS_UPGRADE,
+                RETRY_PROVIDER,
+            )
+        }
         CreateRideError::Internal(error) => {
             tracing::error!(error = %error_chain(error.as_ref()), "internal error");
             internal()

@@ -2,7 +2,7 @@
 //! its `Status` exhaustively.
 
 use provider::ChargeError;
-use schema::store::StoreError;
+use schema::{RecoveryPoint, store::StoreError};
 
 /// Why a CreateRide attempt ended without a final outcome.
 #[derive(Debug, thiserror::Error)]
@@ -21,6 +21,10 @@ pub enum CreateRideError {
     DatabaseUnavailable(#[source] StoreError),
     #[error("the payment provider is unavailable")]
     ProviderUnavailable(#[source] ChargeError),
+    /// The key is at a recovery point only a server from before run 24 of
+    /// docs/history/performance.md stops at; this server has no phase for it.
+    #[error("the key was left at {0} by an older server")]
+    LeftByOlderServer(RecoveryPoint),
     #[error("internal error")]
     Internal(#[source] Box<dyn std::error::Error + Send + Sync>),
 }

@@ -1,37 +1,37 @@
-//! CreateRide as a state machine over recovery points. Each arm is one atomic phase, or the
-//! charge (a foreign state mutation, made with no transaction open and no pooled connection held)
-//! followed by the atomic phase that records its result:
+//! CreateRide as a state machine over recovery points. A fresh key's claim commits phase
+//! `started` with the key; the charge (a foreign state mutation, made with no transaction open and
+//! no pooled connection held) is followed by the one atomic phase that records its result and
+//! finishes the key:
 //!
 //! ```text
-//! claim ──► started ──tx──► ride_created ──charge──tx──► charge_created ──tx──► finished
-//!   └──────────────────────┘                ├──────────tx───────────────────────────┤
-//!                                           └─decline──tx───────────────────────────┘
+//! claim+started ──tx──► ride_created ──charge──tx──► finished   (charge_created in the same tx)
+//!                                     └─decline──tx──┘
 //! ```
 //!
-//! A fresh key makes two commits, not four. Its claim writes the ride with the key in one flushed
-//! statement (`crate::idempotency::FirstRide`), so it is born at `ride_created`; and the statement
-//! that records its charge also stages its receipt and finishes it (`record_charge`), so it never
-//! stops at `charge_created`. The `started` and `charge_created` phases run as their own
-//! statements only for a key left there (an older server's, or, for `started`, a claim made
-//! without a first ride).
+//! So a new ride makes two commits: the claim writes the ride with the key in one statement
+//! (`crate::idempotency::FirstRide`), so the key is born at `ride_created`, and the statement that
+//! records the charge also stages the receipt and finishes the key, so it never stops at
+//! `charge_created`. A key at `started` or `charge_created` was left by a server from before run
+//! 24 of docs/history/performance.md: this server answers it `UNAVAILABLE`
+//! ([`CreateRideError::LeftByOlderServer`]), and `workers admin keys upgrade` retires or finishes
+//! it (docs/operations.md, "Upgrading").
 //!
 //! A retry with the same key re-enters the loop at the key's recovery point; a finished key
 //! replays the outcome stored by the last phase (`contract::Outcome`). This module decides *what*
 //! happens; the idempotency engine (`crate::idempotency`) guarantees it happens once, and the gRPC
 //! layer (`crate::grpc`) turns the result into a response.
 //!
-//! One file per phase, each with its statement for one request and its batched statement for
-//! several side by side (every write phase goes to the database batched with other requests' same
-//! phase): [`create_ride_record`] (`started`), [`record_charge`] (`ride_created`, with the
-//! charge, through to `finished`), [`stage_receipt`] (`charge_created`). [`params`] holds the
-//! request's validated parameters. A new phase is a new recovery point (a migration), a file
-//! here with its statements, and an arm in [`Rides::run_phase`].
+//! One file per recovery point a phase starts from: [`started`] (the values the claim writes),
+//! [`ride_created`] (the charge and its record, with its statement for one request and its
+//! batched statement for several side by side), with [`receipt`] what finishing a charged key
+//! writes and [`params`] the request's validated parameters. A new phase is a new recovery point
+//! (a migration), a file here with its statements, and an arm in [`Rides::run_phase`].
 
-mod create_ride_record;
 mod error;
 mod params;
-mod record_charge;
-mod stage_receipt;
+mod receipt;
+mod ride_created;
+mod started;
 
 use std::{net::IpAddr, sync::Arc, time::Instant};
 
@@ -52,12 +52,9 @@ use tracing::Instrument;
 pub use error::CreateRideError;
 pub use params::{CREATE_RIDE_METHOD, CREATE_RIDE_PATH, FieldViolation, RideParams};
 #[cfg(feature = "testing")]
-pub(crate) use record_charge::charge_request;
+pub(crate) use ride_created::charge_request;
 
-use self::{
-    create_ride_record::CreateRideRecords, record_charge::RecordCharges,
-    stage_receipt::StageReceipts,
-};
+use self::ride_created::RecordCharges;
 use crate::{
     auth::Caller,
     config::{IdempotencyConfig, Price},
@@ -78,15 +75,6 @@ pub struct CreateRideReply {
     pub result: Result<Outcome, CreateRideError>,
 }
 
-/// The result of running one phase.
-#[derive(Debug)]
-pub enum Step {
-    /// The key moved on to `lease.recovery_point`; run the next phase.
-    Advanced,
-    /// The key is finished with this outcome.
-    Finished(Outcome),
-}
-
 /// Who asked, from where, for what.
 #[derive(Clone, Debug)]
 pub struct RideRequest {
@@ -100,10 +88,8 @@ pub struct Rides {
     pool: Pool,
     /// Groups concurrent claims by token into shared statements.
     claims: Arc<Batcher<Claims>>,
-    /// Group concurrent requests' write phases into shared statements, one batcher per phase.
-    new_rides: Arc<Batcher<CreateRideRecords>>,
+    /// Groups concurrent requests' charge records into shared statements.
     charges: Arc<Batcher<RecordCharges>>,
-    receipts: Arc<Batcher<StageReceipts>>,
     stripe: StripeClient,
     price: Price,
     idempotency: IdempotencyConfig,
@@ -122,23 +108,8 @@ impl Rides {
         let retry = RetryPolicy::default();
         Arc::new(Rides {
             claims: Batcher::for_claims(pool.clone(), retry, idempotency.claim_batching),
-            new_rides: Batcher::new(
-                CreateRideRecords {
-                    price: price.clone(),
-                    deployment_id: stripe.deployment_id().as_str().to_owned(),
-                },
-                pool.clone(),
-                retry,
-                idempotency.phase_batching,
-            ),
             charges: Batcher::new(
                 RecordCharges,
-                pool.clone(),
-                retry,
-                idempotency.phase_batching,
-            ),
-            receipts: Batcher::new(
-                StageReceipts,
                 pool.clone(),
                 retry,
                 idempotency.phase_batching,
@@ -171,24 +142,9 @@ impl Rides {
         &self.claims
     }
 
-    /// How many requests' write phases shared statements: the three phases' counts, added up.
+    /// How many requests' write phases (the charge records) shared statements.
     pub fn phase_batch_counts(&self) -> BatchCounts {
-        [
-            self.new_rides.counts(),
-            self.charges.counts(),
-            self.receipts.counts(),
-        ]
-        .into_iter()
-        .fold(
-            BatchCounts {
-                statements: 0,
-                items: 0,
-            },
-            |sum, counts| BatchCounts {
-                statements: sum.statements + counts.statements,
-                items: sum.items + counts.items,
-            },
-        )
+        self.charges.counts()
     }
 
     /// Runs CreateRide for `caller` to a final outcome or an error, claiming the key first; the
@@ -216,7 +172,7 @@ impl Rides {
                 caller,
                 key,
                 &signature,
-                Some(&first_ride),
+                &first_ride,
                 self.idempotency.lock_timeout,
             )
             .await
@@ -324,16 +280,8 @@ impl Rides {
         request: &RideRequest,
         ride: Option<Ride>,
     ) -> Result<Outcome, CreateRideError> {
-        let result = async {
-            // The ride as the last phase left it, so that the next phase need not read it back.
-            let mut ride = ride;
-            loop {
-                if let Step::Finished(outcome) = self.step_with(lease, request, &mut ride).await? {
-                    return Ok(outcome);
-                }
-            }
-        }
-        .await;
+        // One phase is left to run for any key this server resumes: `ride_created`'s.
+        let result = self.step_with(lease, request, ride).await;
         // Unlocked after a fenced-off phase too: a fence also fails while this attempt still
         // holds the lock, when the key is not where this attempt left it (a commit it saw was
         // lost). Releasing a lease that was taken over changes nothing.
@@ -346,26 +294,25 @@ impl Rides {
         result
     }
 
-    /// Runs the phase for `lease.recovery_point` and advances the lease, as an attempt that
-    /// resumes there does (it reads the ride if the phase needs it). Public so that tests can stop
-    /// an attempt between phases, as a crash would.
+    /// Runs the phase for `lease.recovery_point`, which finishes the key, as an attempt that
+    /// resumes there does (it reads the ride back). Public so that tests can run a key's phase
+    /// apart from its claim, as a retry after a crash would.
     pub async fn step(
         &self,
         lease: &mut Lease,
         request: &RideRequest,
-    ) -> Result<Step, CreateRideError> {
-        self.step_with(lease, request, &mut None).await
+    ) -> Result<Outcome, CreateRideError> {
+        self.step_with(lease, request, None).await
     }
 
-    /// [`Rides::step`] with the ride the previous phase of this attempt left in `ride` (or `None`
-    /// to read it), leaving the ride there for the next phase. Public so that tests can run a
-    /// phase without its read.
+    /// [`Rides::step`] with the ride the key's claim inserted (or `None` to read it back). Public
+    /// so that tests can run a phase without its read.
     pub async fn step_with(
         &self,
         lease: &mut Lease,
         request: &RideRequest,
-        ride: &mut Option<Ride>,
-    ) -> Result<Step, CreateRideError> {
+        ride: Option<Ride>,
+    ) -> Result<Outcome, CreateRideError> {
         let point = lease.recovery_point;
         let span = tracing::info_span!(
             "phase",
@@ -398,22 +345,16 @@ impl Rides {
         &self,
         lease: &mut Lease,
         request: &RideRequest,
-        ride: &mut Option<Ride>,
-    ) -> Result<Step, CreateRideError> {
+        ride: Option<Ride>,
+    ) -> Result<Outcome, CreateRideError> {
         let point = lease.recovery_point;
-        let step = match point {
-            RecoveryPoint::Started => {
-                *ride = Some(self.create_ride_record(lease, request).await?);
-                lease.recovery_point = RecoveryPoint::RideCreated;
-                Step::Advanced
-            }
+        let outcome = match point {
             RecoveryPoint::RideCreated => {
-                let current = self.current_ride(lease, ride.take()).await?;
-                Step::Finished(self.charge(lease, request, current).await?)
+                let current = self.current_ride(lease, ride).await?;
+                self.charge(lease, request, current).await?
             }
-            RecoveryPoint::ChargeCreated => {
-                let current = self.current_ride(lease, ride.take()).await?;
-                Step::Finished(self.stage_receipt(lease, current).await?)
+            point @ (RecoveryPoint::Started | RecoveryPoint::ChargeCreated) => {
+                return Err(CreateRideError::LeftByOlderServer(point));
             }
             RecoveryPoint::Finished => {
                 return Err(CreateRideError::Internal(
@@ -421,11 +362,9 @@ impl Rides {
                 ));
             }
         };
-        if matches!(step, Step::Finished(_)) {
-            lease.recovery_point = RecoveryPoint::Finished;
-        }
+        lease.recovery_point = RecoveryPoint::Finished;
         tracing::debug!(key_id = lease.key_id, from = %point, to = %lease.recovery_point, "phase committed");
-        Ok(step)
+        Ok(outcome)
     }
 
     /// The key's ride: the one this attempt's previous phase returned, or else read back (an

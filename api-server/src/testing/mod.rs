@@ -280,16 +280,19 @@ impl TestApp {
         );
     }
 
-    /// Claims a key the way a request's first step does, but without a first ride, so that the key
-    /// is at `started` and every phase can be run by hand; it is left locked by the returned
-    /// lease: an attempt that is running, or that died holding the lock.
+    /// Claims a key the way a request's first step does: the key is born at `ride_created` with
+    /// its ride, and left locked by the returned lease (an attempt that is about to charge, or
+    /// that died holding the lock), so that its phase can be run by hand (`Rides::step`).
     pub async fn claim(&self, user: &TestUser, key: &str, params: &RideParams) -> Lease {
+        let first_ride = self
+            .rides
+            .first_ride(*params, std::net::Ipv4Addr::LOCALHOST.into());
         let (_, claimed) = idempotency::claim(
             self.rides.claim_batcher(),
             Caller::OnBehalfOf(user.id),
             &IdempotencyKey::parse(key).unwrap(),
             &params.signature(),
-            None,
+            &first_ride,
             self.config.idempotency.lock_timeout,
         )
         .await
@@ -301,25 +304,18 @@ impl TestApp {
         }
     }
 
-    /// Runs the key `lease` holds to `point` phase by phase, as this server's attempts do
-    /// (`Rides::step`), except that `charge_created`, which this server's attempts go past in one
-    /// commit, is reached as a server before run 24 of docs/history/performance.md left a key there: the
-    /// ride charged at the provider (the request this server would make, under the same
-    /// idempotency key) and the charge recorded, with no receipt staged yet.
-    pub async fn step_to(&self, lease: &mut Lease, request: &RideRequest, point: RecoveryPoint) {
-        while lease.recovery_point != point {
-            if (lease.recovery_point, point)
-                == (RecoveryPoint::RideCreated, RecoveryPoint::ChargeCreated)
-            {
-                self.charge_without_receipt(lease, request).await;
-            } else {
-                self.rides.step(lease, request).await.unwrap();
-            }
-        }
-    }
-
-    /// See [`TestApp::step_to`]: an older server's `ride_created` phase, charge and record.
-    async fn charge_without_receipt(&self, lease: &mut Lease, request: &RideRequest) {
+    /// Puts the key `lease` holds (just claimed, at `ride_created`) where a server from before run
+    /// 24 of docs/history/performance.md could leave it, which this server never does: at
+    /// `started` with no ride yet, or at `charge_created`, charged at the provider (the request
+    /// this server makes, under the same idempotency key) and the charge recorded on the ride,
+    /// with no receipt staged. The rows only: no older server's code runs.
+    pub async fn leave_as_an_older_server(
+        &self,
+        lease: &mut Lease,
+        request: &RideRequest,
+        point: RecoveryPoint,
+    ) {
+        assert_eq!(lease.recovery_point, RecoveryPoint::RideCreated);
         let mut conn = self.pool.get().await.unwrap();
         let ride = rides::table
             .filter(rides::idempotency_key_id.eq(lease.key_id))
@@ -327,28 +323,45 @@ impl TestApp {
             .first(&mut conn)
             .await
             .unwrap();
-        let charge = crate::rides::charge_request(lease, request, &ride);
-        let intent = self
-            .rides
-            .stripe()
-            .create_payment_intent(&charge)
+        let rows = match point {
+            RecoveryPoint::Started => diesel::sql_query(
+                "WITH audit AS (DELETE FROM audit_records WHERE resource_type = 'ride' \
+                 AND resource_id = $1), gone AS (DELETE FROM rides WHERE id = $1 RETURNING id) \
+                 UPDATE idempotency_keys SET recovery_point = 'started' FROM gone \
+                 WHERE idempotency_keys.id = $2",
+            )
+            .bind::<diesel::sql_types::BigInt, _>(ride.id)
+            .bind::<diesel::sql_types::BigInt, _>(lease.key_id)
+            .execute(&mut conn)
             .await
-            .unwrap();
-        let recorded = diesel::sql_query(
-            "WITH charged AS (UPDATE rides SET stripe_charge_id = $1 \
-             WHERE idempotency_key_id = $2 RETURNING id) \
-             UPDATE idempotency_keys SET recovery_point = 'charge_created' FROM charged \
-             WHERE idempotency_keys.id = $2 AND lock_token = $3 \
-             AND recovery_point = 'ride_created'",
-        )
-        .bind::<diesel::sql_types::Text, _>(&intent.id)
-        .bind::<diesel::sql_types::BigInt, _>(lease.key_id)
-        .bind::<diesel::sql_types::Uuid, _>(lease.token)
-        .execute(&mut conn)
-        .await
-        .unwrap();
-        assert_eq!(recorded, 1, "the lease holds its key at ride_created");
-        lease.recovery_point = RecoveryPoint::ChargeCreated;
+            .unwrap(),
+            RecoveryPoint::ChargeCreated => {
+                let charge = crate::rides::charge_request(lease, request, &ride);
+                let intent = self
+                    .rides
+                    .stripe()
+                    .create_payment_intent(&charge)
+                    .await
+                    .unwrap();
+                diesel::sql_query(
+                    "WITH charged AS (UPDATE rides SET stripe_charge_id = $1 \
+                     WHERE id = $2 RETURNING id) \
+                     UPDATE idempotency_keys SET recovery_point = 'charge_created' FROM charged \
+                     WHERE idempotency_keys.id = $3",
+                )
+                .bind::<diesel::sql_types::Text, _>(&intent.id)
+                .bind::<diesel::sql_types::BigInt, _>(ride.id)
+                .bind::<diesel::sql_types::BigInt, _>(lease.key_id)
+                .execute(&mut conn)
+                .await
+                .unwrap()
+            }
+            other => {
+                panic!("an older server's keys stop at started or charge_created, not {other}")
+            }
+        };
+        assert_eq!(rows, 1);
+        lease.recovery_point = point;
     }
 
     pub async fn rides_request(&self, user: &TestUser, params: RideParams) -> RideRequest {

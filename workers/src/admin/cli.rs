@@ -138,6 +138,14 @@ pub enum KeysCommand {
         #[arg(long, default_value_t = 100)]
         limit: i64,
     },
+    /// The upgrade step from a server before run 24 of docs/history/performance.md: retires the
+    /// keys it left at `started` (no ride, no charge: a retry starts afresh) and finishes those
+    /// at `charge_created` as `key finish --outcome succeeded` does. Keys with a live lock are
+    /// left, and the command fails while any key is left.
+    Upgrade {
+        #[command(flatten)]
+        commit: CommitArgs,
+    },
     /// Marks one keys_needing_attention row resolved (resolved_at = now()).
     Resolve {
         /// The keys_needing_attention row id (as `keys needing-attention` prints it).

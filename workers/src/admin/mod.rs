@@ -186,6 +186,7 @@ pub enum Output {
     Backlog(backlog::Backlog),
     Findings(findings::FindingList),
     Finding(Box<findings::FindingReport>),
+    Upgrade(keys::UpgradeReport),
 }
 
 impl Output {
@@ -199,6 +200,7 @@ impl Output {
             Output::Backlog(backlog) => serde_json::to_string_pretty(backlog),
             Output::Findings(list) => serde_json::to_string_pretty(list),
             Output::Finding(report) => serde_json::to_string_pretty(report),
+            Output::Upgrade(report) => serde_json::to_string_pretty(report),
         }
     }
 
@@ -212,6 +214,7 @@ impl Output {
             Output::Backlog(backlog) => backlog.render(),
             Output::Findings(list) => list.render(),
             Output::Finding(report) => report.render(),
+            Output::Upgrade(report) => report.render(),
         }
     }
 
@@ -221,6 +224,7 @@ impl Output {
         match self {
             Output::Requeue(report) => report.stopped.clone(),
             Output::Backlog(backlog) => backlog.queues_error.clone(),
+            Output::Upgrade(report) => report.failure(),
             _ => None,
         }
     }
@@ -275,8 +279,8 @@ pub async fn run(
     }
 }
 
-/// `stripe` is only used by `findings refund` and `key finish`: the provider's client is built
-/// for them alone.
+/// `stripe` is only used by `findings refund`, `key finish` and `keys upgrade`: the provider's
+/// client is built for them alone.
 async fn dispatch(
     command: AdminCommand,
     pool: &Pool,
@@ -314,6 +318,10 @@ async fn dispatch(
         }
         AdminCommand::Keys(KeysCommand::NeedingAttention { all, limit }) => {
             Output::Attention(attention::list(pool, all, limit).await?)
+        }
+        AdminCommand::Keys(KeysCommand::Upgrade { commit }) => {
+            let stripe = stripe_client(stripe)?;
+            Output::Upgrade(keys::upgrade(pool, settings, &stripe, commit.mode()).await?)
         }
         AdminCommand::Keys(KeysCommand::Resolve { id, note, commit }) => {
             Output::Change(attention::resolve(pool, id, note.as_deref(), commit.mode()).await?)

@@ -55,12 +55,17 @@ fn params() -> RideParams {
     .unwrap()
 }
 
-/// A key whose attempt stopped at `point`, still holding its (live) lock.
+/// A key whose attempt stopped at `point`, still holding its (live) lock: at `ride_created` as
+/// this server's attempts stop, at `started` or `charge_created` as only an older server left keys
+/// (`TestApp::leave_as_an_older_server`).
 async fn key_at(app: &TestApp, user: &TestUser, point: RecoveryPoint) -> (String, Lease) {
     let key = new_key();
     let mut lease = app.claim(user, &key, &params()).await;
-    let request = app.rides_request(user, params()).await;
-    app.step_to(&mut lease, &request, point).await;
+    if point != RecoveryPoint::RideCreated {
+        let request = app.rides_request(user, params()).await;
+        app.leave_as_an_older_server(&mut lease, &request, point)
+            .await;
+    }
     (key, lease)
 }
 
@@ -389,7 +394,7 @@ async fn unlock_is_a_dry_run_until_yes_and_the_key_then_resumes() {
 async fn unlock_refuses_a_live_lock_unless_forced_and_fences_out_its_holder() {
     let app = TestApp::spawn().await;
     let user = app.create_user(GOOD_CARD).await;
-    let (key, mut lease) = key_at(&app, &user, RecoveryPoint::Started).await;
+    let (key, mut lease) = key_at(&app, &user, RecoveryPoint::RideCreated).await;
 
     for mode in [Mode::DryRun, Mode::Apply] {
         assert_refused(
@@ -406,11 +411,20 @@ async fn unlock_refuses_a_live_lock_unless_forced_and_fences_out_its_holder() {
     assert_eq!(forced.warnings.len(), 1);
     assert!(forced.warnings[0].contains("--force"));
     assert_eq!(app.key_row(&user, &key).await.unwrap().locked_at, None);
-    // The old holder's next phase commits nothing.
-    let request = app.rides_request(&user, params()).await;
-    let step = app.rides.step(&mut lease, &request).await;
+    // The old holder's next phase commits nothing (its charge, made before the fence, is the
+    // provider's replay for whoever resumes the key).
+    assert_the_old_holder_commits_nothing(&app, &user, &mut lease).await;
+}
+
+/// Runs the phase of `lease`, whose lock an operator took away, and checks that it is fenced out:
+/// no charge recorded, no receipt staged.
+async fn assert_the_old_holder_commits_nothing(app: &TestApp, user: &TestUser, lease: &mut Lease) {
+    let request = app.rides_request(user, params()).await;
+    let step = app.rides.step(lease, &request).await;
     assert!(matches!(step, Err(CreateRideError::LockLost)), "{step:?}");
-    assert!(app.rides().await.is_empty());
+    let rides = app.rides().await;
+    assert!(rides.iter().all(|r| r.stripe_charge_id.is_none()));
+    assert!(app.staged_jobs().await.is_empty());
 }
 
 /// `key finish --force` takes the live lock over with its own token and finishes the key with the
@@ -419,7 +433,7 @@ async fn unlock_refuses_a_live_lock_unless_forced_and_fences_out_its_holder() {
 async fn a_forced_finish_fences_out_the_live_holder() {
     let app = TestApp::spawn().await;
     let user = app.create_user(GOOD_CARD).await;
-    let (key, mut lease) = key_at(&app, &user, RecoveryPoint::Started).await;
+    let (key, mut lease) = key_at(&app, &user, RecoveryPoint::RideCreated).await;
 
     let request = FinishRequest {
         force: true,
@@ -430,11 +444,9 @@ async fn a_forced_finish_fences_out_the_live_holder() {
     let row = app.key_row(&user, &key).await.unwrap();
     assert_eq!(row.recovery_point, RecoveryPoint::Finished);
     assert_eq!((row.locked_at, row.lock_token), (None, None));
-    // The old holder's next phase commits nothing.
-    let ride_request = app.rides_request(&user, params()).await;
-    let step = app.rides.step(&mut lease, &ride_request).await;
-    assert!(matches!(step, Err(CreateRideError::LockLost)), "{step:?}");
-    assert!(app.rides().await.is_empty());
+    // The old holder's next phase commits nothing: no charge recorded on a key finished as
+    // declined (a charge it made before the fence is the reconciler's to find).
+    assert_the_old_holder_commits_nothing(&app, &user, &mut lease).await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -1174,4 +1186,100 @@ async fn the_binary_dry_runs_by_default_and_applies_with_yes() {
     let json: serde_json::Value = serde_json::from_slice(&backlog.stdout).unwrap();
     assert_eq!(json["queues"][0]["queue"], broker.topology.receipts_queue);
     broker.cleanup().await;
+}
+
+/// The upgrade step from a server before run 24 of docs/history/performance.md: every key such a
+/// server left at `started` is retired (it held nothing, so a retry starts afresh and is charged
+/// once), every key left at `charge_created` is finished as charged with its receipt staged (a
+/// retry replays the ride, no second charge), a key whose lock is live is left and fails the
+/// command until it expires, a dry run changes nothing, and this server's own keys are untouched.
+#[tokio::test(flavor = "multi_thread")]
+async fn upgrade_retires_started_keys_and_finishes_charge_created_ones() {
+    let app = TestApp::spawn().await;
+    let user = app.create_user(GOOD_CARD).await;
+    let (started_key, started) = abandoned_at(&app, &user, RecoveryPoint::Started).await;
+    let (charged_key, charged) = abandoned_at(&app, &user, RecoveryPoint::ChargeCreated).await;
+    let (live_key, live) = key_at(&app, &user, RecoveryPoint::ChargeCreated).await;
+    let (current_key, _) = abandoned_at(&app, &user, RecoveryPoint::RideCreated).await;
+    assert_eq!(app.stripe.succeeded_charges(), 2);
+    let upgrade = |mode| {
+        let app = &app;
+        async move {
+            keys::upgrade(&app.pool, &db_settings(), &stripe(app), mode)
+                .await
+                .unwrap()
+        }
+    };
+
+    let dry = upgrade(Mode::DryRun).await;
+    assert_eq!(dry.keys.len(), 3, "{dry:?}");
+    assert!(dry.failure().is_some(), "the live key is left");
+    assert_eq!(app.key_count().await, 4, "a dry run deletes nothing");
+    assert!(app.staged_jobs().await.is_empty(), "and stages nothing");
+
+    let applied = upgrade(Mode::Apply).await;
+    let actions: Vec<(i64, &str)> = applied
+        .keys
+        .iter()
+        .map(|key| {
+            let action = match &key.outcome {
+                keys::UpgradeOutcome::Retired { .. } => "retired",
+                keys::UpgradeOutcome::Finished { .. } => "finished",
+                keys::UpgradeOutcome::Left { reason } => {
+                    assert!(reason.contains("may still be running"), "{reason}");
+                    "left"
+                }
+            };
+            (key.key_id, action)
+        })
+        .collect();
+    assert_eq!(
+        actions,
+        [
+            (started, "retired"),
+            (charged, "finished"),
+            (live.key_id, "left")
+        ]
+    );
+    let failure = applied.failure().expect("a key was left");
+    assert!(failure.contains("1 key(s) left"), "{failure}");
+    assert!(applied.render().contains("LEFT"), "{}", applied.render());
+    assert!(app.key_row(&user, &started_key).await.is_none());
+    let row = app.key_row(&user, &charged_key).await.unwrap();
+    assert_eq!(row.recovery_point, RecoveryPoint::Finished);
+    assert_eq!(row.locked_at, None);
+    assert_eq!(
+        app.staged_jobs().await.len(),
+        1,
+        "the finished key's receipt"
+    );
+    assert_eq!(
+        app.key_row(&user, &current_key)
+            .await
+            .unwrap()
+            .recovery_point,
+        RecoveryPoint::RideCreated,
+        "this server's own keys are not the step's"
+    );
+
+    // Once the live lock has expired, the step leaves nothing.
+    app.expire_lock(live.key_id).await;
+    let last = upgrade(Mode::Apply).await;
+    assert_eq!(last.keys.len(), 1);
+    assert!(last.failure().is_none());
+    assert!(upgrade(Mode::Apply).await.keys.is_empty());
+
+    // Every client retry now answers: the finished keys replay their ride, the retired key runs
+    // afresh; the provider holds one charge per ride.
+    for key in [&charged_key, &live_key] {
+        let replay = app.create_ride(&user, key, ride_request()).await.unwrap();
+        assert!(replayed(&replay));
+    }
+    let fresh = app
+        .create_ride(&user, &started_key, ride_request())
+        .await
+        .unwrap();
+    assert!(!replayed(&fresh));
+    assert_eq!(app.stripe.succeeded_charges(), 3);
+    assert_eq!(app.staged_jobs().await.len(), 3);
 }

@@ -127,9 +127,15 @@ impl TestBroker {
 
     /// Publishes a raw body to the receipts routing key, as a foreign producer could.
     pub async fn publish_raw(&self, message_id: &str, body: &[u8]) {
-        let confirm = self
-            .session
-            .channel
+        // On a channel of its own in confirm mode: the broker confirms a publish to a quorum queue
+        // once the message is enqueued, so a count read right after, on any connection, sees it
+        // (run on 2026-11-26: a depth read on another connection still saw 1 of 2).
+        let channel = self.session.connection.create_channel().await.unwrap();
+        channel
+            .confirm_select(lapin::options::ConfirmSelectOptions::default())
+            .await
+            .unwrap();
+        let confirm = channel
             .basic_publish(
                 self.topology.exchange.as_str().into(),
                 workers::topology::RECEIPT_ROUTING_KEY.into(),
@@ -141,10 +147,11 @@ impl TestBroker {
             )
             .await
             .unwrap();
-        drop(confirm);
-        // Not in confirm mode: a round trip on the channel orders the publish before later
-        // reads on the same channel.
-        self.depth(&self.topology.receipts_queue).await;
+        assert!(
+            confirm.await.unwrap().is_ack(),
+            "the broker took the message"
+        );
+        let _ = channel.close(200, "published".into()).await;
     }
 
     pub async fn cleanup(self) {

@@ -6,7 +6,7 @@ use api_server::{
     rides::RideParams,
     testing::{DECLINED_CARD, GOOD_CARD, INTERNAL_API_TOKEN, TestApp, TestUser, new_key},
 };
-use diesel::{QueryDsl, SelectableHelper};
+use diesel::{ExpressionMethods, QueryDsl, SelectableHelper};
 use diesel_async::RunQueryDsl;
 use schema::{RecoveryPoint, models::KeyNeedingAttention, schema::keys_needing_attention};
 use workers::{
@@ -42,7 +42,9 @@ fn params() -> RideParams {
     .unwrap()
 }
 
-/// A key abandoned at `point` (its attempt died holding the lock, long ago); returns its id.
+/// A key abandoned at `point` (its attempt died holding the lock, long ago): at `ride_created` as
+/// this server's attempts leave keys, at `started` or `charge_created` as only an older server
+/// left them (`TestApp::leave_as_an_older_server`). Returns the key and its id.
 pub(crate) async fn abandoned_key(
     app: &TestApp,
     user: &TestUser,
@@ -50,8 +52,11 @@ pub(crate) async fn abandoned_key(
 ) -> (String, i64) {
     let key = new_key();
     let mut lease = app.claim(user, &key, &params()).await;
-    let request = app.rides_request(user, params()).await;
-    app.step_to(&mut lease, &request, point).await;
+    if point != RecoveryPoint::RideCreated {
+        let request = app.rides_request(user, params()).await;
+        app.leave_as_an_older_server(&mut lease, &request, point)
+            .await;
+    }
     app.expire_lock(lease.key_id).await;
     age(app, lease.key_id, "6 minutes", "2 minutes").await;
     (key, lease.key_id)
@@ -87,26 +92,36 @@ async fn point(app: &TestApp, user: &TestUser, key: &str) -> RecoveryPoint {
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn resumes_every_recovery_point_to_exactly_one_charge() {
+async fn resumes_abandoned_keys_to_exactly_one_charge_and_defers_an_older_servers_keys() {
     let app = TestApp::spawn().await;
     let user = app.create_user(GOOD_CARD).await;
-    let mut keys = Vec::new();
-    for recovery_point in [
-        RecoveryPoint::Started,
-        RecoveryPoint::RideCreated,
-        RecoveryPoint::ChargeCreated,
-    ] {
-        keys.push(abandoned_key(&app, &user, recovery_point).await);
+    let mut abandoned = Vec::new();
+    for _ in 0..2 {
+        abandoned.push(abandoned_key(&app, &user, RecoveryPoint::RideCreated).await);
+    }
+    let mut older = Vec::new();
+    for recovery_point in [RecoveryPoint::Started, RecoveryPoint::ChargeCreated] {
+        older.push((
+            abandoned_key(&app, &user, recovery_point).await,
+            recovery_point,
+        ));
     }
     // Only the charge_created key was charged before the crash.
     assert_eq!(app.stripe.succeeded_charges(), 1);
 
     let completer = Completer::new(app.pool.clone(), config(&app)).unwrap();
     let summary = completer.run_once().await.unwrap();
-    assert_eq!(summary.claimed, 3);
-    assert_eq!(summary.completed, 3);
-    for (key, _) in &keys {
+    assert_eq!(summary.claimed, 4);
+    assert_eq!(summary.completed, 2);
+    assert_eq!(
+        summary.deferred, 2,
+        "the older server's keys await the upgrade"
+    );
+    for (key, _) in &abandoned {
         assert_eq!(point(&app, &user, key).await, RecoveryPoint::Finished);
+    }
+    for ((key, _), recovery_point) in &older {
+        assert_eq!(point(&app, &user, key).await, *recovery_point);
     }
     assert_eq!(
         app.stripe.succeeded_charges(),
@@ -114,29 +129,43 @@ async fn resumes_every_recovery_point_to_exactly_one_charge() {
         "one charge per ride, none twice"
     );
     let rides = app.rides().await;
-    assert_eq!(rides.len(), 3);
-    assert!(rides.iter().all(|ride| ride.stripe_charge_id.is_some()));
+    assert_eq!(rides.len(), 3, "the started key has no ride");
+    assert_eq!(
+        rides
+            .iter()
+            .filter(|r| r.stripe_charge_id.is_some())
+            .count(),
+        3
+    );
     assert_eq!(
         app.staged_jobs().await.len(),
-        3,
-        "each ride's receipt is staged"
+        2,
+        "each completed ride's receipt is staged"
     );
-
-    // Nothing is left to do.
-    let again = completer.run_once().await.unwrap();
-    assert_eq!(again.claimed, 0);
-    assert_eq!(app.stripe.succeeded_charges(), 3);
+    // A deferral is not an attempt: no key is given up to a person for the upgrade's sake.
+    for ((_, key_id), _) in &older {
+        let attempts: i32 = {
+            let mut conn = app.pool.get().await.unwrap();
+            schema::schema::idempotency_keys::table
+                .filter(schema::schema::idempotency_keys::id.eq(key_id))
+                .select(schema::schema::idempotency_keys::completer_attempts)
+                .first(&mut conn)
+                .await
+                .unwrap()
+        };
+        assert_eq!(attempts, 0);
+    }
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn respects_the_age_idle_and_lock_thresholds() {
     let app = TestApp::spawn().await;
     let user = app.create_user(GOOD_CARD).await;
-    let (young, young_id) = abandoned_key(&app, &user, RecoveryPoint::Started).await;
+    let (young, young_id) = abandoned_key(&app, &user, RecoveryPoint::RideCreated).await;
     age(&app, young_id, "4 minutes", "2 minutes").await;
-    let (recent, recent_id) = abandoned_key(&app, &user, RecoveryPoint::Started).await;
+    let (recent, recent_id) = abandoned_key(&app, &user, RecoveryPoint::RideCreated).await;
     age(&app, recent_id, "6 minutes", "30 seconds").await;
-    let (locked, locked_id) = abandoned_key(&app, &user, RecoveryPoint::Started).await;
+    let (locked, locked_id) = abandoned_key(&app, &user, RecoveryPoint::RideCreated).await;
     {
         let mut conn = app.pool.get().await.unwrap();
         diesel::sql_query(
@@ -147,14 +176,14 @@ async fn respects_the_age_idle_and_lock_thresholds() {
         .await
         .unwrap();
     }
-    let (due, _) = abandoned_key(&app, &user, RecoveryPoint::Started).await;
+    let (due, _) = abandoned_key(&app, &user, RecoveryPoint::RideCreated).await;
 
     let completer = Completer::new(app.pool.clone(), config(&app)).unwrap();
     let summary = completer.run_once().await.unwrap();
     assert_eq!((summary.claimed, summary.completed), (1, 1));
     assert_eq!(point(&app, &user, &due).await, RecoveryPoint::Finished);
     for key in [&young, &recent, &locked] {
-        assert_eq!(point(&app, &user, key).await, RecoveryPoint::Started);
+        assert_eq!(point(&app, &user, key).await, RecoveryPoint::RideCreated);
     }
 
     // The other side of each threshold: 6 minutes old, run 2 minutes ago, lock expired.
@@ -243,7 +272,7 @@ async fn two_completers_never_work_the_same_key() {
     let app = TestApp::spawn().await;
     let user = app.create_user(GOOD_CARD).await;
     for _ in 0..6 {
-        abandoned_key(&app, &user, RecoveryPoint::Started).await;
+        abandoned_key(&app, &user, RecoveryPoint::RideCreated).await;
     }
     let first = Completer::new(
         app.pool.clone(),
@@ -274,7 +303,7 @@ async fn two_completers_never_work_the_same_key() {
 async fn a_refused_credential_spends_no_attempts() {
     let app = TestApp::spawn().await;
     let user = app.create_user(GOOD_CARD).await;
-    let (key, _) = abandoned_key(&app, &user, RecoveryPoint::Started).await;
+    let (key, _) = abandoned_key(&app, &user, RecoveryPoint::RideCreated).await;
     let completer = Completer::new(
         app.pool.clone(),
         CompleterConfig {
@@ -284,7 +313,7 @@ async fn a_refused_credential_spends_no_attempts() {
     )
     .unwrap();
     assert!(completer.run_once().await.is_err());
-    assert_eq!(point(&app, &user, &key).await, RecoveryPoint::Started);
+    assert_eq!(point(&app, &user, &key).await, RecoveryPoint::RideCreated);
     let good = Completer::new(app.pool.clone(), config(&app)).unwrap();
     assert_eq!(good.run_once().await.unwrap().completed, 1);
 }
@@ -317,8 +346,8 @@ async fn rate_limits_and_an_unreachable_server_spend_no_attempts() {
     )
     .await;
     let user = app.create_user(GOOD_CARD).await;
-    let (_, first) = abandoned_key(&app, &user, RecoveryPoint::Started).await;
-    let (second_key, second) = abandoned_key(&app, &user, RecoveryPoint::Started).await;
+    let (_, first) = abandoned_key(&app, &user, RecoveryPoint::RideCreated).await;
+    let (second_key, second) = abandoned_key(&app, &user, RecoveryPoint::RideCreated).await;
     age(&app, second, "5 minutes", "2 minutes").await;
     let completer = Completer::new(app.pool.clone(), config(&app)).unwrap();
     let summary = completer.run_once().await.unwrap();
@@ -328,7 +357,7 @@ async fn rate_limits_and_an_unreachable_server_spend_no_attempts() {
     assert_eq!(attempts(&app, second).await, 0, "a rate limit counted");
     assert_eq!(
         point(&app, &user, &second_key).await,
-        RecoveryPoint::Started
+        RecoveryPoint::RideCreated
     );
 
     // An api-server nobody answers at: deferred, not counted either.

@@ -63,9 +63,8 @@ async fn records_unfinished_keys_before_deleting_them() {
     let user = app.create_user(GOOD_CARD).await;
     let key = new_key();
     let params = RideParams::new(Some(1.0), Some(2.0), Some(3.0), Some(4.0)).unwrap();
-    let mut lease = app.claim(&user, &key, &params).await;
-    let request = app.rides_request(&user, params).await;
-    app.rides.step(&mut lease, &request).await.unwrap();
+    // Claimed (so at `ride_created` with its ride), then abandoned.
+    let lease = app.claim(&user, &key, &params).await;
     app.expire_lock(lease.key_id).await;
     app.create_ride(&user, &new_key(), ride_request())
         .await

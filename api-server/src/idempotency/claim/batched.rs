@@ -9,16 +9,16 @@
 //! of the same key in one batch cannot both win: the key's row is inserted once, and only the
 //! claim whose lock token it carries gets it back; the other claim finds no row and looks again,
 //! as it would after losing to a concurrent statement. Keys are inserted in (user, key) order so
-//! that two batches that share keys wait for each other in one order and cannot deadlock. A
-//! claim that carries a first ride ([`super::FirstRide`]) gets it inserted with its key, as the
-//! one-claim statement does; the others in the batch are inserted at `started`.
+//! that two batches that share keys wait for each other in one order and cannot deadlock. Each
+//! claim that inserts its key inserts its first ride ([`super::FirstRide`]) with it, as the
+//! one-claim statement does.
 
 use std::{collections::HashMap, sync::Arc};
 
 use diesel::{
     QueryableByName,
     result::Error as DieselError,
-    sql_types::{Array, BigInt, Bool, Bytea, Cidr, Double, Jsonb, Nullable, Text},
+    sql_types::{Array, BigInt, Bytea, Cidr, Double, Jsonb, Text},
 };
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use schema::{
@@ -29,10 +29,7 @@ use schema::{
 };
 use uuid::Uuid;
 
-use super::{
-    CallerAndKey, FirstRide, KeyFound, claim_alone, first_ride_writes, inserted_recovery_point,
-    key_columns,
-};
+use super::{CallerAndKey, FirstRide, KeyFound, claim_alone, first_ride_writes, key_columns};
 use crate::{
     auth::Caller,
     idempotency::{BatchStatement, Batcher, Batching, IdempotencyKey, RequestSignature},
@@ -49,7 +46,7 @@ pub struct ClaimRequest {
     /// The lock token the key gets if this claim inserts it; also how the claim finds its row.
     lock_token: Uuid,
     request: RequestSignature,
-    first_ride: Option<FirstRide>,
+    first_ride: FirstRide,
 }
 
 impl Batcher<Claims> {
@@ -64,7 +61,7 @@ impl Batcher<Claims> {
         token_digest: &[u8; 32],
         key: &IdempotencyKey,
         request: &RequestSignature,
-        first_ride: Option<&FirstRide>,
+        first_ride: &FirstRide,
     ) -> Result<Option<(User, KeyFound)>, StoreError> {
         if self.enabled() {
             let lock_token = Uuid::new_v4();
@@ -73,7 +70,7 @@ impl Batcher<Claims> {
                 key: key.as_str().to_owned(),
                 lock_token,
                 request: request.clone(),
-                first_ride: first_ride.cloned(),
+                first_ride: first_ride.clone(),
             };
             if let Some(row) = self.submit(claim).await? {
                 return Ok(row.map(|row| row.into_found(lock_token, first_ride)));
@@ -120,16 +117,15 @@ impl BatchStatement for Claims {
                 .bind::<Array<Text>, _>(&methods)
                 .bind::<Array<Text>, _>(&paths)
                 .bind::<Array<Jsonb>, _>(&params)
-                .bind::<Array<Bool>, _>(&rides.with_ride)
-                .bind::<Array<Nullable<Double>>, _>(&rides.origin_lats)
-                .bind::<Array<Nullable<Double>>, _>(&rides.origin_lons)
-                .bind::<Array<Nullable<Double>>, _>(&rides.target_lats)
-                .bind::<Array<Nullable<Double>>, _>(&rides.target_lons)
-                .bind::<Array<Nullable<BigInt>>, _>(&rides.amounts)
-                .bind::<Array<Nullable<Text>>, _>(&rides.currencies)
-                .bind::<Array<Nullable<Jsonb>>, _>(&rides.audit_data)
-                .bind::<Array<Nullable<Cidr>>, _>(&rides.origin_ips)
-                .bind::<Array<Nullable<Text>>, _>(&rides.deployment_ids)
+                .bind::<Array<Double>, _>(&rides.origin_lats)
+                .bind::<Array<Double>, _>(&rides.origin_lons)
+                .bind::<Array<Double>, _>(&rides.target_lats)
+                .bind::<Array<Double>, _>(&rides.target_lons)
+                .bind::<Array<BigInt>, _>(&rides.amounts)
+                .bind::<Array<Text>, _>(&rides.currencies)
+                .bind::<Array<Jsonb>, _>(&rides.audit_data)
+                .bind::<Array<Cidr>, _>(&rides.origin_ips)
+                .bind::<Array<Text>, _>(&rides.deployment_ids)
         })
         .load::<BatchRow>(conn)
         .await?;
@@ -144,38 +140,33 @@ impl BatchStatement for Claims {
     }
 }
 
-/// The `$7`–`$16` arrays of [`ClaimBatchByToken`]: whether each claim carries a first ride, and
-/// its columns (NULL where it carries none).
+/// The `$7`–`$15` arrays of [`ClaimBatchByToken`]: each claim's first ride, column by column.
 struct FirstRideArrays<'a> {
-    with_ride: Vec<bool>,
-    origin_lats: Vec<Option<f64>>,
-    origin_lons: Vec<Option<f64>>,
-    target_lats: Vec<Option<f64>>,
-    target_lons: Vec<Option<f64>>,
-    amounts: Vec<Option<i64>>,
-    currencies: Vec<Option<&'a str>>,
-    audit_data: Vec<Option<&'a serde_json::Value>>,
-    origin_ips: Vec<Option<ipnet::IpNet>>,
-    deployment_ids: Vec<Option<&'a str>>,
+    origin_lats: Vec<f64>,
+    origin_lons: Vec<f64>,
+    target_lats: Vec<f64>,
+    target_lons: Vec<f64>,
+    amounts: Vec<i64>,
+    currencies: Vec<&'a str>,
+    audit_data: Vec<&'a serde_json::Value>,
+    origin_ips: Vec<ipnet::IpNet>,
+    deployment_ids: Vec<&'a str>,
 }
 
 impl<'a> FirstRideArrays<'a> {
     fn of(batch: &'a [ClaimRequest]) -> Self {
-        let rides = || batch.iter().map(|claim| claim.first_ride.as_ref());
-        let column = |f: fn(&FirstRide) -> f64| rides().map(|r| r.map(f)).collect();
+        let rides = || batch.iter().map(|claim| &claim.first_ride);
+        let column = |f: fn(&FirstRide) -> f64| rides().map(f).collect();
         FirstRideArrays {
-            with_ride: rides().map(|r| r.is_some()).collect(),
             origin_lats: column(|r| r.origin_lat),
             origin_lons: column(|r| r.origin_lon),
             target_lats: column(|r| r.target_lat),
             target_lons: column(|r| r.target_lon),
-            amounts: rides().map(|r| r.map(|r| r.amount)).collect(),
-            currencies: rides().map(|r| r.map(|r| r.currency.as_str())).collect(),
-            audit_data: rides().map(|r| r.map(|r| &r.audit_data)).collect(),
-            origin_ips: rides().map(|r| r.map(|r| r.origin_ip)).collect(),
-            deployment_ids: rides()
-                .map(|r| r.map(|r| r.deployment_id.as_str()))
-                .collect(),
+            amounts: rides().map(|r| r.amount).collect(),
+            currencies: rides().map(|r| r.currency.as_str()).collect(),
+            audit_data: rides().map(|r| &r.audit_data).collect(),
+            origin_ips: rides().map(|r| r.origin_ip).collect(),
+            deployment_ids: rides().map(|r| r.deployment_id.as_str()).collect(),
         }
     }
 }
@@ -195,16 +186,17 @@ struct BatchRow {
 /// and for a new key only to the claim whose lock token the inserted row carries. The lookups
 /// are `LATERAL … LIMIT 1` so that the plan, which is generic once prepared and cannot know how
 /// many claims a batch holds, stays one index probe per claim instead of hashing whole tables.
-/// The first rides (`$7`–`$16`, [`FirstRideArrays`]) are inserted for the claims that carry one
-/// and inserted their key; the commit waits for the WAL flush, as the one-claim statement's.
+/// The first rides (`$7`–`$15`, [`FirstRideArrays`]) are inserted for the claims that inserted
+/// their key, which are born at `ride_created`; the commit waits for the WAL flush, as the
+/// one-claim statement's.
 struct ClaimBatchByToken;
 
 impl Statement for ClaimBatchByToken {
     const SQL: &'static str = concat!(
         "WITH input AS (SELECT * FROM unnest($1::bytea[], $2::text[], $3::uuid[], $4::text[], \
-         $5::text[], $6::jsonb[], $7::bool[], $8::float8[], $9::float8[], $10::float8[], \
-         $11::float8[], $12::int8[], $13::text[], $14::jsonb[], $15::cidr[], $16::text[]) \
-         AS i(digest, key, token, method, path, params, with_ride, origin_lat, origin_lon, \
+         $5::text[], $6::jsonb[], $7::float8[], $8::float8[], $9::float8[], \
+         $10::float8[], $11::int8[], $12::text[], $13::jsonb[], $14::cidr[], $15::text[]) \
+         AS i(digest, key, token, method, path, params, origin_lat, origin_lon, \
          target_lat, target_lon, amount, currency, data, origin_ip, deployment_id)), \
          caller AS (SELECT input.token AS req, input.key AS req_key, u.* FROM input \
          CROSS JOIN LATERAL (SELECT id, created_at, email, stripe_customer_id, \
@@ -217,17 +209,15 @@ impl Statement for ClaimBatchByToken {
          AND idempotency_key = caller.req_key LIMIT 1) k), \
          inserted AS (INSERT INTO idempotency_keys (user_id, idempotency_key, lock_token, \
          request_method, request_path, request_params, recovery_point, locked_at) \
-         SELECT caller.id, input.key, input.token, input.method, input.path, input.params, ",
-        inserted_recovery_point!("input.with_ride"),
-        ", now() FROM caller JOIN input ON input.token = caller.req \
+         SELECT caller.id, input.key, input.token, input.method, input.path, input.params, \
+         'ride_created', now() FROM caller JOIN input ON input.token = caller.req \
          WHERE NOT EXISTS (SELECT FROM existing WHERE existing.found_req = caller.req) \
          ORDER BY caller.id, input.key \
          ON CONFLICT (user_id, idempotency_key) DO NOTHING RETURNING ",
         key_columns!(""),
         "), first_ride AS (SELECT inserted.id AS key_id, inserted.user_id, input.origin_lat, \
          input.origin_lon, input.target_lat, input.target_lon, input.amount, input.currency, \
-         input.data, input.origin_ip, input.deployment_id FROM inserted JOIN input ON input.token = inserted.lock_token \
-         WHERE input.with_ride), ",
+         input.data, input.origin_ip, input.deployment_id FROM inserted JOIN input ON input.token = inserted.lock_token), ",
         first_ride_writes!(),
         ", found AS (SELECT lock_token AS found_req, ",
         key_columns!(""),

@@ -1,15 +1,15 @@
 //! A fresh key's first phase, written by the claim that inserts the key.
 //!
-//! CreateRide's first phase (`started` → `ride_created`: the ride and its audit record, see
-//! `crate::rides::create_ride_record`) needs nothing the claim does not already have, and a
+//! CreateRide's first phase (`started` → `ride_created`: the ride and its audit record, whose
+//! values `crate::rides` builds) needs nothing the claim does not already have, and a
 //! fresh key has no earlier attempt to resume. So the claim that inserts a key can insert its
 //! ride in the same statement, and the key is born at `ride_created`: one statement and one
 //! commit fewer per new ride, and one batch fewer to wait for. The merged commit is the one
 //! `started`'s phase makes on its own otherwise, so it waits for the WAL flush (`ride_created`
 //! must be durable before the charge, the durability table in `contract::key`); a crash before
-//! it leaves nothing, as before the phase's own commit. A key whose claim carries no first ride
-//! is inserted at `started`, and its phase runs as its own statement, as does a key an older
-//! server left at `started`.
+//! it leaves nothing. Phase `started` has no statement of its own: a key stays at `started` only
+//! if a server from before run 24 of docs/history/performance.md left it there, and
+//! `workers admin keys upgrade` retires such keys (docs/operations.md, "Upgrading").
 //!
 //! This is the one place the idempotency engine writes a request type's rows; the values come
 //! from the request type as plain columns, so this module still knows nothing of what a ride
@@ -81,16 +81,3 @@ macro_rules! first_ride_writes {
     };
 }
 pub(super) use first_ride_writes;
-
-/// The recovery point a key is inserted at: `ride_created` if the claim inserts its ride (the
-/// boolean SQL expression `$with_ride`), `started` otherwise.
-macro_rules! inserted_recovery_point {
-    ($with_ride:literal) => {
-        concat!(
-            "CASE WHEN ",
-            $with_ride,
-            " THEN 'ride_created' ELSE 'started' END"
-        )
-    };
-}
-pub(super) use inserted_recovery_point;

@@ -4,7 +4,7 @@
 //! may need work. The claim authenticates its caller in the same statement (the `users` row by
 //! token digest or by id), so a new key, a replay or a mismatch costs one round trip; claims by
 //! token are sent together with other callers' claims ([`batched`]). A claim that inserts a key
-//! may also write the request's first phase in its statement ([`first_ride`]).
+//! inserts the request's first phase with it in the same statement ([`first_ride`]).
 
 mod batched;
 mod first_ride;
@@ -31,7 +31,7 @@ use uuid::Uuid;
 pub use batched::Claims;
 pub use first_ride::FirstRide;
 
-use first_ride::{first_ride_writes, inserted_recovery_point};
+use first_ride::first_ride_writes;
 use statements::{ClaimById, ClaimByToken, key_columns};
 
 use super::{Batcher, IdempotencyKey, Lease, RequestSignature};
@@ -64,7 +64,7 @@ pub struct Claimed {
 /// Claims `key` for `caller`: authenticates the caller and decides the key in the claim's
 /// statement, sent with other callers' claims through `claims` (for a token; a claim on a user's
 /// behalf goes alone). `None` if the caller is no user (nothing is written then). If the claim
-/// inserts the key, it inserts `first_ride` with it when given ([`FirstRide`]).
+/// inserts the key, it inserts `first_ride` with it ([`FirstRide`]).
 #[tracing::instrument(
     name = "claim",
     skip_all,
@@ -80,7 +80,7 @@ pub async fn claim(
     caller: Caller,
     key: &IdempotencyKey,
     request: &RequestSignature,
-    first_ride: Option<&FirstRide>,
+    first_ride: &FirstRide,
     lock_timeout: Duration,
 ) -> Result<Option<(User, Claimed)>, StoreError> {
     let (pool, policy) = (claims.pool(), claims.policy());
@@ -168,7 +168,7 @@ struct Attempt<'a> {
     policy: RetryPolicy,
     key: &'a IdempotencyKey,
     request: &'a RequestSignature,
-    first_ride: Option<&'a FirstRide>,
+    first_ride: &'a FirstRide,
     lock_timeout: Duration,
 }
 
@@ -273,7 +273,7 @@ async fn claim_alone(
     caller: Caller,
     key: &IdempotencyKey,
     request: &RequestSignature,
-    first_ride: Option<&FirstRide>,
+    first_ride: &FirstRide,
 ) -> Result<Option<(User, KeyFound)>, StoreError> {
     retry_transient(policy, || async {
         let mut conn = pool.get().await.map_err(StoreError::Unavailable)?;
@@ -289,10 +289,9 @@ async fn insert_or_read(
     caller: Caller,
     key: &IdempotencyKey,
     request: &RequestSignature,
-    first_ride: Option<&FirstRide>,
+    first_ride: &FirstRide,
 ) -> Result<Option<(User, KeyFound)>, StoreError> {
     let token = Uuid::new_v4();
-    let ride = |column: fn(&FirstRide) -> f64| first_ride.map(column);
     macro_rules! run {
         ($statement:ty, $caller_type:ty, $caller:expr) => {
             prepared::<$statement, _>(|q| {
@@ -302,16 +301,15 @@ async fn insert_or_read(
                     .bind::<Text, _>(request.method)
                     .bind::<Text, _>(request.path)
                     .bind::<Jsonb, _>(&request.params)
-                    .bind::<Bool, _>(first_ride.is_some())
-                    .bind::<Nullable<Double>, _>(ride(|r| r.origin_lat))
-                    .bind::<Nullable<Double>, _>(ride(|r| r.origin_lon))
-                    .bind::<Nullable<Double>, _>(ride(|r| r.target_lat))
-                    .bind::<Nullable<Double>, _>(ride(|r| r.target_lon))
-                    .bind::<Nullable<BigInt>, _>(first_ride.map(|r| r.amount))
-                    .bind::<Nullable<Text>, _>(first_ride.map(|r| r.currency.as_str()))
-                    .bind::<Nullable<Jsonb>, _>(first_ride.map(|r| &r.audit_data))
-                    .bind::<Nullable<Cidr>, _>(first_ride.map(|r| r.origin_ip))
-                    .bind::<Nullable<Text>, _>(first_ride.map(|r| r.deployment_id.as_str()))
+                    .bind::<Double, _>(first_ride.origin_lat)
+                    .bind::<Double, _>(first_ride.origin_lon)
+                    .bind::<Double, _>(first_ride.target_lat)
+                    .bind::<Double, _>(first_ride.target_lon)
+                    .bind::<BigInt, _>(first_ride.amount)
+                    .bind::<Text, _>(first_ride.currency.as_str())
+                    .bind::<Jsonb, _>(&first_ride.audit_data)
+                    .bind::<Cidr, _>(first_ride.origin_ip)
+                    .bind::<Text, _>(first_ride.deployment_id.as_str())
             })
             .get_result::<CallerAndKey>(conn)
             .await
@@ -329,7 +327,7 @@ impl CallerAndKey {
     /// The caller and what the claim found; `token` is the lock token the statement was given,
     /// which an inserted key now carries, and `first_ride` the values it was given for the key's
     /// ride.
-    fn into_found(self, token: Uuid, first_ride: Option<&FirstRide>) -> (User, KeyFound) {
+    fn into_found(self, token: Uuid, first_ride: &FirstRide) -> (User, KeyFound) {
         let user = User {
             id: self.caller_id,
             created_at: self.caller_created_at,
@@ -339,9 +337,9 @@ impl CallerAndKey {
             api_token_digest: self.api_token_digest,
         };
         let found = if self.inserted {
-            let ride = match (first_ride, self.ride_id, self.ride_created_at) {
-                (Some(values), Some(id), Some(created_at)) => {
-                    Some(values.inserted(self.key.id, user.id, id, created_at))
+            let ride = match (self.ride_id, self.ride_created_at) {
+                (Some(id), Some(created_at)) => {
+                    Some(first_ride.inserted(self.key.id, user.id, id, created_at))
                 }
                 _ => None,
             };
@@ -350,8 +348,8 @@ impl CallerAndKey {
                     key_id: self.key.id,
                     user_id: user.id,
                     token,
-                    // `ride_created` if the ride came with the key; an attempt that finds no ride
-                    // here reads it back before its next phase.
+                    // `ride_created`: the ride came with the key (an attempt that finds no ride
+                    // here reads it back before its next phase).
                     recovery_point: self.key.recovery_point,
                 }),
                 key_created_at: self.key.created_at,

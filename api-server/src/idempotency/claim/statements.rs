@@ -3,7 +3,7 @@
 
 use schema::prepared::Statement;
 
-use super::first_ride::{first_ride_writes, inserted_recovery_point};
+use super::first_ride::first_ride_writes;
 
 /// Every column of `idempotency_keys` that [`KeyRow`] reads, by name, each with the same prefix
 /// (a table alias and its dot) if one is given.
@@ -49,9 +49,10 @@ pub(crate) use key_columns;
 /// inserted, locked by a fresh token. `ON CONFLICT DO NOTHING` waits for a concurrent inserter of
 /// the same key and then yields to it; that key is newer than this statement's snapshot, so no
 /// row comes back and the claim looks again. A key that exists inserts nothing, so a replay
-/// writes nothing and burns no sequence value; no user, no row and nothing written. If `$7` is
-/// true, the inserted key's first ride is inserted with it (`$8`–`$16`, [`FirstRide`]) and the key
-/// is born at `ride_created`; that commit waits for the WAL flush, as the first phase's own does.
+/// writes nothing and burns no sequence value; no user, no row and nothing written. An inserted
+/// key's first ride is inserted with it (`$7`–`$15`, [`FirstRide`]) and the key is born at
+/// `ride_created`; that commit waits for the WAL flush, as `ride_created` must be durable before
+/// the charge.
 macro_rules! claim_sql {
     ($caller:literal) => {
         concat!(
@@ -64,16 +65,14 @@ macro_rules! claim_sql {
              AND idempotency_key = $2), \
              inserted AS (INSERT INTO idempotency_keys (user_id, idempotency_key, lock_token, \
              request_method, request_path, request_params, recovery_point, locked_at) \
-             SELECT caller.id, $2, $3, $4, $5, $6, ",
-            inserted_recovery_point!("$7::bool"),
-            ", now() FROM caller WHERE NOT EXISTS (SELECT FROM existing) \
+             SELECT caller.id, $2, $3, $4, $5, $6, 'ride_created', now() FROM caller WHERE NOT EXISTS (SELECT FROM existing) \
              ON CONFLICT (user_id, idempotency_key) DO NOTHING RETURNING ",
             key_columns!(),
             "), first_ride AS (SELECT inserted.id AS key_id, inserted.user_id, \
-             $8::float8 AS origin_lat, $9::float8 AS origin_lon, $10::float8 AS target_lat, \
-             $11::float8 AS target_lon, $12::int8 AS amount, $13::text AS currency, \
-             $14::jsonb AS data, $15::cidr AS origin_ip, $16::text AS deployment_id \
-             FROM inserted WHERE $7::bool), ",
+             $7::float8 AS origin_lat, $8::float8 AS origin_lon, $9::float8 AS target_lat, \
+             $10::float8 AS target_lon, $11::int8 AS amount, $12::text AS currency, \
+             $13::jsonb AS data, $14::cidr AS origin_ip, $15::text AS deployment_id \
+             FROM inserted), ",
             first_ride_writes!(),
             ", found AS (SELECT ",
             key_columns!(),

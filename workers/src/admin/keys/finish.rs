@@ -213,7 +213,7 @@ fn plan_declined(
 }
 
 /// Plans (and, when applying, writes) the ride's charge id and the receipt job of a succeeded
-/// finish, exactly as the api-server's `charge` and `stage_receipt` phases write them.
+/// finish, exactly as the api-server's `ride_created` phase writes them.
 async fn plan_succeeded(
     conn: &mut AsyncPgConnection,
     stripe: &StripeClient,
@@ -285,7 +285,7 @@ async fn plan_succeeded(
         }
     }
 
-    // The receipt, staged exactly as `stage_receipt` stages it, unless it already is or was sent.
+    // The receipt, staged exactly as the `ride_created` phase stages it, unless it already is or was sent.
     let staged = staged_receipt_jobs(conn, ride.id).await?;
     let sent = sent_receipts::table
         .find(ride.id)

@@ -1,5 +1,6 @@
-//! `workers admin key show|unlock|finish`: one idempotency key. One file per command
-//! (`show.rs`, `unlock.rs`, `finish.rs`); what more than one of them reads or checks is here.
+//! `workers admin key show|unlock|finish`: one idempotency key, and `workers admin keys upgrade`,
+//! which finishes or retires every key an older server left. One file per command (`show.rs`,
+//! `unlock.rs`, `finish.rs`, `upgrade.rs`); what more than one of them reads or checks is here.
 //!
 //! `unlock` and `finish` lock the key row (`SELECT … FOR UPDATE`) as the first statement of
 //! their transaction, like every api-server phase does (`FOR NO KEY UPDATE`, which conflicts), so
@@ -32,6 +33,7 @@ use crate::admin::{AdminError, AdminSettings, Change, ChangeReport, Mode, render
 mod finish;
 mod show;
 mod unlock;
+mod upgrade;
 
 pub use finish::{DEFAULT_DECLINE_MESSAGE, FinishRequest, finish};
 pub use show::{
@@ -39,6 +41,7 @@ pub use show::{
     StoredOutcome, show,
 };
 pub use unlock::unlock;
+pub use upgrade::{KeyUpgrade, UpgradeOutcome, UpgradeReport, upgrade};
 
 /// Every column of a key the admin commands look at. Deliberately not `lock_token`: whether a
 /// lock exists is `locked_at IS NOT NULL` (the two are set and cleared together, a CHECK
