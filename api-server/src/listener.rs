@@ -109,24 +109,8 @@ where
             let ready = ready.clone();
             let penalties = Arc::clone(&penalties);
             tokio::spawn(async move {
-                let mut tcp = tcp;
-                let opened = tokio::time::timeout(transport.preface_timeout, async {
-                    let proxied = match from_proxy {
-                        true => proxy_protocol::read(&mut tcp).await?,
-                        false => None,
-                    };
-                    let mut io = handshake(tcp).await?;
-                    let mut preface = [0_u8; PREFACE.len()];
-                    io.read_exact(&mut preface).await?;
-                    if &preface != PREFACE {
-                        return Err(io::Error::new(
-                            io::ErrorKind::InvalidData,
-                            "not an HTTP/2 connection preface",
-                        ));
-                    }
-                    Ok((io, proxied))
-                })
-                .await;
+                let opening = open(tcp, from_proxy, handshake.as_ref());
+                let opened = tokio::time::timeout(transport.preface_timeout, opening).await;
                 match opened {
                     Ok(Ok((io, proxied))) => {
                         let info = PeerInfo {
@@ -154,6 +138,36 @@ where
         }
     });
     ReceiverStream::new(taken)
+}
+
+/// A connection's opening: the PROXY header from a trusted proxy (`from_proxy`), the handshake
+/// (TLS, or none), then the HTTP/2 preface, read and checked here, so that a peer that is not an
+/// HTTP/2 client is closed before it costs hyper a connection. Returns the stream and the client
+/// address the proxy named, if any.
+async fn open<IO, H, F>(
+    mut tcp: TcpStream,
+    from_proxy: bool,
+    handshake: &H,
+) -> io::Result<(IO, Option<std::net::SocketAddr>)>
+where
+    IO: AsyncRead + Unpin,
+    H: Fn(TcpStream) -> F,
+    F: Future<Output = io::Result<IO>>,
+{
+    let proxied = match from_proxy {
+        true => proxy_protocol::read(&mut tcp).await?,
+        false => None,
+    };
+    let mut io = handshake(tcp).await?;
+    let mut preface = [0_u8; PREFACE.len()];
+    io.read_exact(&mut preface).await?;
+    if &preface != PREFACE {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            "not an HTTP/2 connection preface",
+        ));
+    }
+    Ok((io, proxied))
 }
 
 fn refuse(reason: &'static str) {

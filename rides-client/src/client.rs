@@ -232,43 +232,10 @@ impl RidesClient {
                 }
                 Ok(Err(error)) => error,
             };
-            let retry_info = error.retry_after();
-            let wait = (error.is_retryable() && number < policy.attempts())
-                .then(|| policy.wait(number, retry_info, remaining(), rand::rng().random()));
-            let record = self.record(
-                number,
-                target,
-                error.label(),
-                elapsed,
-                retry_info,
-                wait.flatten(),
-            );
-            log.push(record);
-            match wait {
-                // Not retryable, or the last attempt: the error is the answer.
-                None => {
-                    finish_call_span(number, error.code());
-                    return Err((error, log));
-                }
-                Some(None) => {
-                    finish_call_span(number, Some(tonic::Code::DeadlineExceeded));
-                    return Err((
-                        RidesError::DeadlineExceeded {
-                            deadline: policy.deadline,
-                            last: Some(Box::new(error)),
-                        },
-                        log,
-                    ));
-                }
-                Some(Some(wait)) => {
-                    tracing::debug!(
-                        attempt = number,
-                        outcome = %error.label(),
-                        ?wait,
-                        "retrying with the same key"
-                    );
-                    tokio::time::sleep(wait).await;
-                }
+            let remaining = remaining();
+            match self.after_error(number, target, elapsed, error, remaining, &mut log) {
+                Ok(wait) => tokio::time::sleep(wait).await,
+                Err(answer) => return Err((answer, log)),
             }
         }
         // Unreachable in practice: the last attempt returns above. Kept total, not panicking.
@@ -279,6 +246,55 @@ impl RidesClient {
             },
             log,
         ))
+    }
+
+    /// Logs a failed attempt and decides what follows it: the wait before the next attempt, or
+    /// (`Err`) the call's answer: the error itself when it is not retryable or this was the last
+    /// attempt, `DeadlineExceeded` when the deadline leaves no time for another.
+    fn after_error(
+        &self,
+        number: u32,
+        target: usize,
+        elapsed: Duration,
+        error: RidesError,
+        remaining: Duration,
+        log: &mut Vec<AttemptRecord>,
+    ) -> Result<Duration, RidesError> {
+        let policy = &self.policy;
+        let retry_info = error.retry_after();
+        let wait = (error.is_retryable() && number < policy.attempts())
+            .then(|| policy.wait(number, retry_info, remaining, rand::rng().random()));
+        let record = self.record(
+            number,
+            target,
+            error.label(),
+            elapsed,
+            retry_info,
+            wait.flatten(),
+        );
+        log.push(record);
+        match wait {
+            None => {
+                finish_call_span(number, error.code());
+                Err(error)
+            }
+            Some(None) => {
+                finish_call_span(number, Some(tonic::Code::DeadlineExceeded));
+                Err(RidesError::DeadlineExceeded {
+                    deadline: policy.deadline,
+                    last: Some(Box::new(error)),
+                })
+            }
+            Some(Some(wait)) => {
+                tracing::debug!(
+                    attempt = number,
+                    outcome = %error.label(),
+                    ?wait,
+                    "retrying with the same key"
+                );
+                Ok(wait)
+            }
+        }
     }
 
     /// One attempt, in its own span, bounded by `timeout`, to `target`: its answer, or (outer

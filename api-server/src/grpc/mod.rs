@@ -34,7 +34,7 @@ use crate::{
     idempotency::WaitBudget,
     metrics::{self},
     penalty::Penalties,
-    rides::{RideParams, Rides},
+    rides::{CreateRideReply, RideParams, Rides},
 };
 
 use self::{admit::*, convert::*, span::*};
@@ -117,12 +117,6 @@ impl RideApi {
         admitted: Result<Admitted<CreatePermits>, Status>,
         started: Instant,
     ) -> Result<Response<CreateRideResponse>, Status> {
-        let fresh = |mut status: Status| {
-            status
-                .metadata_mut()
-                .insert(REPLAYED_HEADER, MetadataValue::from_static("false"));
-            status
-        };
         let Admitted { caller, permit } = admitted.map_err(fresh)?;
         let origin_ip = peer
             .info
@@ -182,6 +176,13 @@ impl RideApi {
             self.admission.unknown(caller);
             return Err(fresh(status::invalid_credentials()));
         };
+        self.note_answer(caller, user_id, &reply).await;
+        into_response(reply)
+    }
+
+    /// What admission learns from an answered CreateRide: who the caller is, and a fresh decline
+    /// against its decline budget.
+    async fn note_answer(&self, caller: Caller, user_id: Option<i64>, reply: &CreateRideReply) {
         if let Some(user_id) = user_id {
             self.admission.known(caller, user_id);
             Span::current().record("user.id", user_id);
@@ -196,7 +197,6 @@ impl RideApi {
         if fresh_decline && let Some(user_id) = declined_user {
             self.admission.count_decline(caller, user_id).await;
         }
-        into_response(reply)
     }
 
     /// Runs a CreateRide attempt detached from the request: a client that hangs up must not cut
@@ -229,4 +229,12 @@ impl RideApi {
             .map(|ride| Response::new(ride_message(ride)))
             .ok_or_else(status::ride_not_found)
     }
+}
+
+/// An error answered before any stored outcome was read: never a replay.
+fn fresh(mut status: Status) -> Status {
+    status
+        .metadata_mut()
+        .insert(REPLAYED_HEADER, MetadataValue::from_static("false"));
+    status
 }

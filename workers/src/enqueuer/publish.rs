@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use lapin::{
-    BasicProperties, Channel, Confirmation,
+    BasicProperties, Channel, Confirmation, PublisherConfirm,
     options::BasicPublishOptions,
     types::{AMQPValue, FieldTable, LongString, ShortString},
 };
@@ -36,6 +36,20 @@ pub(super) async fn publish_all(
         nacked: 0,
         error: None,
     };
+    let pending = send_all(channel, exchange, jobs, &mut published).await;
+    let (acked, returns) = await_confirms(pending, confirm_timeout, &mut published).await;
+    settle_acked(acked, &returns, &mut published);
+    published
+}
+
+/// Sends every job (mandatory, so an unroutable one comes back), stopping at the first channel
+/// error; the confirms still to come, by job id.
+async fn send_all(
+    channel: &Channel,
+    exchange: &str,
+    jobs: &[StagedJob],
+    published: &mut Published,
+) -> Vec<(i64, PublisherConfirm)> {
     let mut pending = Vec::with_capacity(jobs.len());
     for job in jobs {
         let (routing_key, body) = encode(job);
@@ -59,6 +73,17 @@ pub(super) async fn publish_all(
             }
         }
     }
+    pending
+}
+
+/// Awaits every confirm within one deadline: the acked job ids and the messages returned with
+/// them; nacks and unconfirmed publishes are set aside, a failed or late confirm is the batch's
+/// error (its job stays staged as it is).
+async fn await_confirms(
+    pending: Vec<(i64, PublisherConfirm)>,
+    confirm_timeout: Duration,
+    published: &mut Published,
+) -> (Vec<i64>, Returns) {
     let deadline = tokio::time::Instant::now() + confirm_timeout;
     let mut acked = Vec::with_capacity(pending.len());
     let mut returns = Returns::default();
@@ -98,8 +123,13 @@ pub(super) async fn publish_all(
             }
         }
     }
+    (acked, returns)
+}
+
+/// An acked job is published unless the broker returned it: routed to at least one queue and
+/// accepted is the only case that deletes the job.
+fn settle_acked(acked: Vec<i64>, returns: &Returns, published: &mut Published) {
     for job_id in acked {
-        // Routed to at least one queue and accepted: the only case that deletes the job.
         match returns.of(job_id) {
             None => published.confirmed.push(job_id),
             Some(reason) => {
@@ -113,7 +143,6 @@ pub(super) async fn publish_all(
             }
         }
     }
-    published
 }
 
 /// The messages the broker returned as unroutable, by the job they carry. A `basic.return` has
