@@ -10,6 +10,8 @@ use tonic_health::ServingStatus;
 
 use crate::{
     App,
+    admission::peer::TrustedProxies,
+    config::TransportConfig,
     grpc::RideApi,
     listener,
     message_cap::CapMessages,
@@ -110,7 +112,26 @@ pub async fn serve(
         tokio::time::sleep(serving.drain_delay).await;
         tracing::info!("draining in-flight requests");
     };
-    let router = tonic::transport::Server::builder()
+    let router = server_builder(&transport)
+        .add_service(health_service)
+        .add_service(reflection_v1)
+        .add_service(reflection_v1alpha)
+        .add_service(rides_service);
+    let accepting = Accepting {
+        listener,
+        transport,
+        penalties,
+        trusted_proxies,
+    };
+    serve_until(router, accepting, tls, draining).await?;
+    tasks.close();
+    tasks.wait().await;
+    Ok(())
+}
+
+/// The HTTP/2 settings every connection gets from `transport`.
+fn server_builder(transport: &TransportConfig) -> tonic::transport::Server {
+    tonic::transport::Server::builder()
         .http2_max_header_list_size(MAX_METADATA_BYTES)
         // No request may exceed MAX_REQUEST_BYTES, so a stream never needs more window than
         // this; a peer sending an oversized message gets this much in before its call is
@@ -126,10 +147,30 @@ pub async fn serve(
         // GOAWAY at the age; the grace is enforced by the listener (`listener::Conn`).
         .max_connection_age(transport.max_connection_age)
         .timeout(transport.request_timeout)
-        .add_service(health_service)
-        .add_service(reflection_v1)
-        .add_service(reflection_v1alpha)
-        .add_service(rides_service);
+}
+
+/// What the listener needs to accept connections (`listener::incoming`).
+struct Accepting {
+    listener: TcpListener,
+    transport: TransportConfig,
+    penalties: Arc<Penalties>,
+    trusted_proxies: TrustedProxies,
+}
+
+/// Serves `router` on the accepted connections, over TLS when `tls` is set (reloaded by SIGHUP
+/// and on file changes), until `draining` ends.
+async fn serve_until(
+    router: tonic::transport::server::Router,
+    accepting: Accepting,
+    tls: Option<TlsReloader>,
+    draining: impl Future<Output = ()>,
+) -> Result<(), ServeError> {
+    let Accepting {
+        listener,
+        transport,
+        penalties,
+        trusted_proxies,
+    } = accepting;
     match tls {
         None => {
             let hangup = ignore_hangup();
@@ -162,8 +203,6 @@ pub async fn serve(
             served?;
         }
     }
-    tasks.close();
-    tasks.wait().await;
     Ok(())
 }
 

@@ -124,62 +124,15 @@ pub async fn finish(
                 }
             };
             let stored = outcome.to_stored();
-            report.changes.push(Change::update(
-                "idempotency_keys",
-                key_id,
-                "recovery_point",
-                json!(key.recovery_point),
-                json!(RecoveryPoint::Finished),
-            ));
-            report.changes.push(Change::update(
-                "idempotency_keys",
-                key_id,
-                "response_code",
-                Value::Null,
-                json!(stored.code),
-            ));
-            report.changes.push(Change::update(
-                "idempotency_keys",
-                key_id,
-                "response_body",
-                Value::Null,
-                stored.body.clone(),
-            ));
-            lock_changes(&mut report, &key);
-            let open: Vec<i64> = keys_needing_attention::table
-                .filter(keys_needing_attention::idempotency_key_id.eq(key_id))
-                .filter(keys_needing_attention::user_id.eq(key.user_id))
-                .filter(keys_needing_attention::resolved_at.is_null())
-                .order(keys_needing_attention::id)
-                .select(keys_needing_attention::id)
-                .load(conn)
-                .await?;
-            for id in &open {
-                report.changes.push(Change::update(
-                    "keys_needing_attention",
-                    *id,
-                    "resolved_at",
-                    Value::Null,
-                    json!("now()"),
-                ));
-            }
+            finished_key_changes(&mut report, &key, &stored);
+            let open = open_attention_rows(conn, &key, &mut report).await?;
             report.notes.push(format!(
                 "a replay will answer: {}",
                 render::outcome(&outcome)
             ));
             if mode.applies() {
                 finish_as_the_api_server_does(conn, &key, &stored).await?;
-                if !open.is_empty() {
-                    diesel::update(
-                        keys_needing_attention::table
-                            .filter(keys_needing_attention::id.eq_any(&open))
-                            .filter(keys_needing_attention::user_id.eq(key.user_id))
-                            .filter(keys_needing_attention::resolved_at.is_null()),
-                    )
-                    .set(keys_needing_attention::resolved_at.eq(diesel::dsl::now))
-                    .execute(conn)
-                    .await?;
-                }
+                resolve_attention_rows(conn, &key, &open).await?;
             }
             Ok(report)
         })
@@ -188,6 +141,68 @@ pub async fn finish(
         tracing::info!(key_id, outcome = ?request.outcome, forced = request.force, "admin: key finished");
     }
     Ok(report)
+}
+
+/// The key finished with `stored` and unlocked, as the report shows it.
+fn finished_key_changes(report: &mut ChangeReport, key: &KeyState, stored: &StoredResponse) {
+    let update = |column, from, to| Change::update("idempotency_keys", key.id, column, from, to);
+    report.changes.push(update(
+        "recovery_point",
+        json!(key.recovery_point),
+        json!(RecoveryPoint::Finished),
+    ));
+    report
+        .changes
+        .push(update("response_code", Value::Null, json!(stored.code)));
+    report
+        .changes
+        .push(update("response_body", Value::Null, stored.body.clone()));
+    lock_changes(report, key);
+}
+
+/// The key's open `keys_needing_attention` rows, which finishing it resolves (in the report).
+async fn open_attention_rows(
+    conn: &mut AsyncPgConnection,
+    key: &KeyState,
+    report: &mut ChangeReport,
+) -> Result<Vec<i64>, AdminError> {
+    let open: Vec<i64> = keys_needing_attention::table
+        .filter(keys_needing_attention::idempotency_key_id.eq(key.id))
+        .filter(keys_needing_attention::user_id.eq(key.user_id))
+        .filter(keys_needing_attention::resolved_at.is_null())
+        .order(keys_needing_attention::id)
+        .select(keys_needing_attention::id)
+        .load(conn)
+        .await?;
+    for id in &open {
+        report.changes.push(Change::update(
+            "keys_needing_attention",
+            *id,
+            "resolved_at",
+            Value::Null,
+            json!("now()"),
+        ));
+    }
+    Ok(open)
+}
+
+async fn resolve_attention_rows(
+    conn: &mut AsyncPgConnection,
+    key: &KeyState,
+    open: &[i64],
+) -> Result<(), AdminError> {
+    if !open.is_empty() {
+        diesel::update(
+            keys_needing_attention::table
+                .filter(keys_needing_attention::id.eq_any(open))
+                .filter(keys_needing_attention::user_id.eq(key.user_id))
+                .filter(keys_needing_attention::resolved_at.is_null()),
+        )
+        .set(keys_needing_attention::resolved_at.eq(diesel::dsl::now))
+        .execute(conn)
+        .await?;
+    }
+    Ok(())
 }
 
 fn plan_declined(
@@ -240,35 +255,7 @@ async fn plan_succeeded(
         }
         (Some(_), _) => {}
         (None, Some(given)) => {
-            let elsewhere: Option<i64> = rides::table
-                .filter(rides::stripe_charge_id.eq(&given))
-                .select(rides::id)
-                .first(conn)
-                .await
-                .optional()?;
-            if let Some(other) = elsewhere {
-                return Err(AdminError::Refused(format!(
-                    "charge {given} is already recorded on ride {other}; one PaymentIntent pays \
-                     for one ride. Check the PaymentIntent's metadata (ride_id) at the provider."
-                )));
-            }
-            crate::admin::named_charge::check(conn, stripe, key.id, &ride, &given).await?;
-            report.changes.push(Change::update(
-                "rides",
-                ride.id,
-                "stripe_charge_id",
-                Value::Null,
-                json!(given),
-            ));
-            if mode.applies() {
-                let updated = diesel::update(rides::table.find(ride.id))
-                    .filter(rides::user_id.eq(ride.user_id))
-                    .filter(rides::stripe_charge_id.is_null())
-                    .set(rides::stripe_charge_id.eq(&given))
-                    .execute(conn)
-                    .await?;
-                expect_one(updated, "rides", ride.id)?;
-            }
+            record_named_charge(conn, stripe, key, &ride, &given, report, mode).await?;
             ride.stripe_charge_id = Some(given);
         }
         (None, None) => {
@@ -285,7 +272,61 @@ async fn plan_succeeded(
         }
     }
 
-    // The receipt, staged exactly as the `ride_created` phase stages it, unless it already is or was sent.
+    stage_receipt_unless_done(conn, &ride, report, mode).await?;
+    Ok(Outcome::ride_created(ride))
+}
+
+/// Records `given`, a PaymentIntent the operator named, as the ride's charge once it is proven
+/// the ride's ([`crate::admin::named_charge`]) and recorded on no other ride.
+async fn record_named_charge(
+    conn: &mut AsyncPgConnection,
+    stripe: &StripeClient,
+    key: &KeyState,
+    ride: &Ride,
+    given: &str,
+    report: &mut ChangeReport,
+    mode: Mode,
+) -> Result<(), AdminError> {
+    let elsewhere: Option<i64> = rides::table
+        .filter(rides::stripe_charge_id.eq(given))
+        .select(rides::id)
+        .first(conn)
+        .await
+        .optional()?;
+    if let Some(other) = elsewhere {
+        return Err(AdminError::Refused(format!(
+            "charge {given} is already recorded on ride {other}; one PaymentIntent pays \
+             for one ride. Check the PaymentIntent's metadata (ride_id) at the provider."
+        )));
+    }
+    crate::admin::named_charge::check(conn, stripe, key.id, ride, given).await?;
+    report.changes.push(Change::update(
+        "rides",
+        ride.id,
+        "stripe_charge_id",
+        Value::Null,
+        json!(given),
+    ));
+    if mode.applies() {
+        let updated = diesel::update(rides::table.find(ride.id))
+            .filter(rides::user_id.eq(ride.user_id))
+            .filter(rides::stripe_charge_id.is_null())
+            .set(rides::stripe_charge_id.eq(given))
+            .execute(conn)
+            .await?;
+        expect_one(updated, "rides", ride.id)?;
+    }
+    Ok(())
+}
+
+/// The receipt of the charged `ride`, staged exactly as the `ride_created` phase stages it,
+/// unless it already is or was sent.
+async fn stage_receipt_unless_done(
+    conn: &mut AsyncPgConnection,
+    ride: &Ride,
+    report: &mut ChangeReport,
+    mode: Mode,
+) -> Result<(), AdminError> {
     let staged = staged_receipt_jobs(conn, ride.id).await?;
     let sent = sent_receipts::table
         .find(ride.id)
@@ -305,7 +346,7 @@ async fn plan_succeeded(
             }
         ));
     } else {
-        let job = ReceiptJob::from(&ride).staged();
+        let job = ReceiptJob::from(ride).staged();
         let mut change = Change::insert(
             "staged_jobs",
             json!({
@@ -319,7 +360,7 @@ async fn plan_succeeded(
         }
         report.changes.push(change);
     }
-    Ok(Outcome::ride_created(ride))
+    Ok(())
 }
 
 /// Finishes the key with the api-server's own fenced statement (`contract::key::FinishKey`): this
