@@ -27,20 +27,10 @@ pub(crate) async fn session(
     let mut rcpt_to: Vec<String> = Vec::new();
     let mut line = String::new();
     loop {
-        line.clear();
-        let read = (&mut reader)
-            .take(MAX_LINE as u64)
-            .read_line(&mut line)
-            .await?;
-        if read == 0 {
+        let Some(verb) = read_command(&mut reader, &mut line).await? else {
             return Ok(());
-        }
+        };
         let command = line.trim_end_matches(['\r', '\n']);
-        let verb = command
-            .split_whitespace()
-            .next()
-            .unwrap_or_default()
-            .to_ascii_uppercase();
         let reply: &[u8] = match verb.as_str() {
             "EHLO" | "HELO" => {
                 mail_from = None;
@@ -72,31 +62,20 @@ pub(crate) async fn session(
                 };
                 write.write_all(b"354 end with <CRLF>.<CRLF>\r\n").await?;
                 let data = read_data(&mut reader).await?;
-                let rcpts = std::mem::take(&mut rcpt_to);
-                match data {
-                    None => b"552 5.3.4 message too big\r\n",
+                let rcpt_to = std::mem::take(&mut rcpt_to);
+                let reply = match data {
+                    None => "552 5.3.4 message too big\r\n".to_owned(),
                     Some(data) => {
-                        if let Some(code) = state.next_failure() {
-                            let reply = format!("{code} injected failure, try again\r\n");
-                            write.write_all(reply.as_bytes()).await?;
-                            continue;
-                        }
-                        if let Some(delay) = state.next_slow_accept() {
-                            tokio::time::sleep(delay).await;
-                        }
                         let mail = ReceivedMail {
                             mail_from: from,
-                            rcpt_to: rcpts,
+                            rcpt_to,
                             data,
                         };
-                        if let Some(dir) = dir {
-                            store(dir, &mail).await?;
-                        }
-                        state.keep(mail);
-                        state.received.notify_waiters();
-                        b"250 2.0.0 queued\r\n"
+                        deliver(state, dir, mail).await?
                     }
-                }
+                };
+                write.write_all(reply.as_bytes()).await?;
+                continue;
             }
             "RSET" => {
                 mail_from = None;
@@ -113,6 +92,38 @@ pub(crate) async fn session(
         };
         write.write_all(reply).await?;
     }
+}
+
+/// Reads the next command line into `line` (at most [`MAX_LINE`] bytes) and returns its verb in
+/// upper case; `None` once the client has closed the connection.
+async fn read_command<R: tokio::io::AsyncBufRead + Unpin>(
+    reader: &mut R,
+    line: &mut String,
+) -> std::io::Result<Option<String>> {
+    line.clear();
+    let read = reader.take(MAX_LINE as u64).read_line(line).await?;
+    if read == 0 {
+        return Ok(None);
+    }
+    let verb = line.split_whitespace().next().unwrap_or_default();
+    Ok(Some(verb.to_ascii_uppercase()))
+}
+
+/// A complete mail: refused as the next injected failure says, or (after any injected delay)
+/// kept, stored in `dir` when given, and announced to waiters. Returns the reply.
+async fn deliver(state: &State, dir: Option<&Path>, mail: ReceivedMail) -> std::io::Result<String> {
+    if let Some(code) = state.next_failure() {
+        return Ok(format!("{code} injected failure, try again\r\n"));
+    }
+    if let Some(delay) = state.next_slow_accept() {
+        tokio::time::sleep(delay).await;
+    }
+    if let Some(dir) = dir {
+        store(dir, &mail).await?;
+    }
+    state.keep(mail);
+    state.received.notify_waiters();
+    Ok("250 2.0.0 queued\r\n".to_owned())
 }
 
 /// Reads DATA up to the lone dot, undoing dot-stuffing. `None` if the message is too big (the

@@ -99,41 +99,8 @@ impl Faults {
             plan.duration,
             rng(5),
         );
-        // Fault: PostgreSQL crash (immediate shutdown) or fast shutdown, alternately, and restart
-        // under load; RabbitMQ stop and start during drains and consumption.
-        let restarter = |kind: ServerKind, mean: f64, salt: u64| {
-            tokio::spawn(restart_at_random(
-                Arc::clone(services),
-                kind,
-                Arc::clone(faults),
-                Arc::clone(&stop),
-                rng(salt),
-                plan.duration,
-                mean,
-            ))
-        };
-        let (pg_restarter, rabbit_restarter) = if services.ha.is_some() {
-            let ha = HaFaults {
-                services: Arc::clone(services),
-                faults: Arc::clone(faults),
-                timeline: Arc::clone(&tallies.timeline),
-                stop: Arc::clone(&stop),
-                traffic: plan.duration,
-            };
-            (
-                tokio::spawn(ha.clone().fail_over(
-                    rng(6),
-                    args.pg_restart_every_secs,
-                    args.switchover_ratio,
-                )),
-                tokio::spawn(ha.kill_brokers(rng(7), args.rabbit_restart_every_secs)),
-            )
-        } else {
-            (
-                restarter(ServerKind::Postgres, args.pg_restart_every_secs, 6),
-                restarter(ServerKind::Rabbit, args.rabbit_restart_every_secs, 7),
-            )
-        };
+        let (pg_restarter, rabbit_restarter) =
+            server_faults(args, plan, services, tallies, &stop, rng);
         // Fault: enqueuer / receipt worker SIGKILL + restart.
         let (enq, rec) = (
             Arc::clone(&children.enqueuer),
@@ -187,6 +154,52 @@ impl Faults {
         }
         Ok(())
     }
+}
+
+/// Fault: PostgreSQL crash (immediate shutdown) or fast shutdown, alternately, and restart under
+/// load; RabbitMQ stop and start during drains and consumption. On the `--ha` topology: primary
+/// failovers and switchovers, and broker node kills. Returns the PostgreSQL and RabbitMQ tasks.
+fn server_faults(
+    args: &Args,
+    plan: &Plan,
+    services: &Arc<Services>,
+    tallies: &Tallies,
+    stop: &Arc<AtomicBool>,
+    rng: impl Fn(u64) -> StdRng,
+) -> (FaultTask, FaultTask) {
+    let faults = &tallies.faults;
+    if services.ha.is_some() {
+        let ha = HaFaults {
+            services: Arc::clone(services),
+            faults: Arc::clone(faults),
+            timeline: Arc::clone(&tallies.timeline),
+            stop: Arc::clone(stop),
+            traffic: plan.duration,
+        };
+        return (
+            tokio::spawn(ha.clone().fail_over(
+                rng(6),
+                args.pg_restart_every_secs,
+                args.switchover_ratio,
+            )),
+            tokio::spawn(ha.kill_brokers(rng(7), args.rabbit_restart_every_secs)),
+        );
+    }
+    let restarter = |kind: ServerKind, mean: f64, salt: u64| {
+        tokio::spawn(restart_at_random(
+            Arc::clone(services),
+            kind,
+            Arc::clone(faults),
+            Arc::clone(stop),
+            rng(salt),
+            plan.duration,
+            mean,
+        ))
+    };
+    (
+        restarter(ServerKind::Postgres, args.pg_restart_every_secs, 6),
+        restarter(ServerKind::Rabbit, args.rabbit_restart_every_secs, 7),
+    )
 }
 
 /// SIGKILLs the child `pick` draws at random moments, and restarts it after a pause of up to

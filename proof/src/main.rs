@@ -158,10 +158,7 @@ async fn run(
     let mut children = Children::start(args, plan, wiring).await?;
     let users = clients::create_users(args, plan, wiring).await?;
     let tallies = Tallies::default();
-    let http = reqwest::Client::builder()
-        .timeout(Duration::from_secs(10))
-        .no_proxy()
-        .build()?;
+    let http = http_client()?;
 
     // Traffic and faults.
     let window = Window::from_now(plan.duration);
@@ -189,81 +186,150 @@ async fn run(
     }
     let _ = progress.await;
     faults::clear_provider_faults(&http, &wiring.stripe_base).await;
-    println!(
-        "proof: traffic stopped after {}s; faults off; waiting for clients",
-        window.start.elapsed().as_secs()
-    );
+    let secs = window.start.elapsed().as_secs();
+    println!("proof: traffic stopped after {secs}s; faults off; waiting for clients");
     children.disarm(&tallies.faults).await?;
     let records = traffic.finish().await?;
     let money = match money {
-        Some(money) => {
-            let counts = std::sync::Arc::clone(&money.counts);
-            Some((money.finish(plan, wiring).await?, counts))
-        }
+        Some(money) => Some(money.finish(plan, wiring).await?),
         None => None,
     };
     maintainer.stop().await;
     let clients_done = Instant::now();
 
-    // Drains, replays and the evidence, while the children still run.
-    let mut conn = schema::connect(&wiring.database_url).await?;
-    let drain = maintenance::drain(
-        args,
-        plan,
-        wiring,
-        &mut conn,
-        &tallies.maintenance,
-        clients_done,
-    )
-    .await?;
-    let keys = evidence::load_keys(&mut conn).await?;
-    let mut violations = Violations::default();
-    let replays = replays::replay(
-        args,
-        &wiring.grpc_addr,
-        &records,
-        &keys,
-        &users,
-        &mut violations,
-    )
-    .await?;
-    let evidence = evidence::collect(&mut conn, keys, &http, plan, wiring).await?;
-    let money_evidence = match &money {
-        Some(_) => Some(money_checks::collect(&mut conn, &http, wiring).await?),
-        None => None,
-    };
-    drop(conn);
-
-    // Stop every child before judging (the database and ledger are read).
-    supervisor.stop().await;
-    children.kill_all().await;
-    let facts = Facts {
-        records: &records,
-        users: &users,
-        evidence: &evidence,
-        replays: &replays,
-    };
-    let mut verdict =
-        invariants::judge(args, &facts, &children.arming, &tallies.faults, violations);
-    let money = match (&money, &money_evidence) {
-        (Some((keys, counts)), Some(found)) => {
-            let figures = money_checks::judge(&evidence, found, keys, &mut verdict.violations);
-            Some(money_checks::report(&figures, &counts.snapshot()))
-        }
-        _ => None,
-    };
-    report::write_keys(&plan.out_dir, &records)?;
-    Report {
+    let gathering = Gathering {
         args,
         plan,
         wiring,
         tallies: &tallies,
-        drain: &drain,
-        facts: &facts,
-        verdict: &verdict,
-        money,
+        http: &http,
+    };
+    let with_money = money.is_some();
+    let gathered = gathering
+        .gather(clients_done, &records, &users, with_money)
+        .await?;
+    // Stop every child before judging (the database and ledger are read).
+    supervisor.stop().await;
+    children.kill_all().await;
+    gathering.judge(&children, &records, &users, gathered, money)
+}
+
+fn http_client() -> reqwest::Result<reqwest::Client> {
+    reqwest::Client::builder()
+        .timeout(Duration::from_secs(10))
+        .no_proxy()
+        .build()
+}
+
+/// What judging a run reads, gathered while the children still run.
+struct Gathered {
+    drain: maintenance::Drain,
+    replays: replays::Replays,
+    evidence: evidence::Evidence,
+    money_evidence: Option<money_checks::MoneyEvidence>,
+    violations: Violations,
+}
+
+/// The run's context for [`Gathering::gather`].
+struct Gathering<'a> {
+    args: &'a Args,
+    plan: &'a Plan,
+    wiring: &'a Wiring,
+    tallies: &'a Tallies,
+    http: &'a reqwest::Client,
+}
+
+impl Gathering<'_> {
+    /// Drains the work the traffic left (the completer's and the enqueuer's), replays every
+    /// answered key, and reads the evidence (and the money campaign's, `with_money`).
+    async fn gather(
+        &self,
+        clients_done: Instant,
+        records: &[clients::KeyRecord],
+        users: &[clients::User],
+        with_money: bool,
+    ) -> anyhow::Result<Gathered> {
+        let (args, plan, wiring) = (self.args, self.plan, self.wiring);
+        let mut conn = schema::connect(&wiring.database_url).await?;
+        let drain = maintenance::drain(
+            args,
+            plan,
+            wiring,
+            &mut conn,
+            &self.tallies.maintenance,
+            clients_done,
+        )
+        .await?;
+        let keys = evidence::load_keys(&mut conn).await?;
+        let mut violations = Violations::default();
+        let replays = replays::replay(
+            args,
+            &wiring.grpc_addr,
+            records,
+            &keys,
+            users,
+            &mut violations,
+        )
+        .await?;
+        let evidence = evidence::collect(&mut conn, keys, self.http, plan, wiring).await?;
+        let money_evidence = match with_money {
+            true => Some(money_checks::collect(&mut conn, self.http, wiring).await?),
+            false => None,
+        };
+        Ok(Gathered {
+            drain,
+            replays,
+            evidence,
+            money_evidence,
+            violations,
+        })
     }
-    .write()
+}
+
+impl Gathering<'_> {
+    /// Judges the run from what was gathered (and the money campaign's riders, `money`) and
+    /// writes its report; whether every invariant held.
+    fn judge(
+        &self,
+        children: &Children,
+        records: &[clients::KeyRecord],
+        users: &[clients::User],
+        gathered: Gathered,
+        money: Option<(Vec<money::MoneyKey>, Arc<counters::Counters>)>,
+    ) -> anyhow::Result<bool> {
+        let facts = Facts {
+            records,
+            users,
+            evidence: &gathered.evidence,
+            replays: &gathered.replays,
+        };
+        let (args, tallies) = (self.args, self.tallies);
+        let mut verdict = invariants::judge(
+            args,
+            &facts,
+            &children.arming,
+            &tallies.faults,
+            gathered.violations,
+        );
+        let money = money_checks::judge_and_report(
+            &gathered.evidence,
+            money.as_ref(),
+            gathered.money_evidence.as_ref(),
+            &mut verdict.violations,
+        );
+        report::write_keys(&self.plan.out_dir, records)?;
+        Report {
+            args,
+            plan: self.plan,
+            wiring: self.wiring,
+            tallies,
+            drain: &gathered.drain,
+            facts: &facts,
+            verdict: &verdict,
+            money,
+        }
+        .write()
+    }
 }
 
 /// `--ha` must have failed the primary over and killed a broker node at least once.

@@ -138,12 +138,13 @@ impl Money {
 
     /// After traffic, while the completer and the api-servers still run: the riders finish their
     /// keys, the other product and the periodic passes stop, then refunding passes run until no
-    /// refundable finding is open (bounded). The rider keys, for the money invariants.
+    /// refundable finding is open (bounded). The rider keys, for the money invariants, and the
+    /// counts of the passes and the other product.
     pub(crate) async fn finish(
         self,
         plan: &Plan,
         wiring: &Wiring,
-    ) -> anyhow::Result<Vec<MoneyKey>> {
+    ) -> anyhow::Result<(Vec<MoneyKey>, Arc<Counters>)> {
         let mut keys = Vec::new();
         for rider in self.riders {
             keys.extend(rider.await?);
@@ -172,7 +173,7 @@ impl Money {
             keys.len(),
             open_refundable(&pool).await
         );
-        Ok(keys)
+        Ok((keys, self.counts))
     }
 }
 

@@ -335,6 +335,19 @@ fn exercised(ev: &Evidence, figures: &BTreeMap<String, u64>, v: &mut Violations)
 }
 
 /// The report's money section.
+/// The money invariants judged (into `v`) and their report, when the campaign ran
+/// (`keys`: the riders' keys and the passes' counts, `found`: what the ledger holds).
+pub(crate) fn judge_and_report(
+    ev: &Evidence,
+    keys: Option<&(Vec<MoneyKey>, std::sync::Arc<crate::counters::Counters>)>,
+    found: Option<&MoneyEvidence>,
+    v: &mut Violations,
+) -> Option<Value> {
+    let ((keys, counts), found) = (keys?, found?);
+    let figures = judge(ev, found, keys, v);
+    Some(report(&figures, &counts.snapshot()))
+}
+
 pub(crate) fn report(figures: &BTreeMap<String, u64>, passes: &BTreeMap<String, u64>) -> Value {
     json!({ "figures": figures, "refunding_passes_and_other_product": passes })
 }

@@ -268,6 +268,30 @@ pub(crate) struct Children {
     pub(crate) arming: Arc<Arming>,
 }
 
+/// The second api-server's settings: its own port, and one pooled connection that times out
+/// after 100 ms.
+fn pool_of_one_env(port: u16) -> [(String, String); 3] {
+    [
+        ("GRPC_LISTEN_ADDR", format!("127.0.0.1:{port}")),
+        ("DATABASE_POOL_SIZE", "1".to_owned()),
+        ("DATABASE_POOL_TIMEOUT_MS", "100".to_owned()),
+    ]
+    .map(|(k, v)| (k.to_owned(), v))
+}
+
+impl Arming {
+    /// Armed unless `--no-crash-points`; the countdowns are drawn from the run's seed.
+    fn for_run(args: &Args, plan: &Plan) -> Arming {
+        Arming {
+            next: AtomicU64::new(0),
+            armed: AtomicBool::new(!args.no_crash_points),
+            rng: std::sync::Mutex::new(StdRng::seed_from_u64(plan.seed.wrapping_add(4))),
+            log: plan.out_dir.join("crash-points.log"),
+            after: if args.long { (10, 80) } else { (3, 25) },
+        }
+    }
+}
+
 impl Children {
     /// Starts every child, each waited for (its port, when it listens on one) before the next.
     pub(crate) async fn start(args: &Args, plan: &Plan, wiring: &Wiring) -> anyhow::Result<Self> {
@@ -283,13 +307,7 @@ impl Children {
             starts: 0,
             arming: None,
         };
-        let arming = Arc::new(Arming {
-            next: AtomicU64::new(0),
-            armed: AtomicBool::new(!args.no_crash_points),
-            rng: std::sync::Mutex::new(StdRng::seed_from_u64(plan.seed.wrapping_add(4))),
-            log: plan.out_dir.join("crash-points.log"),
-            after: if args.long { (10, 80) } else { (3, 25) },
-        });
+        let arming = Arc::new(Arming::for_run(args, plan));
         let mut stripe = make(
             "fake-stripe",
             plan.bin_dir.join("fake-stripe"),
@@ -327,17 +345,7 @@ impl Children {
             Some(args.grpc_port_b),
         );
         api_b.arming = Some(Arc::clone(&arming));
-        api_b.env.extend(
-            [
-                (
-                    "GRPC_LISTEN_ADDR",
-                    format!("127.0.0.1:{}", args.grpc_port_b),
-                ),
-                ("DATABASE_POOL_SIZE", "1".to_owned()),
-                ("DATABASE_POOL_TIMEOUT_MS", "100".to_owned()),
-            ]
-            .map(|(k, v)| (k.to_owned(), v)),
-        );
+        api_b.env.extend(pool_of_one_env(args.grpc_port_b));
         let api = Arc::new(Mutex::new(api_a));
         let api_b = Arc::new(Mutex::new(api_b));
         api.lock().await.start().await?;

@@ -118,10 +118,95 @@ async fn campaign(args: Args) -> anyhow::Result<()> {
         Duration::from_secs(30),
         schema::PlanCache::Auto,
     );
+    let (target, tokens, legitimate_ids) = set_up(&args, &pool, &run).await?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let phases = Arc::new(Phases::default());
+    let campaign = Campaign {
+        sampler: Sampler::spawn(args.server_pid, Arc::clone(&stop)),
+        http: reqwest::Client::builder()
+            .no_proxy()
+            .timeout(Duration::from_secs(5))
+            .build()?,
+        args,
+        run,
+        pool,
+        legitimate_ids,
+        target,
+        phases,
+    };
+    let (args, pool, phases) = (&campaign.args, &campaign.pool, &campaign.phases);
+    if observe::analyze_if_no_autovacuum(pool.clone(), Arc::clone(phases), Arc::clone(&stop))
+        .await?
+    {
+        println!("abuse: the server runs without autovacuum; ANALYZE every 10 s stands in for it");
+    }
+    let clients = traffic::spawn_legitimate(args.target, tokens, phases, &stop)?;
+    // Warm-up, not measured: connections, prepared statements, the first plans.
+    phases.begin();
+    tokio::time::sleep(WARM_UP).await;
+
+    let mut references = Vec::new();
+    if let Some(reference) = campaign.reference_run("reference-start").await? {
+        references.push(reference);
+    }
+    let (baseline, backend_alone) = campaign.quiet_baseline(references.first()).await?;
+    let mut results = Vec::new();
+    for attack in args.attacks() {
+        let result = campaign.attack(attack).await?;
+        println!("{}", result.line(&baseline));
+        results.push(result);
+        tokio::time::sleep(SETTLE).await;
+    }
+    if let Some(reference) = campaign.reference_run("reference-end").await? {
+        references.push(reference);
+    }
+    let footprints =
+        footprint::measure(pool, &campaign.legitimate_ids, phases, &campaign.target).await?;
+    stop.store(true, Ordering::SeqCst);
+    let _ = tokio::task::spawn_blocking(move || clients.join()).await;
+    let verdict = report::print(&baseline, &results, RECOVERY_GOAL)
+        & report::print_backend(backend_alone.as_ref(), &results, &references)
+        & footprint::print(&footprints);
+    if let Some(path) = &args.json_out {
+        let json = serde_json::json!({
+            "run": campaign.run,
+            "quiet": baseline,
+            "backend_alone": backend_alone,
+            "backend_references": references,
+            "attacks": results,
+            "database_footprint": footprints,
+        });
+        std::fs::write(path, serde_json::to_vec_pretty(&json)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    if !verdict {
+        std::process::exit(1);
+    }
+    Ok(())
+}
+
+impl Args {
+    /// The attacks `--only` names, or every one.
+    fn attacks(&self) -> Vec<Attack> {
+        if self.only.is_empty() {
+            Attack::ALL.to_vec()
+        } else {
+            self.only.clone()
+        }
+    }
+}
+
+/// The legitimate users (their tokens and ids) and the attackers, and the target every attack
+/// aims at, with a first ride for the recovery probe.
+async fn set_up(
+    args: &Args,
+    pool: &schema::Pool,
+    run: &str,
+) -> anyhow::Result<(Target, Vec<String>, Vec<i64>)> {
     let mut legitimate = Vec::new();
     for i in 0..args.clients {
         let (user, token) = api_server::auth::create_user(
-            &pool,
+            pool,
             &format!("abuse-{run}-{i}@abuse.rocketrides.test"),
             &format!("cus_abuse_{run}_{i}"),
             "pm_card_visa",
@@ -130,8 +215,8 @@ async fn campaign(args: Args) -> anyhow::Result<()> {
         .with_context(|| format!("creating legitimate user {i}"))?;
         legitimate.push((user.id, token));
     }
-    let tester_token = attacker(&pool, &run, "tester", "pm_card_chargeDeclined").await?;
-    let flood_token = attacker(&pool, &run, "flood", "pm_card_visa").await?;
+    let tester_token = attacker(pool, run, "tester", "pm_card_chargeDeclined").await?;
+    let flood_token = attacker(pool, run, "flood", "pm_card_visa").await?;
     let legitimate_ids: Vec<i64> = legitimate.iter().map(|(id, _)| *id).collect();
     let tokens: Vec<String> = legitimate.into_iter().map(|(_, token)| token).collect();
     let probe_token = tokens
@@ -148,102 +233,122 @@ async fn campaign(args: Args) -> anyhow::Result<()> {
         server_pid: args.server_pid,
         secs: args.attack_secs,
     };
+    Ok((target, tokens, legitimate_ids))
+}
 
-    let stop = Arc::new(AtomicBool::new(false));
-    let phases = Arc::new(Phases::default());
-    let sampler = Sampler::spawn(args.server_pid, Arc::clone(&stop));
-    let http = reqwest::Client::builder()
-        .no_proxy()
-        .timeout(Duration::from_secs(5))
-        .build()?;
-    if observe::analyze_if_no_autovacuum(pool.clone(), Arc::clone(&phases), Arc::clone(&stop))
-        .await?
-    {
-        println!("abuse: the server runs without autovacuum; ANALYZE every 10 s stands in for it");
-    }
-    let clients = traffic::spawn_legitimate(args.target, tokens, &phases, &stop)?;
-    // Warm-up, not measured: connections, prepared statements, the first plans.
-    phases.begin();
-    tokio::time::sleep(WARM_UP).await;
+/// What every step of a campaign shares.
+struct Campaign {
+    args: Args,
+    run: String,
+    pool: schema::Pool,
+    legitimate_ids: Vec<i64>,
+    target: Target,
+    phases: Arc<Phases>,
+    sampler: Arc<Sampler>,
+    http: reqwest::Client,
+}
 
-    let backend_on = !args.no_backend;
-    let mut references = Vec::new();
-    let secs = Duration::from_secs(args.quiet_secs);
-    if backend_on && let Some(reference) = args.reference_target {
-        phases.begin();
-        references
-            .push(backend::reference_run(&pool, &run, "reference-start", reference, secs).await?);
-    }
-    let alone_riders = match backend_on {
-        true => Some(backend::riders(&pool, &run, "alone").await?),
-        false => None,
-    };
-    println!(
-        "abuse: run {run}, {} legitimate clients{}; quiet baseline for {} s",
-        args.clients,
-        if backend_on { " and the backend" } else { "" },
-        args.quiet_secs
-    );
-    let window =
-        |index: usize, from: Instant, db: Database| Window::new(&phases, &sampler, index, from, db);
-    let db = Database::read(&pool, &legitimate_ids).await?;
-    let (quiet, from) = (phases.begin(), Instant::now());
-    let running = match alone_riders {
-        Some(riders) => Some(backend::start(args.target, riders).await?),
-        None => None,
-    };
-    tokio::time::sleep(Duration::from_secs(args.quiet_secs)).await;
-    let backend_alone = match running {
-        Some(running) => Some(running.finish().await?),
-        None => None,
-    };
-    let baseline = window(
-        quiet,
-        from,
-        Database::read(&pool, &legitimate_ids).await?.since(&db),
-    );
-    if let Some(alone) = &backend_alone {
-        println!(
-            "abuse: backend at the defaults, alone: {}",
-            alone.cells(references.first())
-        );
+impl Campaign {
+    fn backend_on(&self) -> bool {
+        !self.args.no_backend
     }
 
-    let attacks = if args.only.is_empty() {
-        Attack::ALL.to_vec()
-    } else {
-        args.only.clone()
-    };
-    let mut results = Vec::new();
-    for attack in attacks {
-        let riders = match backend_on {
-            true => Some(backend::riders(&pool, &run, attack.name()).await?),
-            false => None,
+    /// A phase's figures, from `from` to now, with what the database did meanwhile.
+    fn window(&self, index: usize, from: Instant, db: Database) -> Window {
+        Window::new(&self.phases, &self.sampler, index, from, db)
+    }
+
+    /// What the legitimate users wrote since `before`.
+    async fn written_since(&self, before: &Database) -> anyhow::Result<Database> {
+        Ok(Database::read(&self.pool, &self.legitimate_ids)
+            .await?
+            .since(before))
+    }
+
+    /// The backend's riders for one phase, `None` without the backend.
+    async fn riders(&self, label: &str) -> anyhow::Result<Option<Vec<String>>> {
+        match self.backend_on() {
+            true => Ok(Some(backend::riders(&self.pool, &self.run, label).await?)),
+            false => Ok(None),
+        }
+    }
+
+    /// The backend against the reference server with every defence lifted, when one is given.
+    async fn reference_run(&self, label: &str) -> anyhow::Result<Option<backend::BackendRun>> {
+        let (Some(reference), true) = (self.args.reference_target, self.backend_on()) else {
+            return Ok(None);
         };
+        self.phases.begin();
+        let secs = Duration::from_secs(self.args.quiet_secs);
+        Ok(Some(
+            backend::reference_run(&self.pool, &self.run, label, reference, secs).await?,
+        ))
+    }
+
+    /// The quiet baseline: the legitimate clients (and the backend) with no attack.
+    async fn quiet_baseline(
+        &self,
+        reference: Option<&backend::BackendRun>,
+    ) -> anyhow::Result<(Window, Option<backend::BackendRun>)> {
+        let alone_riders = self.riders("alone").await?;
+        println!(
+            "abuse: run {}, {} legitimate clients{}; quiet baseline for {} s",
+            self.run,
+            self.args.clients,
+            if self.backend_on() {
+                " and the backend"
+            } else {
+                ""
+            },
+            self.args.quiet_secs
+        );
+        let db = Database::read(&self.pool, &self.legitimate_ids).await?;
+        let (quiet, from) = (self.phases.begin(), Instant::now());
+        let running = match alone_riders {
+            Some(riders) => Some(backend::start(self.args.target, riders).await?),
+            None => None,
+        };
+        tokio::time::sleep(Duration::from_secs(self.args.quiet_secs)).await;
+        let backend_alone = match running {
+            Some(running) => Some(running.finish().await?),
+            None => None,
+        };
+        let baseline = self.window(quiet, from, self.written_since(&db).await?);
+        if let Some(alone) = &backend_alone {
+            println!(
+                "abuse: backend at the defaults, alone: {}",
+                alone.cells(reference)
+            );
+        }
+        Ok((baseline, backend_alone))
+    }
+
+    /// One attack beside the legitimate traffic (and the backend), then the time until a probe
+    /// is served again; its figures, the attacker's and the backend's.
+    async fn attack(&self, attack: Attack) -> anyhow::Result<AttackResult> {
+        let riders = self.riders(attack.name()).await?;
         println!("abuse: {} ...", attack.name());
-        let refused_before = observe::refused_connections(&http, args.metrics).await?;
-        let db = Database::read(&pool, &legitimate_ids).await?;
-        let (index, from) = (phases.begin(), Instant::now());
+        let metrics = self.args.metrics;
+        let refused_before = observe::refused_connections(&self.http, metrics).await?;
+        let db = Database::read(&self.pool, &self.legitimate_ids).await?;
+        let (index, from) = (self.phases.begin(), Instant::now());
         let running = match riders {
-            Some(riders) => Some(backend::start(args.target, riders).await?),
+            Some(riders) => Some(backend::start(self.args.target, riders).await?),
             None => None,
         };
         let attacker = attack
-            .run(&target)
+            .run(&self.target)
             .await
             .with_context(|| format!("attack {}", attack.name()));
         let backend_seen = match running {
             Some(running) => Some(running.finish().await?),
             None => None,
         };
-        let during = window(
-            index,
-            from,
-            Database::read(&pool, &legitimate_ids).await?.since(&db),
-        );
+        let during = self.window(index, from, self.written_since(&db).await?);
         let attacker = attacker?;
         // The recovery and settling time is a phase of its own, kept out of the attack's figures.
-        phases.begin();
+        self.phases.begin();
+        let target = &self.target;
         let recovery = time_to_serve(
             target.addr,
             &target.probe_token,
@@ -253,9 +358,9 @@ async fn campaign(args: Args) -> anyhow::Result<()> {
         .await;
         // Writes finish and statistics are flushed within a second.
         tokio::time::sleep(Duration::from_secs(1)).await;
-        let written = Database::read(&pool, &legitimate_ids).await?.since(&db);
-        let refused_after = observe::refused_connections(&http, args.metrics).await?;
-        let result = AttackResult::new(
+        let written = self.written_since(&db).await?;
+        let refused_after = observe::refused_connections(&self.http, metrics).await?;
+        Ok(AttackResult::new(
             attack,
             during,
             written,
@@ -263,44 +368,8 @@ async fn campaign(args: Args) -> anyhow::Result<()> {
             recovery,
             attacker,
             backend_seen,
-        );
-        println!("{}", result.line(&baseline));
-        results.push(result);
-        tokio::time::sleep(SETTLE).await;
+        ))
     }
-    if backend_on && let Some(reference) = args.reference_target {
-        phases.begin();
-        references
-            .push(backend::reference_run(&pool, &run, "reference-end", reference, secs).await?);
-    }
-    let footprints = footprint::measure(&pool, &legitimate_ids, &phases, &target).await?;
-    stop.store(true, Ordering::SeqCst);
-    let _ = tokio::task::spawn_blocking(move || clients.join()).await;
-    let reference = backend::BackendRun::mean(&references);
-    let verdict = report::print(&baseline, &results, RECOVERY_GOAL)
-        & report::print_backend(
-            backend_alone.as_ref(),
-            &results,
-            &references,
-            reference.as_ref(),
-        )
-        & footprint::print(&footprints);
-    if let Some(path) = &args.json_out {
-        let json = serde_json::json!({
-            "run": run,
-            "quiet": baseline,
-            "backend_alone": backend_alone,
-            "backend_references": references,
-            "attacks": results,
-            "database_footprint": footprints,
-        });
-        std::fs::write(path, serde_json::to_vec_pretty(&json)?)
-            .with_context(|| format!("writing {}", path.display()))?;
-    }
-    if !verdict {
-        std::process::exit(1);
-    }
-    Ok(())
 }
 
 /// An authenticated attacker's token: a user whose rows count as an attacker's.

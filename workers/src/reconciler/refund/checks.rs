@@ -121,6 +121,68 @@ impl Proven {
     }
 }
 
+/// The ride as the ownership rule compares it: id, amount, currency, deployment id.
+type StoredRide = (i64, i64, String, Option<String>);
+
+/// What the database holds for the key a PaymentIntent names: the key (its user and recovery
+/// point), its ride, and its user's provider customer.
+struct Stored {
+    key: Option<(i64, RecoveryPoint)>,
+    ride: Option<StoredRide>,
+    customer: Option<String>,
+}
+
+impl Stored {
+    /// Reads it, locking the key row when applying (`mode`), so it stays so until the refund is
+    /// recorded. Nothing for a PaymentIntent that names no key.
+    async fn read(
+        conn: &mut AsyncPgConnection,
+        key_id: Option<i64>,
+        mode: Mode,
+    ) -> Result<Stored, AdminError> {
+        let Some(key_id) = key_id else {
+            return Ok(Stored {
+                key: None,
+                ride: None,
+                customer: None,
+            });
+        };
+        let query = idempotency_keys::table
+            .find(key_id)
+            .select((idempotency_keys::user_id, idempotency_keys::recovery_point));
+        let key: Option<(i64, RecoveryPoint)> = if mode.applies() {
+            query.for_update().first(conn).await.optional()?
+        } else {
+            query.first(conn).await.optional()?
+        };
+        let ride: Option<StoredRide> = rides::table
+            .filter(rides::idempotency_key_id.eq(key_id))
+            .select((
+                rides::id,
+                rides::amount,
+                rides::currency,
+                rides::deployment_id,
+            ))
+            .first(conn)
+            .await
+            .optional()?;
+        let customer: Option<String> = match &key {
+            Some((user_id, _)) => users::table
+                .find(user_id)
+                .select(users::stripe_customer_id)
+                .first(conn)
+                .await
+                .optional()?,
+            None => None,
+        };
+        Ok(Stored {
+            key,
+            ride,
+            customer,
+        })
+    }
+}
+
 /// Proves the finding's PaymentIntent ours, as it stands now at the provider and in the
 /// database (the key row and its ride are locked when applying, so they stay so until the
 /// refund is recorded); refuses otherwise.
@@ -144,42 +206,11 @@ pub(super) async fn prove_ours(
         )));
     }
     let key_id = ownership::key_id(&intent.metadata);
-    let key: Option<(i64, RecoveryPoint)> = match key_id {
-        Some(key_id) => {
-            let query = idempotency_keys::table
-                .find(key_id)
-                .select((idempotency_keys::user_id, idempotency_keys::recovery_point));
-            if mode.applies() {
-                query.for_update().first(conn).await.optional()?
-            } else {
-                query.first(conn).await.optional()?
-            }
-        }
-        None => None,
-    };
-    let ride: Option<(i64, i64, String, Option<String>)> = match key_id {
-        Some(key_id) => rides::table
-            .filter(rides::idempotency_key_id.eq(key_id))
-            .select((
-                rides::id,
-                rides::amount,
-                rides::currency,
-                rides::deployment_id,
-            ))
-            .first(conn)
-            .await
-            .optional()?,
-        None => None,
-    };
-    let customer: Option<String> = match &key {
-        Some((user_id, _)) => users::table
-            .find(user_id)
-            .select(users::stripe_customer_id)
-            .first(conn)
-            .await
-            .optional()?,
-        None => None,
-    };
+    let Stored {
+        key,
+        ride,
+        customer,
+    } = Stored::read(conn, key_id, mode).await?;
     let record = match (key_id, &key, &ride, &customer) {
         (
             Some(key_id),
