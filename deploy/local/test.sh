@@ -2,7 +2,8 @@
 # Runs every check the project has: formatting, clippy, the full test suite under nextest
 # against real PostgreSQL and RabbitMQ (started or installed here when absent), then the short
 # crash-and-fault campaign with the money campaign (proof/run.sh --short --money; skip it with
-# PROOF=0) and its high-availability smoke run: one PostgreSQL primary SIGKILL and one RabbitMQ
+# PROOF=0), the rolling-deploy campaign (proof/run.sh --rolling) and the high-availability smoke
+# run: one PostgreSQL primary SIGKILL and one RabbitMQ
 # node SIGKILL on the Patroni + 3-node topology of deploy/local/ha.sh (installs patroni and
 # etcd-server when absent; skip it with HA=0).
 set -euo pipefail
@@ -29,6 +30,10 @@ cargo nextest run --workspace --locked --profile "${NEXTEST_PROFILE:-default}" "
 if [[ "${PROOF:-1}" != 0 ]]; then
   log "proof/run.sh --short --money (crash-and-fault campaign with the money campaign, about 90 s)"
   proof/run.sh --short --money
+fi
+if [[ "${PROOF:-1}" != 0 ]]; then
+  log "proof/run.sh --rolling (every api-server and worker replaced three times during traffic; about 2 minutes)"
+  proof/run.sh --rolling --duration-secs 45
 fi
 if [[ "${PROOF:-1}" != 0 && "${HA:-1}" != 0 ]]; then
   log "proof/run.sh --ha smoke run (one failover, one broker node kill; about 3 minutes)"

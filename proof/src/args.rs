@@ -119,6 +119,16 @@ pub(crate) struct Args {
     /// `fault-injection` feature; proof/run.sh builds it with the feature).
     #[arg(long)]
     pub(crate) no_crash_points: bool,
+    /// Rolling deploys instead of faults (issue 32): `--rollouts` times during the traffic, each
+    /// api-server and then each worker is replaced one at a time (SIGTERM, its drain and exit
+    /// waited for, a new one started and its port waited for), with no other fault, no crash
+    /// point, and every client retrying as `rides-client` does. Judged by the `rolling_*`
+    /// invariants as well as every other.
+    #[arg(long, conflicts_with_all = ["ha", "money"])]
+    pub(crate) rolling: bool,
+    /// `--rolling`: how many times every api-server and worker is replaced.
+    #[arg(long, default_value_t = 3)]
+    pub(crate) rollouts: u32,
     /// Add the money campaign (another product's look-alike charges, the reconciler refunding
     /// during traffic, riders retrying given-up keys; docs/reliability.md). The test command runs
     /// it with `--short`.
@@ -133,4 +143,17 @@ pub(crate) struct Args {
     /// Keep the database (and the RabbitMQ queues) after the run.
     #[arg(long)]
     pub(crate) keep: bool,
+}
+
+impl Args {
+    /// `--rolling` measures what callers see of a deploy alone: no crash point is armed, and
+    /// every client retries to a final answer (none drops a call or stops after one try).
+    pub(crate) fn for_rolling(mut self) -> Args {
+        if self.rolling {
+            self.no_crash_points = true;
+            self.drop_ratio = 0.0;
+            self.no_retry_ratio = 0.0;
+        }
+        self
+    }
 }

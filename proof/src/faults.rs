@@ -19,7 +19,7 @@ use tokio::{sync::Mutex, task::JoinHandle};
 use crate::{
     args::Args,
     counters::{Counters, FaultEvent, Tallies, Timeline},
-    processes::{Children, Proc, kill_and_restart, signal},
+    processes::{Children, Proc, Terminated, kill_and_restart, signal},
     services::{ServerKind, Services},
     setup::{LOCK_TIMEOUT_SECS, Plan, Wiring},
 };
@@ -77,6 +77,19 @@ impl Faults {
     ) -> Self {
         let faults = &tallies.faults;
         let stop = Arc::new(AtomicBool::new(false));
+        if args.rolling {
+            let rollouts = rolling_deploys(
+                children.rollout_order(),
+                Arc::clone(faults),
+                Arc::clone(&stop),
+                plan.duration,
+                args.rollouts,
+            );
+            return Faults {
+                tasks: vec![tokio::spawn(rollouts)],
+                stop,
+            };
+        }
         let rng = |salt: u64| StdRng::seed_from_u64(plan.seed.wrapping_add(salt));
         // Fault: api-server SIGKILL + restart, at random moments.
         let apis = children.apis();
@@ -154,6 +167,46 @@ impl Faults {
         }
         Ok(())
     }
+}
+
+/// How long a replaced process may take to drain and exit after SIGTERM: the api-server's
+/// in-flight CreateRides end within the provider's timeout, the workers' within a batch or a mail.
+const ROLLOUT_GRACE: Duration = Duration::from_secs(45);
+
+/// `--rolling`: `rollouts` times, evenly spread over the traffic, every process of `procs`
+/// replaced one at a time, as a Deployment's rolling update replaces its pods: SIGTERM, its
+/// drain and exit waited for, a new one started and its port waited for, then a second for the
+/// clients to reconnect before the next. The process's lock is held throughout, so the supervisor
+/// never sees it dead. Counted as `rollout/<name>`, and `rollout_killed/<name>` for a process that
+/// had to be killed after [`ROLLOUT_GRACE`].
+async fn rolling_deploys(
+    procs: Vec<Arc<Mutex<Proc>>>,
+    faults: Arc<Counters>,
+    stop: Arc<AtomicBool>,
+    traffic: Duration,
+    rollouts: u32,
+) -> anyhow::Result<()> {
+    let gap = traffic / (rollouts + 1);
+    for round in 1..=rollouts {
+        if !sleep_unless_stopped(&stop, gap).await {
+            break;
+        }
+        println!("proof: rollout {round} of {rollouts}");
+        for proc in &procs {
+            let mut proc = proc.lock().await;
+            let name = proc.name;
+            match proc.terminate(ROLLOUT_GRACE).await {
+                Terminated::Exited(status) => println!("proof: rollout: {name} exited ({status})"),
+                Terminated::Killed => faults.add(format!("rollout_killed/{name}"), 1),
+                Terminated::NotRunning => println!("proof: rollout: {name} was not running"),
+            }
+            proc.start().await?;
+            faults.add(format!("rollout/{name}"), 1);
+            drop(proc);
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+    }
+    Ok(())
 }
 
 /// Fault: PostgreSQL crash (immediate shutdown) or fast shutdown, alternately, and restart under

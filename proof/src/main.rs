@@ -75,7 +75,7 @@ use setup::{DbGuard, Plan, Wiring};
 
 #[tokio::main]
 async fn main() {
-    let args = Args::parse();
+    let args = Args::parse().for_rolling();
     let code = tokio::select! {
         result = campaign(args) => match result {
             Ok(true) => 0,
@@ -310,6 +310,14 @@ impl Gathering<'_> {
             &children.arming,
             &tallies.faults,
             gathered.violations,
+        );
+        invariants::rolling::check(
+            args,
+            records,
+            &tallies.attempts.snapshot(),
+            &tallies.faults.snapshot(),
+            &self.plan.log_dir,
+            &mut verdict.violations,
         );
         let money = money_checks::judge_and_report(
             &gathered.evidence,

@@ -155,6 +155,26 @@ impl Proc {
         }
     }
 
+    /// SIGTERM, as a rollout stops a pod, then up to `grace` for the process to drain and exit
+    /// (SIGKILL after that): how it ended.
+    pub(crate) async fn terminate(&mut self, grace: Duration) -> Terminated {
+        let Some(mut child) = self.child.take() else {
+            return Terminated::NotRunning;
+        };
+        if let Some(pid) = child.id() {
+            signal(pid, "-TERM").await;
+        }
+        match tokio::time::timeout(grace, child.wait()).await {
+            Ok(Ok(status)) => Terminated::Exited(status.to_string()),
+            Ok(Err(error)) => Terminated::Exited(format!("wait failed: {error}")),
+            Err(_) => {
+                let _ = child.start_kill();
+                let _ = child.wait().await;
+                Terminated::Killed
+            }
+        }
+    }
+
     /// Whether the child died on its own (not by our kill).
     pub(crate) fn exited(&mut self) -> Option<String> {
         match self.child.as_mut().map(Child::try_wait) {
@@ -245,7 +265,17 @@ async fn supervise(procs: &[Arc<Mutex<Proc>>], faults: &Counters) {
     }
 }
 
-/// SIGSTOP / SIGCONT by pid.
+/// How [`Proc::terminate`] ended a process.
+#[derive(Debug)]
+pub(crate) enum Terminated {
+    /// It exited by itself after SIGTERM, with this status.
+    Exited(String),
+    /// It was still running after its grace and was killed.
+    Killed,
+    NotRunning,
+}
+
+/// SIGSTOP / SIGCONT / SIGTERM by pid.
 pub(crate) async fn signal(pid: u32, sig: &str) -> bool {
     Command::new("kill")
         .args([sig, &pid.to_string()])
@@ -373,6 +403,16 @@ impl Children {
             receipts,
             arming,
         })
+    }
+
+    /// The order a rollout replaces processes in: the api-servers, then the workers.
+    pub(crate) fn rollout_order(&self) -> Vec<Arc<Mutex<Proc>>> {
+        vec![
+            Arc::clone(&self.api),
+            Arc::clone(&self.api_b),
+            Arc::clone(&self.enqueuer),
+            Arc::clone(&self.receipts),
+        ]
     }
 
     /// Both api-servers; each client attempt and each api-server fault picks one.

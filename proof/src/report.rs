@@ -258,6 +258,19 @@ impl Report<'_> {
         }
     }
 
+    /// Why invariant `id` is not checked in this run's mode, if it is not.
+    fn unchecked(&self, id: &str) -> Option<&'static str> {
+        if self.money.is_none() && crate::money_checks::INVARIANTS.contains(&id) {
+            Some("no --money")
+        } else if !self.args.rolling && crate::invariants::rolling::INVARIANTS.contains(&id) {
+            Some("no --rolling")
+        } else if self.args.no_crash_points && id == "crash_points_fired" {
+            Some("crash points not armed")
+        } else {
+            None
+        }
+    }
+
     /// Every invariant: PASS, FAIL with its count, or not checked in this mode.
     fn text_invariants(&self, text: &mut String) {
         text.push_str("-- invariants\n");
@@ -269,12 +282,11 @@ impl Report<'_> {
                 .get(id)
                 .copied()
                 .unwrap_or(0);
-            let unchecked = self.money.is_none() && crate::money_checks::INVARIANTS.contains(id);
             line(
                 text,
                 &format!("  {what}"),
-                if unchecked {
-                    "not checked (no --money)".to_owned()
+                if let Some(why) = self.unchecked(id) {
+                    format!("not checked ({why})")
                 } else if n == 0 {
                     "PASS".to_owned()
                 } else {

@@ -19,9 +19,10 @@ use crate::{
 mod keys;
 mod ledger;
 mod rides;
+pub(crate) mod rolling;
 
 /// Every invariant the campaign checks, by id, with what it means (the report's lines).
-pub(crate) const INVARIANTS: [(&str, &str); 29] = [
+pub(crate) const INVARIANTS: [(&str, &str); 33] = [
     (
         "ok_key_finished",
         "every key a client saw succeed is finished",
@@ -114,6 +115,23 @@ pub(crate) const INVARIANTS: [(&str, &str); 29] = [
     (
         "money_exercised",
         "the money campaign refunded, retried refunded keys and forged receipts",
+    ),
+    // `--rolling`'s (rolling.rs).
+    (
+        "rolling_every_call_answered",
+        "--rolling: every call ended with a final answer (a ride or a decline)",
+    ),
+    (
+        "rolling_no_internal",
+        "--rolling: no attempt was answered INTERNAL",
+    ),
+    (
+        "rolling_replaced",
+        "--rolling: every api-server and worker replaced --rollouts times, each exiting in its grace",
+    ),
+    (
+        "rolling_drained",
+        "--rolling: each api-server logged its shutdown and drain on every rollout",
     ),
 ];
 
