@@ -13,6 +13,8 @@
 //!   key.
 //! - [`ownership`]: which PaymentIntents on the shared provider account are ours, the one rule
 //!   the api-server's charge search and the reconciler both apply.
+//! - [`request`]: the request a key is bound to, as the api-server stores it on the key and the
+//!   completer reads it back to retry it.
 //!
 //! It sits above `schema` (the database crate, whose `Ride` the views are built from) and below
 //! both services, which is why neither service depends on the other.
@@ -22,8 +24,10 @@ pub mod key;
 pub mod message;
 pub mod outcome;
 pub mod ownership;
+pub mod request;
 
 pub use jobs::{BackgroundJob, JobToStage, ReceiptJob};
 pub use outcome::{
     CorruptStoredResponse, Outcome, PAYMENT_ACCEPTED, PAYMENT_REFUNDED, RideView, StoredResponse,
 };
+pub use request::StoredRideRequest;

@@ -13,6 +13,7 @@
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
+use contract::StoredRideRequest;
 use diesel::{
     QueryableByName,
     sql_types::{BigInt, Double, Integer, Jsonb, Text, Timestamptz},
@@ -417,16 +418,15 @@ async fn give_up_in(
     Ok(true)
 }
 
-/// Rebuilds the request from the stored `request_params`. Missing fields stay missing: the
-/// api-server validates them exactly as it did the first time.
+/// Rebuilds the request from the stored `request_params` (`contract::StoredRideRequest`);
+/// `None` if they are not a stored ride request.
 pub fn request_from_params(params: &serde_json::Value) -> Option<CreateRideRequest> {
-    let object = params.as_object()?;
-    let field = |name: &str| object.get(name).and_then(serde_json::Value::as_f64);
+    let stored = StoredRideRequest::from_stored(params)?;
     Some(CreateRideRequest {
-        origin_lat: field("origin_lat"),
-        origin_lon: field("origin_lon"),
-        target_lat: field("target_lat"),
-        target_lon: field("target_lon"),
+        origin_lat: Some(stored.origin_lat),
+        origin_lon: Some(stored.origin_lon),
+        target_lat: Some(stored.target_lat),
+        target_lon: Some(stored.target_lon),
     })
 }
 
@@ -548,5 +548,7 @@ mod tests {
         assert_eq!(request.origin_lat, Some(1.5));
         assert_eq!(request.target_lon, Some(4.25));
         assert!(request_from_params(&serde_json::json!([1])).is_none());
+        let missing = serde_json::json!({"origin_lat": 1.5, "origin_lon": 2.0, "target_lat": -3.0});
+        assert!(request_from_params(&missing).is_none());
     }
 }

@@ -1,6 +1,7 @@
 //! What a CreateRide asks for: the validated ride parameters, and the request signature a key is
 //! bound to (a retry must present the same).
 
+use contract::StoredRideRequest;
 use serde::{Deserialize, Serialize};
 
 use crate::idempotency::RequestSignature;
@@ -75,12 +76,17 @@ impl RideParams {
         RequestSignature {
             method: CREATE_RIDE_METHOD,
             path: CREATE_RIDE_PATH,
-            params: serde_json::json!({
-                "origin_lat": self.origin_lat,
-                "origin_lon": self.origin_lon,
-                "target_lat": self.target_lat,
-                "target_lon": self.target_lon,
-            }),
+            params: self.stored().to_stored(),
+        }
+    }
+
+    /// The parameters as the key stores them (`contract::StoredRideRequest`).
+    pub fn stored(&self) -> StoredRideRequest {
+        StoredRideRequest {
+            origin_lat: self.origin_lat,
+            origin_lon: self.origin_lon,
+            target_lat: self.target_lat,
+            target_lon: self.target_lon,
         }
     }
 }

@@ -27,7 +27,7 @@ impl Rides {
     }
 }
 
-/// The `ride.created` audit record's data: the request's parameters.
+/// The `ride.created` audit record's data: the request's parameters, as its key stores them.
 fn audit_data(params: RideParams) -> serde_json::Value {
-    serde_json::to_value(params).unwrap_or_default()
+    params.stored().to_stored()
 }
