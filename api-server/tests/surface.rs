@@ -17,7 +17,7 @@ use api_server::{
 use diesel::{QueryableByName, result::DatabaseErrorKind, sql_types::Integer};
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
 use proto::v1::GetRideRequest;
-use schema::store::{RetryPolicy, StoreError, retry_transient};
+use schema::store::{ConflictRetry, StoreError, retry_transient};
 use tokio::sync::Barrier;
 use tonic::Code;
 
@@ -277,7 +277,7 @@ async fn serialization_failures_are_retried_until_the_transaction_commits() {
     let retried = {
         let (url, barrier, attempts) = (url.clone(), barrier.clone(), attempts.clone());
         tokio::spawn(async move {
-            retry_transient(RetryPolicy::default(), || {
+            retry_transient(ConflictRetry::default(), || {
                 let (url, barrier, attempts) = (url.clone(), barrier.clone(), attempts.clone());
                 async move {
                     let attempt = attempts.fetch_add(1, Ordering::SeqCst) + 1;

@@ -33,7 +33,7 @@ pub struct NewUser<'a> {
 
 #[derive(Clone, Debug, Queryable, QueryableByName, Selectable, Identifiable)]
 #[diesel(table_name = idempotency_keys, check_for_backend(diesel::pg::Pg))]
-pub struct IdempotencyKey {
+pub struct IdempotencyKeyRow {
     pub id: i64,
     pub created_at: DateTime<Utc>,
     pub idempotency_key: String,

@@ -93,14 +93,14 @@ pub fn lost_connection_discarded(conn: &mut AsyncPgConnection, error: DieselErro
 /// How often and how patiently a transaction that hit a serialization failure or deadlock is
 /// run again.
 #[derive(Clone, Copy, Debug)]
-pub struct RetryPolicy {
+pub struct ConflictRetry {
     pub max_attempts: u32,
     pub base_delay: Duration,
 }
 
-impl Default for RetryPolicy {
+impl Default for ConflictRetry {
     fn default() -> Self {
-        RetryPolicy {
+        ConflictRetry {
             max_attempts: 6,
             base_delay: Duration::from_millis(5),
         }
@@ -120,7 +120,7 @@ pub fn is_transient(error: &DieselError) -> bool {
 /// Runs `run` (one whole transaction) until it succeeds, fails for a reason other than a
 /// serialization failure or deadlock, or `policy` is exhausted. Backoff is exponential with full
 /// jitter so that the transactions that collided do not collide again.
-pub async fn retry_transient<T, F, Fut>(policy: RetryPolicy, mut run: F) -> Result<T, StoreError>
+pub async fn retry_transient<T, F, Fut>(policy: ConflictRetry, mut run: F) -> Result<T, StoreError>
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<T, StoreError>>,
@@ -202,7 +202,7 @@ mod tests {
     #[tokio::test]
     async fn gives_up_after_the_bounded_number_of_attempts() {
         let attempts = AtomicU32::new(0);
-        let policy = RetryPolicy {
+        let policy = ConflictRetry {
             max_attempts: 3,
             base_delay: Duration::from_millis(1),
         };
@@ -224,7 +224,7 @@ mod tests {
     #[tokio::test]
     async fn does_not_retry_other_errors() {
         let attempts = AtomicU32::new(0);
-        let result: Result<(), _> = retry_transient(RetryPolicy::default(), || async {
+        let result: Result<(), _> = retry_transient(ConflictRetry::default(), || async {
             attempts.fetch_add(1, Ordering::SeqCst);
             Err(StoreError::LockLost)
         })

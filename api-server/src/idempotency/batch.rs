@@ -37,7 +37,7 @@ use diesel_async::AsyncPgConnection;
 use futures_util::FutureExt;
 use schema::{
     Pool,
-    store::{RetryPolicy, StoreError, lost_connection_discarded, retry_transient},
+    store::{ConflictRetry, StoreError, lost_connection_discarded, retry_transient},
 };
 use telemetry::attr;
 use tokio::sync::oneshot;
@@ -93,7 +93,7 @@ pub trait BatchStatement: Send + Sync + 'static {
 pub struct Batcher<S: BatchStatement> {
     statement: S,
     pool: Pool,
-    policy: RetryPolicy,
+    policy: ConflictRetry,
     batching: Batching,
     queue: Mutex<Queue<S>>,
     statements: AtomicU64,
@@ -129,7 +129,7 @@ enum Verdict<T> {
 }
 
 impl<S: BatchStatement> Batcher<S> {
-    pub fn new(statement: S, pool: Pool, policy: RetryPolicy, batching: Batching) -> Arc<Self> {
+    pub fn new(statement: S, pool: Pool, policy: ConflictRetry, batching: Batching) -> Arc<Self> {
         Arc::new(Batcher {
             statement,
             pool,
@@ -153,7 +153,7 @@ impl<S: BatchStatement> Batcher<S> {
     }
 
     /// The retry policy the batches run with, for a request that must run alone.
-    pub fn policy(&self) -> RetryPolicy {
+    pub fn policy(&self) -> ConflictRetry {
         self.policy
     }
 

@@ -27,7 +27,7 @@ use schema::{
     Pool,
     prepared::prepared,
     schema::idempotency_keys,
-    store::{RetryPolicy, StoreError, lost_connection_discarded, retry_transient},
+    store::{ConflictRetry, StoreError, lost_connection_discarded, retry_transient},
 };
 use scoped_futures::{ScopedBoxFuture, ScopedFutureExt};
 use uuid::Uuid;
@@ -41,7 +41,7 @@ use super::{BatchStatement, Batcher, Lease};
 /// Transient conflicts re-run the statement; a failed run was rolled back whole.
 pub async fn atomic_phase<'a, T, F>(
     pool: &Pool,
-    policy: RetryPolicy,
+    policy: ConflictRetry,
     lease: &'a Lease,
     statement: F,
 ) -> Result<T, StoreError>
@@ -107,7 +107,7 @@ fn crash_around(lease: &Lease, committed: bool) {
 /// statement `workers admin key finish` runs.
 pub async fn finish(
     pool: &Pool,
-    policy: RetryPolicy,
+    policy: ConflictRetry,
     lease: &Lease,
     response: &StoredResponse,
 ) -> Result<(), StoreError> {
@@ -129,7 +129,11 @@ pub async fn finish(
 
 /// Unlocks a key this attempt still owns so that a retry may continue at once, without waiting
 /// for the lock to expire. Releasing a lease that was taken over changes nothing.
-pub async fn release(pool: &Pool, policy: RetryPolicy, lease: &Lease) -> Result<bool, StoreError> {
+pub async fn release(
+    pool: &Pool,
+    policy: ConflictRetry,
+    lease: &Lease,
+) -> Result<bool, StoreError> {
     retry_transient(policy, || async {
         let mut conn = pool.get().await.map_err(StoreError::Unavailable)?;
         let updated = diesel::update(idempotency_keys::table)

@@ -44,7 +44,7 @@ use schema::{
     Pool, RecoveryPoint,
     models::{Ride, User},
     schema::rides,
-    store::{RetryPolicy, StoreError},
+    store::{ConflictRetry, StoreError},
 };
 use telemetry::attr;
 use tracing::Instrument;
@@ -93,7 +93,7 @@ pub struct Rides {
     stripe: StripeClient,
     price: Price,
     idempotency: IdempotencyConfig,
-    retry: RetryPolicy,
+    retry: ConflictRetry,
     /// The keys this process's attempts hold and the duplicates waiting for them.
     waits: Waits,
 }
@@ -105,7 +105,7 @@ impl Rides {
         price: Price,
         idempotency: IdempotencyConfig,
     ) -> Arc<Rides> {
-        let retry = RetryPolicy::default();
+        let retry = ConflictRetry::default();
         Arc::new(Rides {
             claims: Batcher::for_claims(pool.clone(), retry, idempotency.claim_batching),
             charges: Batcher::new(

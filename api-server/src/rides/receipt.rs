@@ -10,22 +10,22 @@ use schema::models::Ride;
 
 /// What finishing a charged ride's key writes: the receipt job and the stored outcome.
 #[derive(Clone, Debug)]
-pub struct Receipt {
+pub struct ReceiptAndOutcome {
     /// The receipt job's row (`contract::BackgroundJob::staged`).
     pub job: JobToStage,
     pub response_code: i32,
     pub response_body: serde_json::Value,
 }
 
-impl Receipt {
+impl ReceiptAndOutcome {
     /// The outcome of `ride`, whose charge is recorded on it, and what finishing its key writes.
     /// Built inside the phase's span: the receipt continues this request's trace (the enqueuer
     /// and the receipt worker pick the context up from the job).
-    pub(super) fn for_charged(ride: Ride) -> (Outcome, Receipt) {
+    pub(super) fn for_charged(ride: Ride) -> (Outcome, ReceiptAndOutcome) {
         let job = ReceiptJob::from(&ride).staged();
         let outcome = Outcome::ride_created(ride);
         let stored = outcome.to_stored();
-        let receipt = Receipt {
+        let receipt = ReceiptAndOutcome {
             job,
             response_code: stored.code,
             response_body: stored.body,
@@ -43,7 +43,9 @@ pub(super) struct ReceiptArrays<'a> {
 }
 
 impl<'a> ReceiptArrays<'a> {
-    pub(super) fn of(receipts: impl Iterator<Item = &'a Receipt> + Clone) -> ReceiptArrays<'a> {
+    pub(super) fn of(
+        receipts: impl Iterator<Item = &'a ReceiptAndOutcome> + Clone,
+    ) -> ReceiptArrays<'a> {
         ReceiptArrays {
             job_args: receipts.clone().map(|r| &r.job.job_args).collect(),
             trace_contexts: receipts.clone().map(|r| &r.job.trace_context).collect(),

@@ -41,7 +41,7 @@ use telemetry::attr;
 
 use super::{
     CreateRideError, RideRequest, Rides,
-    receipt::{Receipt, ReceiptArrays, finish_batch_with_receipts, finish_with_receipt},
+    receipt::{ReceiptAndOutcome, ReceiptArrays, finish_batch_with_receipts, finish_with_receipt},
 };
 use crate::{
     fault::CrashPoint,
@@ -210,7 +210,7 @@ impl Rides {
         charge_id: String,
     ) -> Result<Outcome, StoreError> {
         let ride_id = ride.id;
-        let (outcome, receipt) = Receipt::for_charged(Ride {
+        let (outcome, receipt) = ReceiptAndOutcome::for_charged(Ride {
             stripe_charge_id: Some(charge_id.clone()),
             ..ride
         });
@@ -289,7 +289,7 @@ pub struct ChargeMade {
     pub ride_id: i64,
     /// The provider's PaymentIntent id.
     pub charge_id: String,
-    pub receipt: Receipt,
+    pub receipt: ReceiptAndOutcome,
 }
 
 impl BatchStatement for RecordCharges {

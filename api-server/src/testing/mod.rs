@@ -23,7 +23,7 @@ use fake_stripe::FakeStripe;
 use proto::v1::{CreateRideRequest, CreateRideResponse, ride_service_client::RideServiceClient};
 use schema::{
     Pool, RecoveryPoint,
-    models::{AuditRecord, IdempotencyKey as KeyRow, Ride, StagedJob, User},
+    models::{AuditRecord, IdempotencyKeyRow as KeyRow, Ride, StagedJob, User},
     schema::{audit_records, idempotency_keys, rides, staged_jobs, users},
     testing::TestDatabase,
 };

@@ -25,7 +25,7 @@ use schema::{
     Pool,
     models::User,
     prepared::{Statement, prepared},
-    store::{RetryPolicy, StoreError},
+    store::{ConflictRetry, StoreError},
 };
 use uuid::Uuid;
 
@@ -50,7 +50,11 @@ pub struct ClaimRequest {
 }
 
 impl Batcher<Claims> {
-    pub fn for_claims(pool: Pool, policy: RetryPolicy, batching: Batching) -> Arc<Batcher<Claims>> {
+    pub fn for_claims(
+        pool: Pool,
+        policy: ConflictRetry,
+        batching: Batching,
+    ) -> Arc<Batcher<Claims>> {
         Batcher::new(Claims, pool, policy, batching)
     }
 

@@ -21,10 +21,10 @@ use diesel::{
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use schema::{
     Pool, RecoveryPoint,
-    models::{IdempotencyKey as KeyRow, Ride, User},
+    models::{IdempotencyKeyRow as KeyRow, Ride, User},
     prepared::prepared,
     schema::idempotency_keys,
-    store::{RetryPolicy, StoreError, retry_transient},
+    store::{ConflictRetry, StoreError, retry_transient},
 };
 use uuid::Uuid;
 
@@ -91,7 +91,7 @@ pub async fn claim(
             claim_alone(pool, policy, caller, key, request, first_ride).await?
         }
     };
-    let attempt = Attempt {
+    let context = ClaimContext {
         pool,
         policy,
         key,
@@ -101,7 +101,7 @@ pub async fn claim(
     };
     let (user, decided) = match found {
         Some((user, found)) => {
-            let decided = attempt.decide(user.id, found).await?;
+            let decided = context.decide(user.id, found).await?;
             (user, decided)
         }
         // No such user, or a claim of this key that committed after the statement's snapshot
@@ -117,7 +117,7 @@ pub async fn claim(
     };
     let claimed = match decided {
         Some(claimed) => claimed,
-        None => attempt.rounds(user.id).await?,
+        None => context.rounds(user.id).await?,
     };
     let span = tracing::Span::current();
     span.record("rides.claim", claimed.decision.name());
@@ -163,16 +163,16 @@ pub async fn key_exists(
 }
 
 /// One claim's key and request, for the steps after its first statement.
-struct Attempt<'a> {
+struct ClaimContext<'a> {
     pool: &'a Pool,
-    policy: RetryPolicy,
+    policy: ConflictRetry,
     key: &'a IdempotencyKey,
     request: &'a RequestSignature,
     first_ride: &'a FirstRide,
     lock_timeout: Duration,
 }
 
-impl Attempt<'_> {
+impl ClaimContext<'_> {
     /// Claims the key again, alone, until a round decides it.
     async fn rounds(&self, user_id: i64) -> Result<Claimed, StoreError> {
         // Each round pays only for what the key needs: a new key, a replay and a mismatch are one
@@ -269,7 +269,7 @@ enum KeyFound {
 /// The claim's statement for one claim, on a pooled connection, retried on transient conflicts.
 async fn claim_alone(
     pool: &Pool,
-    policy: RetryPolicy,
+    policy: ConflictRetry,
     caller: Caller,
     key: &IdempotencyKey,
     request: &RequestSignature,
