@@ -129,6 +129,12 @@ pub(crate) struct Args {
     /// `--rolling`: how many times every api-server and worker is replaced.
     #[arg(long, default_value_t = 3)]
     pub(crate) rollouts: u32,
+    /// `--rolling` as an upgrade: the api-servers and workers start from the `api-server` and
+    /// `workers` binaries in this directory (an older build; a binary it lacks comes from this
+    /// build), and the first rollout replaces them with this build's, so the old and the new serve
+    /// side by side on this build's schema until it is done.
+    #[arg(long, requires = "rolling")]
+    pub(crate) rolling_from: Option<PathBuf>,
     /// Add the money campaign (another product's look-alike charges, the reconciler refunding
     /// during traffic, riders retrying given-up keys; docs/reliability.md). The test command runs
     /// it with `--short`.

@@ -80,6 +80,7 @@ impl Faults {
         if args.rolling {
             let rollouts = rolling_deploys(
                 children.rollout_order(),
+                plan.bin_dir.clone(),
                 Arc::clone(faults),
                 Arc::clone(&stop),
                 plan.duration,
@@ -175,12 +176,14 @@ const ROLLOUT_GRACE: Duration = Duration::from_secs(45);
 
 /// `--rolling`: `rollouts` times, evenly spread over the traffic, every process of `procs`
 /// replaced one at a time, as a Deployment's rolling update replaces its pods: SIGTERM, its
-/// drain and exit waited for, a new one started and its port waited for, then a second for the
+/// drain and exit waited for, a new one started from this build's binary in `bin_dir` (the first
+/// rollout of `--rolling-from` is the upgrade) and its port waited for, then a second for the
 /// clients to reconnect before the next. The process's lock is held throughout, so the supervisor
 /// never sees it dead. Counted as `rollout/<name>`, and `rollout_killed/<name>` for a process that
 /// had to be killed after [`ROLLOUT_GRACE`].
 async fn rolling_deploys(
     procs: Vec<Arc<Mutex<Proc>>>,
+    bin_dir: std::path::PathBuf,
     faults: Arc<Counters>,
     stop: Arc<AtomicBool>,
     traffic: Duration,
@@ -200,6 +203,7 @@ async fn rolling_deploys(
                 Terminated::Killed => faults.add(format!("rollout_killed/{name}"), 1),
                 Terminated::NotRunning => println!("proof: rollout: {name} was not running"),
             }
+            proc.use_build(&bin_dir);
             proc.start().await?;
             faults.add(format!("rollout/{name}"), 1);
             drop(proc);

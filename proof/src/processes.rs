@@ -6,7 +6,7 @@
 use std::{
     collections::BTreeMap,
     fs::OpenOptions,
-    path::PathBuf,
+    path::{Path, PathBuf},
     process::Stdio,
     sync::{
         Arc,
@@ -152,6 +152,13 @@ impl Proc {
         if let Some(mut child) = self.child.take() {
             let _ = child.start_kill();
             let _ = child.wait().await;
+        }
+    }
+
+    /// The next start runs the same program from the build in `bin_dir` (a rollout's new build).
+    pub(crate) fn use_build(&mut self, bin_dir: &Path) {
+        if let Some(file) = self.bin.file_name() {
+            self.bin = bin_dir.join(file);
         }
     }
 
@@ -325,7 +332,15 @@ impl Arming {
 impl Children {
     /// Starts every child, each waited for (its port, when it listens on one) before the next.
     pub(crate) async fn start(args: &Args, plan: &Plan, wiring: &Wiring) -> anyhow::Result<Self> {
-        let workers_bin = plan.bin_dir.join("workers");
+        // `--rolling-from`: the older build's binaries first; every rollout starts this build's.
+        let first_bin = |name: &str| {
+            args.rolling_from
+                .as_ref()
+                .map(|dir| dir.join(name))
+                .filter(|bin| bin.exists())
+                .unwrap_or_else(|| plan.bin_dir.join(name))
+        };
+        let workers_bin = first_bin("workers");
         let make = |name: &'static str, bin: PathBuf, a: Vec<String>, port: Option<u16>| Proc {
             name,
             bin,
@@ -361,7 +376,7 @@ impl Children {
         sink.start().await?;
         let mut api_a = make(
             "api-server",
-            plan.bin_dir.join("api-server"),
+            first_bin("api-server"),
             vec!["serve".into()],
             Some(args.grpc_port),
         );
@@ -370,7 +385,7 @@ impl Children {
         // clients sends: pool exhaustion, answered with UNAVAILABLE and retried.
         let mut api_b = make(
             "api-server-b",
-            plan.bin_dir.join("api-server"),
+            first_bin("api-server"),
             vec!["serve".into()],
             Some(args.grpc_port_b),
         );
