@@ -52,6 +52,12 @@ pub enum ServeError {
 /// drains: health turns NOT_SERVING, no new connections are accepted, in-flight requests finish
 /// (each ends by finishing or unlocking its key), and this returns once the last CreateRide task
 /// is done.
+/// What the server logs when SIGTERM starts its shutdown (health turns `NOT_SERVING`), and when it
+/// starts draining in-flight calls: operators read them, and the rolling-deploy campaign
+/// (`proof --rolling`) checks each replaced server logged both.
+pub const LOG_SHUTTING_DOWN: &str = "shutting down: health is NOT_SERVING";
+pub const LOG_DRAINING: &str = "draining in-flight requests";
+
 pub async fn serve(
     listener: TcpListener,
     app: App,
@@ -105,12 +111,12 @@ pub async fn serve(
 
     let draining = async move {
         shutdown.await;
-        tracing::info!(drain_delay = ?serving.drain_delay, "shutting down: health is NOT_SERVING");
+        tracing::info!(drain_delay = ?serving.drain_delay, "{LOG_SHUTTING_DOWN}");
         monitor.abort();
         set_health(&health, ServingStatus::NotServing).await;
         // Still serving: callers that have not yet seen NOT_SERVING are answered.
         tokio::time::sleep(serving.drain_delay).await;
-        tracing::info!("draining in-flight requests");
+        tracing::info!("{LOG_DRAINING}");
     };
     let router = server_builder(&transport)
         .add_service(health_service)

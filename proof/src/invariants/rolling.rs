@@ -22,11 +22,11 @@ pub(crate) const INVARIANTS: [&str; 4] = [
 /// The processes a rollout replaces, by the name their counts and logs carry.
 const REPLACED: [&str; 4] = ["api-server", "api-server-b", "enqueuer", "receipts"];
 
-/// What an api-server logs when SIGTERM starts its shutdown, and when it starts draining
-/// (`api_server::server::serve`): each must appear once per rollout in each api-server's log.
+/// What an api-server logs when SIGTERM starts its shutdown, and when it starts draining: each
+/// must appear once per rollout in each api-server's log.
 const SHUTDOWN_LINES: [&str; 2] = [
-    "shutting down: health is NOT_SERVING",
-    "draining in-flight requests",
+    api_server::server::LOG_SHUTTING_DOWN,
+    api_server::server::LOG_DRAINING,
 ];
 
 /// Checks the rolling invariants (none without `--rolling`): every call answered with a final
