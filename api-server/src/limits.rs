@@ -261,6 +261,11 @@ impl Limiter {
         buckets.last_sweep = now;
     }
 
+    /// Callers the table holds now: bounded by `max_tracked_callers`, swept as buckets refill.
+    pub fn tracked_callers(&self) -> usize {
+        locked(&self.buckets).callers.len()
+    }
+
     /// Fresh card declines per [`DECLINE_WINDOW`] before new keys are refused.
     pub fn decline_budget(&self) -> u32 {
         self.config.decline_budget

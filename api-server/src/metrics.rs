@@ -168,25 +168,44 @@ pub fn observe_pool(pool: &Pool, max: u32) -> [ObservableGauge<u64>; 2] {
     ]
 }
 
-/// Reports what admission holds: verified tokens known (`rides.admission.known_tokens`) and calls
-/// waiting for a token-lookup place (`rides.admission.lookup_queue`). Keep the gauges alive as
-/// long as `admission`.
+/// Reports what admission holds: verified tokens known (`rides.admission.known_tokens`), calls
+/// waiting for a token-lookup place (`rides.admission.lookup_queue`), tokens refused from memory
+/// (`rides.admission.unknown_tokens`) and callers with rate-limit buckets
+/// (`rides.limits.tracked_callers`): every in-memory table a caller can grow, so a soak can show
+/// each stays bounded. Keep the gauges alive as long as `admission`.
 pub fn observe_admission(
     admission: &std::sync::Arc<crate::admission::Admission>,
-) -> [ObservableGauge<u64>; 2] {
+) -> [ObservableGauge<u64>; 4] {
+    type Read = fn(&crate::admission::Admission) -> usize;
     let meter = telemetry::meter("rides-api-server");
-    let known = std::sync::Arc::clone(admission);
-    let queue = std::sync::Arc::clone(admission);
-    [
+    let tables: [(&'static str, &'static str, Read); 4] = [
+        (
+            "rides.admission.known_tokens",
+            "Verified tokens admission knows without a lookup",
+            crate::admission::Admission::known_tokens,
+        ),
+        (
+            "rides.admission.lookup_queue",
+            "Calls waiting for a token-lookup place",
+            crate::admission::Admission::lookups_waiting,
+        ),
+        (
+            "rides.admission.unknown_tokens",
+            "Tokens no user has, refused from memory",
+            crate::admission::Admission::unknown_tokens,
+        ),
+        (
+            "rides.limits.tracked_callers",
+            "Callers whose rate-limit buckets are held",
+            crate::admission::Admission::tracked_callers,
+        ),
+    ];
+    tables.map(|(name, description, read)| {
+        let admission = std::sync::Arc::clone(admission);
         meter
-            .u64_observable_gauge("rides.admission.known_tokens")
-            .with_description("Verified tokens admission knows without a lookup")
-            .with_callback(move |observer| observer.observe(known.known_tokens() as u64, &[]))
-            .build(),
-        meter
-            .u64_observable_gauge("rides.admission.lookup_queue")
-            .with_description("Calls waiting for a token-lookup place")
-            .with_callback(move |observer| observer.observe(queue.lookups_waiting() as u64, &[]))
-            .build(),
-    ]
+            .u64_observable_gauge(name)
+            .with_description(description)
+            .with_callback(move |observer| observer.observe(read(&admission) as u64, &[]))
+            .build()
+    })
 }

@@ -224,6 +224,16 @@ impl Admission {
     pub fn known_tokens(&self) -> usize {
         self.known_tokens.len()
     }
+
+    /// Tokens refused from memory now (`UNKNOWN_TOKEN_CACHE_*`).
+    pub fn unknown_tokens(&self) -> usize {
+        self.unknown_tokens.len()
+    }
+
+    /// Callers whose rate-limit buckets are held now (`MAX_TRACKED_CALLERS`).
+    pub fn tracked_callers(&self) -> usize {
+        self.limiter.tracked_callers()
+    }
 }
 
 /// Half the pool, at least one: lookups never take the connections that known callers' claims
