@@ -3,7 +3,7 @@
 
 use std::{net::SocketAddr, path::PathBuf, time::Duration};
 
-use contract::key::{DEFAULT_KEY_TTL_HOURS, DEFAULT_LOCK_TIMEOUT_SECS};
+use contract::key::DEFAULT_LOCK_TIMEOUT_SECS;
 pub use telemetry::Secret;
 use telemetry::settings::Vars;
 
@@ -272,7 +272,7 @@ fn idempotency(
         u64::try_from((stripe_timeout + WAIT_OVER_PROVIDER).as_millis()).unwrap_or(u64::MAX);
     let config = IdempotencyConfig {
         lock_timeout: vars.secs("IDEMPOTENCY_LOCK_TIMEOUT_SECS", DEFAULT_LOCK_TIMEOUT_SECS)?,
-        key_ttl: vars.hours("IDEMPOTENCY_KEY_TTL_HOURS", DEFAULT_KEY_TTL_HOURS)?,
+        key_ttl: contract::key::key_ttl(vars)?,
         claim_batching: batching("CLAIM_BATCH_SIZE", "CLAIM_BATCHES_IN_FLIGHT")?,
         phase_batching: batching("PHASE_BATCH_SIZE", "PHASE_BATCHES_IN_FLIGHT")?,
         wait: WaitConfig {
@@ -575,6 +575,11 @@ mod tests {
             (
                 vec![("IDEMPOTENCY_KEY_TTL_HOURS", "0")],
                 "IDEMPOTENCY_KEY_TTL_HOURS",
+            ),
+            // Under contract::key::MIN_KEY_TTL_SECS: a retry after reaping would charge again.
+            (
+                vec![("IDEMPOTENCY_KEY_TTL_SECS", "299")],
+                "IDEMPOTENCY_KEY_TTL_SECS",
             ),
             (vec![("RIDE_PRICE_AMOUNT", "-5")], "RIDE_PRICE_AMOUNT"),
             (vec![("RIDE_PRICE_CURRENCY", "USD")], "RIDE_PRICE_CURRENCY"),

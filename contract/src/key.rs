@@ -30,6 +30,7 @@ use std::{collections::HashSet, time::Duration};
 use chrono::{DateTime, Utc};
 use diesel::{QueryableByName, sql_types::BigInt};
 use schema::prepared::Statement;
+use telemetry::settings::ConfigError;
 
 /// The idempotency key presented to the provider for the charge of idempotency key row
 /// `key_id`, created under `deployment_id` (the row's `deployment_id` column). Derived from the
@@ -64,6 +65,28 @@ pub const DEFAULT_LOCK_TIMEOUT_SECS: u64 = 90;
 /// `IDEMPOTENCY_KEY_TTL_HOURS`'s default: how long a key is kept (and replays) before the reaper
 /// retires it; the api-server tells callers when by it, the reaper acts on it.
 pub const DEFAULT_KEY_TTL_HOURS: u32 = 72;
+/// The shortest `IDEMPOTENCY_KEY_TTL_SECS` taken. A key reaped while its caller may still retry
+/// lets that retry charge a second time; five minutes outlasts a retrying client's attempts and
+/// the completer's passes, which is all a soak (the one user of seconds) needs.
+pub const MIN_KEY_TTL_SECS: u64 = 300;
+
+/// How long a key is kept, read the same way by the api-server (which tells callers) and the
+/// reaper (which acts on it): `IDEMPOTENCY_KEY_TTL_SECS` when set (at least
+/// [`MIN_KEY_TTL_SECS`]: a soak wants the reaper at work within minutes), else
+/// `IDEMPOTENCY_KEY_TTL_HOURS` (default [`DEFAULT_KEY_TTL_HOURS`]).
+pub fn key_ttl(vars: &telemetry::settings::Vars<'_>) -> Result<Duration, ConfigError> {
+    const NAME: &str = "IDEMPOTENCY_KEY_TTL_SECS";
+    match vars.optional::<u64>(NAME)? {
+        Some(secs) if secs < MIN_KEY_TTL_SECS => Err(ConfigError::Invalid {
+            name: NAME,
+            reason: format!(
+                "{secs} s is under {MIN_KEY_TTL_SECS} s: a retry after the key is reaped would charge again"
+            ),
+        }),
+        Some(secs) => Ok(Duration::from_secs(secs)),
+        None => vars.hours("IDEMPOTENCY_KEY_TTL_HOURS", DEFAULT_KEY_TTL_HOURS),
+    }
+}
 
 /// Whether a key locked at `locked_at` is still held at `now`: a lock older than the lock timeout
 /// may be taken over (its holder is presumed dead). The api-server's claim and `workers admin`
@@ -249,5 +272,32 @@ mod tests {
             timeout
         ));
         assert!(lock_is_live(locked_at, locked_at, Duration::MAX));
+    }
+
+    #[test]
+    fn the_key_ttl_is_seconds_when_set_and_never_under_the_floor() {
+        let read = |pairs: &[(&str, &str)]| {
+            let map: std::collections::HashMap<String, String> = pairs
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                .collect();
+            let lookup = |name: &str| map.get(name).cloned();
+            key_ttl(&telemetry::settings::Vars::new(&lookup)).map_err(|e| e.to_string())
+        };
+        assert_eq!(read(&[]), Ok(Duration::from_secs(72 * 3600)));
+        assert_eq!(
+            read(&[("IDEMPOTENCY_KEY_TTL_HOURS", "2")]),
+            Ok(Duration::from_secs(7200))
+        );
+        assert_eq!(
+            read(&[
+                ("IDEMPOTENCY_KEY_TTL_HOURS", "2"),
+                ("IDEMPOTENCY_KEY_TTL_SECS", "600")
+            ]),
+            Ok(Duration::from_secs(600))
+        );
+        let refused = read(&[("IDEMPOTENCY_KEY_TTL_SECS", "299")]).unwrap_err();
+        assert!(refused.contains("IDEMPOTENCY_KEY_TTL_SECS"), "{refused}");
+        assert!(read(&[("IDEMPOTENCY_KEY_TTL_SECS", "soon")]).is_err());
     }
 }

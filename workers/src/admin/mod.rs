@@ -55,7 +55,7 @@ pub(crate) use self::{
 
 /// The settings the admin commands need, taken from the workers' [`Config`] (the same
 /// environment variables as the fleet: `DATABASE_URL`, `AMQP_URL`, `AMQP_TOPOLOGY_PREFIX`,
-/// `IDEMPOTENCY_LOCK_TIMEOUT_SECS`, `IDEMPOTENCY_KEY_TTL_HOURS`).
+/// `IDEMPOTENCY_LOCK_TIMEOUT_SECS`, `IDEMPOTENCY_KEY_TTL_HOURS` or `_SECS`).
 #[derive(Clone, Debug)]
 pub struct AdminSettings {
     /// A lock younger than this may belong to an attempt that is still running.

@@ -53,7 +53,7 @@ pub struct KeyDetails {
     pub request_path: String,
     pub request_params: Value,
     pub created_at: DateTime<Utc>,
-    /// When the reaper retires it: created_at + IDEMPOTENCY_KEY_TTL_HOURS.
+    /// When the reaper retires it: created_at + the key TTL (`contract::key::key_ttl`).
     pub expires_at: Option<DateTime<Utc>>,
     pub last_run_at: DateTime<Utc>,
     pub recovery_point: RecoveryPoint,
