@@ -6,9 +6,10 @@
 //!
 //! One pass, in one transaction that holds the watermark row's lock (so a second pass at the
 //! same time skips):
-//! 1. [`window`]: from the watermark less an overlap to now less the settle delay;
-//! 2. [`walk`]: the provider's PaymentIntents of the window (and those left pending), the rides
-//!    of the window and the rides and keys they name;
+//! 1. [`window`]: from the watermark less an overlap to now less the settle delay, compared one
+//!    slice (`RECONCILER_SLICE_SECS`) at a time, so a pass holds one slice's ledger in memory;
+//! 2. [`walk`]: the provider's PaymentIntents of the slice, the rides of the slice and the rides
+//!    and keys they name; after the slices, the charges left pending that no slice listed;
 //! 3. [`classify`]: every mismatch, and the charges not yet findings because their key is live;
 //! 4. [`record`]: each finding once; the watermark moves on, remembering the pending charges.
 //!
@@ -64,7 +65,8 @@ pub struct ReconcileSummary {
     pub intents: u64,
     /// Rides of the window that record a charge.
     pub rides: u64,
-    /// PaymentIntents a ride records, in agreement.
+    /// PaymentIntents a ride records, in agreement (one whose ride is near a slice's end can be
+    /// counted by both slices).
     pub matched: u64,
     /// Unrecorded charges of live keys: not findings yet, looked at again next pass.
     pub pending: u64,
@@ -82,6 +84,81 @@ pub struct ReconcileSummary {
     /// With `--refund`: refundable findings left for the next pass (or an operator's
     /// `findings refund`) because this pass reached its caps.
     pub refunds_deferred: u64,
+}
+
+/// What a pass's slices add up to. The slices' ledgers are dropped one by one; what is kept is
+/// counts, the earlier passes' pending charges no slice has listed yet, and the new pending ids.
+#[derive(Default)]
+struct Tally {
+    unlisted_pending: std::collections::HashSet<String>,
+    intents: u64,
+    rides: u64,
+    matched: u64,
+    foreign: u64,
+    look_alikes: std::collections::BTreeMap<String, u64>,
+    findings: u64,
+    new_findings: u64,
+    pending: Vec<String>,
+}
+
+impl Tally {
+    fn new(earlier_pending: &[String]) -> Tally {
+        Tally {
+            unlisted_pending: earlier_pending.iter().cloned().collect(),
+            ..Tally::default()
+        }
+    }
+
+    fn listed(&mut self, intents: &[provider::ListedIntent]) {
+        for intent in intents {
+            self.unlisted_pending.remove(&intent.id);
+        }
+    }
+
+    /// Classifies one ledger, records its findings and counts them.
+    async fn compared(
+        &mut self,
+        conn: &mut diesel_async::AsyncPgConnection,
+        ledger: &classify::Ledger,
+    ) -> Result<(), ReconcileError> {
+        let classified = classify::classify(ledger);
+        self.new_findings += record::record(conn, &classified.findings).await?;
+        self.intents += ledger.intents.len() as u64;
+        self.rides += ledger.window_rides.len() as u64;
+        self.matched += classified.matched;
+        self.foreign += classified.foreign;
+        for (why, count) in &classified.look_alikes {
+            *self.look_alikes.entry(why.as_str().to_owned()).or_default() += count;
+        }
+        self.findings += classified.findings.len() as u64;
+        // A charge near a slice's end can be seen by two slices: pending once.
+        for pending in classified.pending {
+            if !self.pending.contains(&pending.payment_intent_id) {
+                self.pending.push(pending.payment_intent_id);
+            }
+        }
+        Ok(())
+    }
+
+    fn summary(&self, window: &window::Window) -> ReconcileSummary {
+        ReconcileSummary {
+            skipped: false,
+            window_from: Some(window.from),
+            window_until: Some(window.until),
+            caught_up: window.caught_up,
+            intents: self.intents,
+            rides: self.rides,
+            matched: self.matched,
+            pending: self.pending.len() as u64,
+            foreign: self.foreign,
+            look_alikes: self.look_alikes.clone(),
+            findings: self.findings,
+            new_findings: self.new_findings,
+            refunded: 0,
+            refunds_failed: 0,
+            refunds_deferred: 0,
+        }
+    }
 }
 
 pub struct Reconciler {
@@ -130,42 +207,41 @@ impl Reconciler {
                     });
                 };
                 let window = window::window(&mark, now, &self.config);
-                let ledger = walk::walk(conn, &self.stripe, &window, &mark.pending).await?;
-                let classified = classify::classify(&ledger);
-                let new_findings = record::record(conn, &classified.findings).await?;
-                let pending: Vec<String> = classified
-                    .pending
-                    .iter()
-                    .map(|pending| pending.payment_intent_id.clone())
-                    .collect();
-                window::advance(conn, &mark, &window, pending).await?;
-                if new_findings > 0 {
+                let mut tally = Tally::new(&mark.pending);
+                for slice in window.slices(self.config.slice) {
+                    let intents = self
+                        .stripe
+                        .list_payment_intents(provider::CreatedWindow {
+                            from: slice.from.timestamp(),
+                            until: slice.until.timestamp(),
+                        })
+                        .await?;
+                    tally.listed(&intents);
+                    let ledger = walk::walk(conn, &self.stripe, Some(&slice), intents).await?;
+                    tally.compared(conn, &ledger).await?;
+                }
+                // Charges earlier passes left pending that no slice listed: asked one by one (a
+                // charge the provider no longer has is nothing to reconcile any more).
+                let mut stale = Vec::new();
+                let unlisted: Vec<String> = tally.unlisted_pending.drain().collect();
+                for id in &unlisted {
+                    if let Some(intent) = self.stripe.retrieve_payment_intent(id).await? {
+                        stale.push(intent);
+                    }
+                }
+                if !stale.is_empty() {
+                    let ledger = walk::walk(conn, &self.stripe, None, stale).await?;
+                    tally.compared(conn, &ledger).await?;
+                }
+                let summary = tally.summary(&window);
+                window::advance(conn, &mark, &window, std::mem::take(&mut tally.pending)).await?;
+                if summary.new_findings > 0 {
                     tracing::warn!(
-                        count = new_findings,
+                        count = summary.new_findings,
                         "reconciler: new findings; see `workers admin findings list`"
                     );
                 }
-                Ok(ReconcileSummary {
-                    skipped: false,
-                    window_from: Some(window.from),
-                    window_until: Some(window.until),
-                    caught_up: window.caught_up,
-                    intents: ledger.intents.len() as u64,
-                    rides: ledger.window_rides.len() as u64,
-                    matched: classified.matched,
-                    pending: classified.pending.len() as u64,
-                    foreign: classified.foreign,
-                    look_alikes: classified
-                        .look_alikes
-                        .iter()
-                        .map(|(why, count)| (why.as_str().to_owned(), *count))
-                        .collect(),
-                    findings: classified.findings.len() as u64,
-                    new_findings,
-                    refunded: 0,
-                    refunds_failed: 0,
-                    refunds_deferred: 0,
-                })
+                Ok(summary)
             })
             .await
     }

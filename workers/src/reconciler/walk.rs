@@ -1,15 +1,15 @@
-//! The ledger walk: what the provider and the database say about one window, gathered into a
-//! [`Ledger`] for [`classify`](super::classify). The provider's side is every PaymentIntent created
-//! in the window (paged) plus the ones earlier passes left pending, looked up again by id; the
-//! database's side is the rides created in the window, the rides those PaymentIntents record or
-//! name, and the keys of both.
+//! The ledger walk: what the provider and the database say about one slice of a window, gathered
+//! into a [`Ledger`] for [`classify`](super::classify). The provider's side is every PaymentIntent
+//! created in the slice (listed, paged, by the pass), or the pending ones of earlier passes no
+//! slice listed; the database's side is the rides created in the slice, the rides those
+//! PaymentIntents record or name, and the keys of both.
 
 use std::collections::{HashMap, HashSet};
 
 use contract::ownership;
 use diesel::{ExpressionMethods, QueryDsl, SelectableHelper};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
-use provider::{CreatedWindow, ListedIntent, StripeClient};
+use provider::{ListedIntent, StripeClient};
 use schema::{
     RecoveryPoint,
     schema::{idempotency_keys, rides, users},
@@ -21,33 +21,26 @@ use super::{
     window::Window,
 };
 
-/// Gathers the window's ledger. `pending` are PaymentIntent ids earlier passes left pending.
+/// The ledger of `intents` (one slice's listing, or pending charges no slice listed) and, with
+/// `window`, of the rides created in it that record a charge.
 pub(super) async fn walk(
     conn: &mut AsyncPgConnection,
     stripe: &StripeClient,
-    window: &Window,
-    pending: &[String],
+    window: Option<&Window>,
+    intents: Vec<ListedIntent>,
 ) -> Result<Ledger, ReconcileError> {
-    let mut intents = stripe
-        .list_payment_intents(CreatedWindow {
-            from: window.from.timestamp(),
-            until: window.until.timestamp(),
-        })
-        .await?;
-    let listed: HashSet<String> = intents.iter().map(|intent| intent.id.clone()).collect();
-    for id in pending.iter().filter(|id| !listed.contains(*id)) {
-        // A pending charge the provider no longer has is nothing to reconcile any more.
-        if let Some(intent) = stripe.retrieve_payment_intent(id).await? {
-            intents.push(intent);
+    let window_rides: Vec<RideFacts> = match window {
+        Some(window) => {
+            rides::table
+                .filter(rides::created_at.ge(window.from))
+                .filter(rides::created_at.lt(window.until))
+                .filter(rides::stripe_charge_id.is_not_null())
+                .select(RideFacts::as_select())
+                .load(conn)
+                .await?
         }
-    }
-    let window_rides: Vec<RideFacts> = rides::table
-        .filter(rides::created_at.ge(window.from))
-        .filter(rides::created_at.lt(window.until))
-        .filter(rides::stripe_charge_id.is_not_null())
-        .select(RideFacts::as_select())
-        .load(conn)
-        .await?;
+        None => Vec::new(),
+    };
     let mut ledger = Ledger {
         deployment_id: stripe.deployment_id().as_str().to_owned(),
         rides: related_rides(conn, &intents).await?,

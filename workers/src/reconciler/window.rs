@@ -25,6 +25,32 @@ pub struct Window {
     pub caught_up: bool,
 }
 
+impl Window {
+    /// The window cut into consecutive slices of at most `length` (whole seconds, at least one),
+    /// together covering exactly the window: a pass compares one slice at a time.
+    pub fn slices(&self, length: std::time::Duration) -> impl Iterator<Item = Window> + use<> {
+        let step =
+            chrono::Duration::seconds(i64::try_from(length.as_secs().max(1)).unwrap_or(i64::MAX));
+        let (until, caught_up) = (self.until, self.caught_up);
+        let mut from = self.from;
+        std::iter::from_fn(move || {
+            if from >= until {
+                return None;
+            }
+            let end = from
+                .checked_add_signed(step)
+                .map_or(until, |end| end.min(until));
+            let slice = Window {
+                from,
+                until: end,
+                caught_up,
+            };
+            from = end;
+            Some(slice)
+        })
+    }
+}
+
 #[derive(Clone, Debug)]
 pub(super) struct Watermark {
     pub reconciled_until: DateTime<Utc>,
@@ -143,6 +169,7 @@ mod tests {
             overlap: Duration::from_secs(3600),
             initial_lookback: Duration::from_secs(7 * 86_400),
             max_window: Duration::from_secs(86_400),
+            slice: Duration::from_secs(60),
             interval: Duration::from_secs(3600),
             refund_max_findings: 5,
             refund_max_amount: 10_000,
@@ -177,5 +204,29 @@ mod tests {
         assert!(!behind.caught_up);
         let ahead = window(&mark, at(100), &config());
         assert_eq!(ahead.until.timestamp(), 0);
+    }
+
+    #[test]
+    fn slices_cover_the_window_exactly_once_in_order() {
+        let window = Window {
+            from: at(1_000),
+            until: at(1_150),
+            caught_up: true,
+        };
+        let slices: Vec<Window> = window.slices(Duration::from_secs(60)).collect();
+        let bounds: Vec<(i64, i64)> = slices
+            .iter()
+            .map(|s| (s.from.timestamp(), s.until.timestamp()))
+            .collect();
+        assert_eq!(bounds, vec![(1_000, 1_060), (1_060, 1_120), (1_120, 1_150)]);
+        assert!(slices.iter().all(|s| s.caught_up));
+        let empty = Window {
+            from: at(1_000),
+            until: at(1_000),
+            caught_up: true,
+        };
+        assert_eq!(empty.slices(Duration::from_secs(60)).count(), 0);
+        // A zero length is taken as one second, never an endless loop.
+        assert_eq!(window.slices(Duration::ZERO).count(), 150);
     }
 }

@@ -38,6 +38,7 @@ fn config(app: &TestApp) -> ReconcilerConfig {
         overlap: Duration::from_secs(3600),
         initial_lookback: Duration::from_secs(3600),
         max_window: Duration::from_secs(86_400),
+        slice: Duration::from_secs(60),
         interval: Duration::from_secs(1),
         refund_max_findings: 5,
         refund_max_amount: 10_000,
