@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs every check the project has: formatting, clippy, the full test suite under nextest
-# against real PostgreSQL and RabbitMQ (started or installed here when absent), then the short
+# against real PostgreSQL and RabbitMQ (started or installed here when absent), then a two-minute
+# soak (bench/soak.sh: every call answered, every ride charged, receipted and mailed once), the short
 # crash-and-fault campaign with the money campaign (proof/run.sh --short --money; skip it with
 # PROOF=0), the rolling-deploy campaign (proof/run.sh --rolling) and the high-availability smoke
 # run: one PostgreSQL primary SIGKILL and one RabbitMQ
@@ -27,6 +28,13 @@ log "deploy/local/deny.sh (cargo deny: licenses, bans, sources)" && deploy/local
 deploy/local/buf-lint.sh
 log "cargo nextest run --workspace"
 cargo nextest run --workspace --locked --profile "${NEXTEST_PROFILE:-default}" "$@"
+if [[ "${PROOF:-1}" != 0 ]]; then
+  # Right after nextest, whose debug binaries it runs (proof/run.sh rebuilds the api-server with
+  # its crash points); the hour is docs/reliability.md's "Soak".
+  log "bench/soak.sh, short (2 minutes at the production defaults, debug build; invariants and bounds judged)"
+  SOAK_PROFILE=debug SOAK_SECS=120 WINDOW_SECS=60 SAMPLE_SECS=10 WARMUP_SECS=10 RIDERS=2000 \
+    SOAK_CHARTS=0 SOAK_DRIFT_GOALS=0 bench/soak.sh
+fi
 if [[ "${PROOF:-1}" != 0 ]]; then
   log "proof/run.sh --short --money (crash-and-fault campaign with the money campaign, about 90 s)"
   proof/run.sh --short --money

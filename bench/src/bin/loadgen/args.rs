@@ -6,6 +6,8 @@ use anyhow::bail;
 use clap::Parser;
 use rides_client::RetryPolicy;
 
+use crate::windows::Windows;
+
 #[derive(Parser, Debug)]
 #[command(
     name = "loadgen",
@@ -100,6 +102,13 @@ pub(crate) struct Args {
     /// Skip the database and ledger check.
     #[arg(long)]
     pub(crate) no_check: bool,
+    /// Also close a window of the measured run every this many seconds, and append its figures
+    /// (rides/s, latency percentiles, every attempt's answer) to `--windows-out` as one JSON line.
+    #[arg(long, requires = "windows_out")]
+    pub(crate) window_secs: Option<u64>,
+    /// Where `--window-secs` writes its lines.
+    #[arg(long, requires = "window_secs")]
+    pub(crate) windows_out: Option<PathBuf>,
 }
 
 impl Args {
@@ -110,10 +119,21 @@ impl Args {
         if !(0.0..=1.0).contains(&self.replay_ratio) {
             bail!("--replay-ratio must be within 0..=1");
         }
+        if self.window_secs == Some(0) {
+            bail!("--window-secs must be at least 1");
+        }
         if self.riders.is_some() && (self.replay_ratio > 0.0 || self.seed_keys_per_client > 0) {
             bail!("--riders takes no replays: a key belongs to the rider that made it");
         }
         Ok(())
+    }
+
+    /// `--window-secs` and `--windows-out`, when both are given.
+    pub(crate) fn windows(&self) -> Option<Windows> {
+        Some(Windows::new(
+            Duration::from_secs(self.window_secs?),
+            self.windows_out.clone()?,
+        ))
     }
 }
 

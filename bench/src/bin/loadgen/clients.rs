@@ -18,7 +18,10 @@ use rand::Rng;
 use rides_client::{AttemptRecord, Credential, RetryPolicy, RidesClient};
 use tonic::transport::Channel;
 
-use crate::args::{Args, policy};
+use crate::{
+    args::{Args, policy},
+    windows::Windows,
+};
 
 pub(crate) const PARAMS: CreateRideRequest = CreateRideRequest {
     origin_lat: Some(37.7749),
@@ -60,6 +63,8 @@ pub(crate) struct Shared {
     pub(crate) measure_from: Instant,
     pub(crate) deadline: Option<Instant>,
     pub(crate) remaining: Option<AtomicU64>,
+    /// `--window-secs`: every measured request is also counted in its window.
+    pub(crate) windows: Option<Arc<Windows>>,
 }
 
 pub(crate) enum Final {
@@ -132,8 +137,13 @@ async fn request(
     }
     let measured = started >= shared.measure_from;
     if measured {
-        stats.latencies.record(started.elapsed());
+        let latency = started.elapsed();
+        stats.latencies.record(latency);
         stats.measured_done += 1;
+        if let Some(windows) = &shared.windows {
+            let labels = log.iter().map(|attempt| attempt.outcome.as_str());
+            windows.record(latency, labels, matches!(outcome, Final::Ok { .. }));
+        }
     }
     match (&outcome, replay) {
         (Final::Ok { .. }, false) => stats.new_keys_ok += 1,
@@ -237,6 +247,7 @@ pub(crate) async fn seed(
         measure_from: Instant::now() + Duration::from_secs(86_400),
         deadline: None,
         remaining: None,
+        windows: None,
     });
     let mut tasks = Vec::new();
     for client in 0..args.clients {

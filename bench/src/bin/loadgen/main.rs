@@ -27,15 +27,19 @@
 //! succeeded, and prints PASS or FAIL. Users are created through `api_server::auth::create_user`
 //! with the payment method `pm_card_visa`.
 //!
+//! With `--window-secs` (a soak, `bench/soak.sh`) it also writes the figures of every window of
+//! the run as it closes.
+//!
 //! (The layout: `args.rs` the command line; `clients.rs` the users, connections and closed loops;
 //! `samplers.rs` what is sampled while the load runs; `figures.rs` what is printed and written;
-//! `check.rs` the end-of-run check.)
+//! `windows.rs` the per-window figures; `check.rs` the end-of-run check.)
 
 mod args;
 mod check;
 mod clients;
 mod figures;
 mod samplers;
+mod windows;
 
 use std::{
     sync::{Arc, atomic::AtomicU64},
@@ -70,6 +74,10 @@ async fn main() -> anyhow::Result<()> {
         None => Some(measure_from + Duration::from_secs_f64(args.duration_secs.unwrap_or(10.0))),
     };
     let samplers = Samplers::start(&args, measure_from)?;
+    let windows = args.windows().map(Arc::new);
+    let window_task = windows
+        .as_ref()
+        .map(|windows| windows.spawn(measure_from, deadline));
     let shared = Arc::new(Shared {
         run_id: run_id.clone(),
         policy: policy(&args),
@@ -77,8 +85,12 @@ async fn main() -> anyhow::Result<()> {
         measure_from,
         deadline,
         remaining: args.requests.map(AtomicU64::new),
+        windows,
     });
     let total = clients::run(&args, &shared, &users, &channels, seeded).await?;
+    if let Some(task) = window_task {
+        task.await??;
+    }
     let elapsed = Instant::now().saturating_duration_since(measure_from.min(Instant::now()));
     let sampled = samplers.finish(&args).await?;
 
