@@ -78,14 +78,15 @@ impl Faults {
         let faults = &tallies.faults;
         let stop = Arc::new(AtomicBool::new(false));
         if args.rolling {
-            let rollouts = rolling_deploys(
-                children.rollout_order(),
-                plan.bin_dir.clone(),
-                Arc::clone(faults),
-                Arc::clone(&stop),
-                plan.duration,
-                args.rollouts,
-            );
+            let rollouts = rolling_deploys(Rollouts {
+                procs: children.rollout_order(),
+                bin_dir: plan.bin_dir.clone(),
+                migrate_env: args.rolling_from.is_some().then(|| wiring.env.clone()),
+                faults: Arc::clone(faults),
+                stop: Arc::clone(&stop),
+                traffic: plan.duration,
+                rollouts: args.rollouts,
+            });
             return Faults {
                 tasks: vec![tokio::spawn(rollouts)],
                 stop,
@@ -174,25 +175,55 @@ impl Faults {
 /// in-flight CreateRides end within the provider's timeout, the workers' within a batch or a mail.
 const ROLLOUT_GRACE: Duration = Duration::from_secs(45);
 
+/// What `--rolling` replaces, with what, and when.
+struct Rollouts {
+    procs: Vec<Arc<Mutex<Proc>>>,
+    /// This build's binaries.
+    bin_dir: std::path::PathBuf,
+    /// `--rolling-from`: the environment this build's `api-server migrate` runs with, under
+    /// traffic, before the first rollout (the schema starts as the older build left it).
+    migrate_env: Option<Vec<(String, String)>>,
+    faults: Arc<Counters>,
+    stop: Arc<AtomicBool>,
+    traffic: Duration,
+    rollouts: u32,
+}
+
 /// `--rolling`: `rollouts` times, evenly spread over the traffic, every process of `procs`
 /// replaced one at a time, as a Deployment's rolling update replaces its pods: SIGTERM, its
 /// drain and exit waited for, a new one started from this build's binary in `bin_dir` (the first
 /// rollout of `--rolling-from` is the upgrade) and its port waited for, then a second for the
 /// clients to reconnect before the next. The process's lock is held throughout, so the supervisor
 /// never sees it dead. Counted as `rollout/<name>`, and `rollout_killed/<name>` for a process that
-/// had to be killed after [`ROLLOUT_GRACE`].
-async fn rolling_deploys(
-    procs: Vec<Arc<Mutex<Proc>>>,
-    bin_dir: std::path::PathBuf,
-    faults: Arc<Counters>,
-    stop: Arc<AtomicBool>,
-    traffic: Duration,
-    rollouts: u32,
-) -> anyhow::Result<()> {
+/// had to be killed after [`ROLLOUT_GRACE`]. With `--rolling-from`, this build's migrations are
+/// applied first, while the older build serves (the expand step of an expand/contract release:
+/// the release's migrate Job runs before its rollout), counted as `migration/applied`.
+async fn rolling_deploys(plan: Rollouts) -> anyhow::Result<()> {
+    let Rollouts {
+        procs,
+        bin_dir,
+        migrate_env,
+        faults,
+        stop,
+        traffic,
+        rollouts,
+    } = plan;
     let gap = traffic / (rollouts + 1);
     for round in 1..=rollouts {
         if !sleep_unless_stopped(&stop, gap).await {
             break;
+        }
+        if round == 1
+            && let Some(env) = &migrate_env
+        {
+            let started = std::time::Instant::now();
+            crate::setup::migrate(&bin_dir.join("api-server"), env).await?;
+            println!(
+                "proof: this build's migrations applied under traffic in {:.1} s",
+                started.elapsed().as_secs_f64()
+            );
+            faults.add("migration/applied", 1);
+            tokio::time::sleep(Duration::from_secs(1)).await;
         }
         println!("proof: rollout {round} of {rollouts}");
         for proc in &procs {

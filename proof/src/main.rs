@@ -134,7 +134,13 @@ async fn campaign(args: Args) -> anyhow::Result<bool> {
     );
     let services = Arc::new(services);
     let _ = RUNNING_SERVICES.set(Arc::clone(&services));
-    let migrated = setup::migrate(&plan.bin_dir, &wiring.env).await;
+    // `--rolling-from`: the schema starts as the older build left it; this build's migrations
+    // are applied under traffic before the first rollout (faults::rolling_deploys).
+    let migrated = setup::migrate(
+        &setup::first_binary(&args, &plan, "api-server"),
+        &wiring.env,
+    )
+    .await;
     if migrated.is_err() {
         services.stop(args.keep).await;
     }

@@ -333,13 +333,7 @@ impl Children {
     /// Starts every child, each waited for (its port, when it listens on one) before the next.
     pub(crate) async fn start(args: &Args, plan: &Plan, wiring: &Wiring) -> anyhow::Result<Self> {
         // `--rolling-from`: the older build's binaries first; every rollout starts this build's.
-        let first_bin = |name: &str| {
-            args.rolling_from
-                .as_ref()
-                .map(|dir| dir.join(name))
-                .filter(|bin| bin.exists())
-                .unwrap_or_else(|| plan.bin_dir.join(name))
-        };
+        let first_bin = |name: &str| crate::setup::first_binary(args, plan, name);
         let workers_bin = first_bin("workers");
         let make = |name: &'static str, bin: PathBuf, a: Vec<String>, port: Option<u16>| Proc {
             name,

@@ -261,9 +261,20 @@ fn tls_env(args: &Args, grpc_addr: &str) -> Vec<(String, String)> {
     ]
 }
 
-/// Fresh database: `api-server migrate` creates it.
-pub(crate) async fn migrate(bin_dir: &Path, env: &[(String, String)]) -> anyhow::Result<()> {
-    let migrate = Command::new(bin_dir.join("api-server"))
+/// The binary `name` the campaign starts with: with `--rolling-from`, the older build's when
+/// that directory has one (every rollout then starts this build's), else this build's.
+pub(crate) fn first_binary(args: &Args, plan: &Plan, name: &str) -> PathBuf {
+    args.rolling_from
+        .as_ref()
+        .map(|dir| dir.join(name))
+        .filter(|bin| bin.exists())
+        .unwrap_or_else(|| plan.bin_dir.join(name))
+}
+
+/// `api-server migrate` with the given binary: on a fresh database it creates the schema; on one
+/// an older build migrated, it applies this build's migrations.
+pub(crate) async fn migrate(api_server: &Path, env: &[(String, String)]) -> anyhow::Result<()> {
+    let migrate = Command::new(api_server)
         .arg("migrate")
         .envs(env.iter().cloned())
         .kill_on_drop(true)
