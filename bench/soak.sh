@@ -11,7 +11,8 @@
 # Every WINDOW_SECS the load generator writes the window's rides/s, latency and answers; every
 # SAMPLE_SECS a sampler records each process's RSS and CPU, every table's and index's size and
 # dead tuples, the staged-job backlog and the api-server's in-memory tables. After the traffic it
-# drains (completer, enqueuer, receipts), runs a reconciler pass over the whole run, and checks
+# drains (completer, enqueuer, receipts), runs a last reconciler pass up to the end (the loop's
+# passes compared everything before it), and checks
 # that every ride was charged once and receipted once. bench/soak_report.py then prints one row
 # per window, judges the goals and draws a chart per series; the exit code is its verdict (0 all
 # goals met, 1 a goal missed, 2 the soak could not run).
@@ -254,7 +255,8 @@ for name in sampler api-server enqueuer receipts completer reaper reconciler; do
   unset "PIDS[$name]"
 done
 
-# A reconciler pass over the whole run: no settle delay, every charge compared with its ride.
+# A last reconciler pass from the loop's watermark to now (no settle delay, no overlap): with the
+# loop's passes, every charge of the run compared with its ride.
 sleep 1.1
 RECONCILER_SETTLE_SECS=0 RECONCILER_OVERLAP_SECS=0 RECONCILER_LOOKBACK_HOURS=$((SOAK_SECS / 3600 + 2)) \
   "$BIN/workers" reconciler --once >"$OUT/reconciler-final.json" 2>"$OUT/logs/reconciler-final.log" ||
