@@ -98,7 +98,8 @@ struct Tally {
     look_alikes: std::collections::BTreeMap<String, u64>,
     findings: u64,
     new_findings: u64,
-    pending: Vec<String>,
+    /// A charge near a slice's end can be seen by two slices: a set, so it is pending once.
+    pending: std::collections::BTreeSet<String>,
 }
 
 impl Tally {
@@ -131,12 +132,12 @@ impl Tally {
             *self.look_alikes.entry(why.as_str().to_owned()).or_default() += count;
         }
         self.findings += classified.findings.len() as u64;
-        // A charge near a slice's end can be seen by two slices: pending once.
-        for pending in classified.pending {
-            if !self.pending.contains(&pending.payment_intent_id) {
-                self.pending.push(pending.payment_intent_id);
-            }
-        }
+        self.pending.extend(
+            classified
+                .pending
+                .into_iter()
+                .map(|pending| pending.payment_intent_id),
+        );
         Ok(())
     }
 
@@ -223,9 +224,8 @@ impl Reconciler {
                 // Charges earlier passes left pending that no slice listed: asked one by one (a
                 // charge the provider no longer has is nothing to reconcile any more).
                 let mut stale = Vec::new();
-                let unlisted: Vec<String> = tally.unlisted_pending.drain().collect();
-                for id in &unlisted {
-                    if let Some(intent) = self.stripe.retrieve_payment_intent(id).await? {
+                for id in std::mem::take(&mut tally.unlisted_pending) {
+                    if let Some(intent) = self.stripe.retrieve_payment_intent(&id).await? {
                         stale.push(intent);
                     }
                 }
@@ -234,7 +234,7 @@ impl Reconciler {
                     tally.compared(conn, &ledger).await?;
                 }
                 let summary = tally.summary(&window);
-                window::advance(conn, &mark, &window, std::mem::take(&mut tally.pending)).await?;
+                window::advance(conn, &mark, &window, tally.pending.into_iter().collect()).await?;
                 if summary.new_findings > 0 {
                     tracing::warn!(
                         count = summary.new_findings,

@@ -177,6 +177,34 @@ async fn a_clean_ledger_yields_no_finding() {
     );
 }
 
+/// A window compared one-second slice at a time (`RECONCILER_SLICE_SECS`) says what it says in
+/// one piece: rides spread over several seconds, every one matched, nothing a finding.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_window_compared_in_slices_matches_every_ride_and_finds_nothing() {
+    let app = TestApp::spawn().await;
+    let user = app.create_user(GOOD_CARD).await;
+    for _ in 0..6 {
+        charged_ride(&app, &user).await;
+        tokio::time::sleep(Duration::from_millis(450)).await;
+    }
+    let config = ReconcilerConfig {
+        initial_lookback: Duration::from_secs(30),
+        slice: Duration::from_secs(1),
+        ..config(&app)
+    };
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let summary = Reconciler::new(app.pool.clone(), config)
+        .unwrap()
+        .run_once(false)
+        .await
+        .unwrap();
+    assert_eq!((summary.intents, summary.rides), (6, 6), "{summary:?}");
+    // A ride whose charge is listed in the next slice is matched by both.
+    assert!(summary.matched >= 6, "{summary:?}");
+    assert_eq!((summary.findings, summary.pending), (0, 0), "{summary:?}");
+    assert!(findings_of(&app).await.is_empty());
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_charge_of_an_abandoned_key_is_pending_while_the_key_is_live_then_unrecorded() {
     let app = TestApp::spawn().await;
