@@ -97,6 +97,10 @@ pub(crate) struct Args {
     /// `--ha`: the fraction of PostgreSQL faults that are planned switchovers rather than kills.
     #[arg(long, default_value_t = 0.3)]
     pub(crate) switchover_ratio: f64,
+    /// `--ha`: the run fails unless at least this many primary kills happened (issue 32 judges
+    /// the failover outage over 20).
+    #[arg(long, default_value_t = 1)]
+    pub(crate) ha_min_primary_kills: u32,
     /// Port of the private PostgreSQL cluster.
     #[arg(long, default_value_t = 25433)]
     pub(crate) pg_port: u16,

@@ -2,10 +2,14 @@
 //! idempotency key through `rides-client`, the client real services use, and let it retry (or
 //! drop the call mid-request, or give up after one try), recording the final answer each key got
 //! ([`KeyRecord`]). Their records are what the database, the ledger and the mail are later
-//! checked against. The replays reuse [`user_client`] and [`classify`], so that a replay is
-//! judged by the rules of a first answer.
+//! checked against. Beside each charging user's client runs a replay loop ([`replay_loop`]) that
+//! sends that user's answered keys again during the traffic and its faults, as a caller that lost
+//! an answer does, so that an outage can be measured for replays and fresh work apart. The
+//! replays after the drain reuse [`user_client`] and [`classify`], so that a replay is judged by
+//! the rules of a first answer.
 
 use std::{
+    collections::VecDeque,
     sync::{
         Arc,
         atomic::{AtomicU64, Ordering},
@@ -26,7 +30,7 @@ use tonic::transport::Channel;
 
 use crate::{
     args::Args,
-    counters::{Attempted, Counters, Tallies, Timeline},
+    counters::{Attempted, CallKind, Counters, LiveReplays, Tallies, Timeline},
     setup::{Plan, Wiring},
 };
 
@@ -157,6 +161,17 @@ fn retrying(args: &Args, hard_end: Instant, impatient: bool) -> RetryPolicy {
 /// The share of retrying keys whose attempts time out after 300 ms.
 const IMPATIENT_RATIO: f64 = 0.25;
 
+/// The keys a user's client saw answered OK, newest last (at most [`ANSWERED_KEPT`]), for its
+/// replay loop.
+type Answered = Arc<std::sync::Mutex<VecDeque<(String, CreateRideRequest, Seen)>>>;
+
+const ANSWERED_KEPT: usize = 512;
+
+/// How long a replay loop waits between two replays: a few per second per user, so that the
+/// replays are sampled as densely as the fresh calls without doubling the load.
+const REPLAY_PAUSE_MS: std::ops::Range<u64> = 100..400;
+
+#[derive(Clone)]
 struct ClientCtx {
     id: u32,
     user: User,
@@ -171,12 +186,19 @@ struct ClientCtx {
     requests: Arc<AtomicU64>,
     retries: Arc<AtomicU64>,
     timeline: Arc<Timeline>,
+    answered: Answered,
+    live_replays: Arc<LiveReplays>,
 }
 
 async fn run_client(ctx: ClientCtx, seed: u64) -> Vec<KeyRecord> {
     let mut rng = StdRng::seed_from_u64(seed);
     let mut records = Vec::new();
     let mut n = 0_u32;
+    let kind = if ctx.user.declining {
+        CallKind::Refusal
+    } else {
+        CallKind::Fresh
+    };
     while Instant::now() < ctx.traffic_end {
         n += 1;
         let key = format!("proof-{}-c{:02}-{n:07}", ctx.run_id, ctx.id);
@@ -204,7 +226,7 @@ async fn run_client(ctx: ClientCtx, seed: u64) -> Vec<KeyRecord> {
             .client
             .clone()
             .with_policy(policy)
-            .on_attempt(observer(&ctx, drop_mid))
+            .on_attempt(observer(&ctx, drop_mid, kind))
             .create_ride_with_key(key.as_str(), params)
             .await;
         let attempts = match &result {
@@ -224,6 +246,12 @@ async fn run_client(ctx: ClientCtx, seed: u64) -> Vec<KeyRecord> {
         if matches!(seen, Seen::Abandoned(_) | Seen::GaveUp(_)) {
             ctx.timeline.key_left();
         }
+        if let (Seen::Ok { .. }, Ok(mut answered)) = (&seen, ctx.answered.lock()) {
+            if answered.len() == ANSWERED_KEPT {
+                answered.pop_front();
+            }
+            answered.push_back((key.clone(), params, seen.clone()));
+        }
         records.push(KeyRecord {
             key,
             user_id: ctx.user.id,
@@ -240,12 +268,68 @@ async fn run_client(ctx: ClientCtx, seed: u64) -> Vec<KeyRecord> {
     records
 }
 
+/// A charging user's replays during traffic: one of the user's keys answered OK, picked at
+/// random, sent again with the same parameters by a retrying client. Its answer must be the
+/// first one to the byte, marked `idempotent-replayed: true` ([`LiveReplays`] keeps what was not).
+async fn replay_loop(ctx: ClientCtx, seed: u64) {
+    let mut rng = StdRng::seed_from_u64(seed);
+    while Instant::now() < ctx.traffic_end {
+        tokio::time::sleep(Duration::from_millis(rng.random_range(REPLAY_PAUSE_MS))).await;
+        let picked = ctx.answered.lock().ok().and_then(|answered| {
+            let i = rng.random_range(0..answered.len().max(1));
+            answered.get(i).cloned()
+        });
+        let Some((key, params, first)) = picked else {
+            continue;
+        };
+        let result = ctx
+            .client
+            .clone()
+            .with_policy(retrying(&ctx.args, ctx.hard_end, false))
+            .on_attempt(observer(&ctx, false, CallKind::Replay))
+            .create_ride_with_key(key.as_str(), params)
+            .await;
+        judge_live_replay(&ctx.live_replays, &key, &first, result);
+    }
+}
+
+fn judge_live_replay(
+    live: &LiveReplays,
+    key: &str,
+    first: &Seen,
+    result: Result<Created, CallError>,
+) {
+    let marked = result.as_ref().is_ok_and(|created| created.replayed);
+    match (first, classify(result)) {
+        (Seen::Ok { bytes, .. }, Answer::Final(Seen::Ok { bytes: again, .. }))
+            if *bytes == again =>
+        {
+            if marked {
+                live.outcomes.add("identical", 1);
+            } else {
+                live.problem("not_marked", format!("key {key}: replay not marked"));
+            }
+        }
+        (_, Answer::Retry(label)) => live.outcomes.add(format!("gave_up/{label}"), 1),
+        (_, Answer::Final(again)) => live.problem(
+            "differs",
+            format!(
+                "key {key}: first {} ({}), replayed {} ({})",
+                first.kind(),
+                first.detail(),
+                again.kind(),
+                again.detail()
+            ),
+        ),
+    }
+}
+
 /// The client's label of an attempt that got no answer in time.
 const TIMEOUT: &str = "CLIENT/TIMEOUT";
 
 /// Counts every attempt as it ends, so the progress lines and the report's tallies are live:
 /// requests, retries, each answer by `Code/REASON`, and api-b's pool running dry.
-fn observer(ctx: &ClientCtx, drop_mid: bool) -> AttemptObserver {
+fn observer(ctx: &ClientCtx, drop_mid: bool, kind: CallKind) -> AttemptObserver {
     let (requests, retries) = (Arc::clone(&ctx.requests), Arc::clone(&ctx.retries));
     let (attempts, faults) = (Arc::clone(&ctx.attempts), Arc::clone(&ctx.faults));
     let timeline = Arc::clone(&ctx.timeline);
@@ -271,6 +355,7 @@ fn observer(ctx: &ClientCtx, drop_mid: bool) -> AttemptObserver {
                 } else {
                     Attempted::Failed
                 },
+                kind,
             );
         }
         if attempt.target == 1 && attempt.outcome.ends_with("/DATABASE_UNAVAILABLE") {
@@ -360,10 +445,12 @@ impl Window {
 /// The running clients; each hands back its keys' records when it is done.
 pub(crate) struct Traffic {
     clients: Vec<JoinHandle<Vec<KeyRecord>>>,
+    replays: Vec<JoinHandle<()>>,
 }
 
 impl Traffic {
-    /// One client per user, each with a channel to either api-server.
+    /// One client per user, each with a channel to either api-server, and a replay loop beside
+    /// each charging user's client.
     pub(crate) fn start(
         args: &Args,
         plan: &Plan,
@@ -372,6 +459,7 @@ impl Traffic {
         window: Window,
     ) -> anyhow::Result<Self> {
         let mut clients: Vec<JoinHandle<Vec<KeyRecord>>> = Vec::new();
+        let mut replays: Vec<JoinHandle<()>> = Vec::new();
         for (i, user) in users.iter().enumerate() {
             let channel = |port: u16| -> anyhow::Result<Channel> {
                 Ok(grpc_endpoint(args, &format!("127.0.0.1:{port}"))?
@@ -396,17 +484,28 @@ impl Traffic {
                 requests: Arc::clone(&tallies.requests),
                 retries: Arc::clone(&tallies.retries),
                 timeline: Arc::clone(&tallies.timeline),
+                answered: Answered::default(),
+                live_replays: Arc::clone(&tallies.live_replays),
             };
+            if !user.declining {
+                replays.push(tokio::spawn(replay_loop(
+                    ctx.clone(),
+                    plan.seed.wrapping_add(2000 + i as u64),
+                )));
+            }
             clients.push(tokio::spawn(run_client(
                 ctx,
                 plan.seed.wrapping_add(1000 + i as u64),
             )));
         }
-        Ok(Traffic { clients })
+        Ok(Traffic { clients, replays })
     }
 
-    /// Waits for every client to finish its last key.
+    /// Waits for every client to finish its last key, and every replay loop its last replay.
     pub(crate) async fn finish(self) -> anyhow::Result<Vec<KeyRecord>> {
+        for replay in self.replays {
+            replay.await?;
+        }
         let mut records: Vec<KeyRecord> = Vec::new();
         for client in self.clients {
             records.extend(client.await?);

@@ -36,14 +36,37 @@ pub(crate) struct Tallies {
     pub(crate) requests: Arc<AtomicU64>,
     pub(crate) retries: Arc<AtomicU64>,
     pub(crate) timeline: Arc<Timeline>,
+    /// What the replays sent during traffic got back (`clients::replay_loop`).
+    pub(crate) live_replays: Arc<LiveReplays>,
 }
 
-/// When each client attempt was answered and how, and when each key's client stopped, so that
-/// an outage can be measured from the clients' side around each fault of `--ha`.
+/// The replays sent during traffic, by outcome (`identical`, `gave_up`, or a problem), and the
+/// problems themselves, each naming its key.
+#[derive(Default)]
+pub(crate) struct LiveReplays {
+    pub(crate) outcomes: Counters,
+    problems: std::sync::Mutex<Vec<String>>,
+}
+
+impl LiveReplays {
+    pub(crate) fn problem(&self, outcome: &'static str, what: String) {
+        self.outcomes.add(outcome, 1);
+        if let Ok(mut problems) = self.problems.lock() {
+            problems.push(what);
+        }
+    }
+
+    pub(crate) fn problems(&self) -> Vec<String> {
+        self.problems.lock().map(|p| p.clone()).unwrap_or_default()
+    }
+}
+
+/// When each client attempt was answered, how and for what kind of call, and when each key's
+/// client stopped, so that an outage can be measured from the clients' side around each fault of
+/// `--ha`, per kind of call.
 #[derive(Default)]
 pub(crate) struct Timeline {
-    /// (sent, answered, how)
-    attempts: std::sync::Mutex<Vec<(Instant, Instant, Attempted)>>,
+    attempts: std::sync::Mutex<Vec<TimedAttempt>>,
     /// Keys whose client stopped without a final answer (left to the completer), and when.
     left: std::sync::Mutex<Vec<Instant>>,
     /// The `--ha` faults, in the order they were injected.
@@ -59,6 +82,38 @@ pub(crate) enum Attempted {
     Failed,
 }
 
+/// What a call was, as far as an outage is concerned: the same fault can stop new charges and
+/// leave the stored answers readable, or the other way round.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Debug)]
+pub(crate) enum CallKind {
+    /// A new key of a user whose card charges: a ride and a charge to make.
+    Fresh,
+    /// A key that already had its final answer, sent again (a caller that lost the answer).
+    Replay,
+    /// A new key of a user whose card is declined: the refusal is the final answer.
+    Refusal,
+}
+
+impl CallKind {
+    pub(crate) const ALL: [CallKind; 3] = [CallKind::Fresh, CallKind::Replay, CallKind::Refusal];
+
+    pub(crate) fn label(self) -> &'static str {
+        match self {
+            CallKind::Fresh => "fresh",
+            CallKind::Replay => "replay",
+            CallKind::Refusal => "refusal",
+        }
+    }
+}
+
+#[derive(Clone, Copy)]
+struct TimedAttempt {
+    sent: Instant,
+    answered: Instant,
+    how: Attempted,
+    kind: CallKind,
+}
+
 /// One injected `--ha` fault: when, and when the topology was whole again.
 #[derive(Clone)]
 pub(crate) struct FaultEvent {
@@ -69,18 +124,33 @@ pub(crate) struct FaultEvent {
 
 /// What the clients saw around one fault.
 pub(crate) struct Outage {
-    /// From the first failed attempt after the fault to the first answered one after that
-    /// (zero when no attempt failed).
-    pub(crate) unavailable: Duration,
-    pub(crate) failed_attempts: usize,
+    /// Every call, whatever its kind.
+    pub(crate) all: Unavailability,
+    pub(crate) by_kind: BTreeMap<CallKind, Unavailability>,
     /// Keys whose clients gave up or dropped them in that window: the completer's to finish.
     pub(crate) keys_left: usize,
 }
 
+/// How long some calls could not get an answer after a fault.
+#[derive(Clone, Copy, Default)]
+pub(crate) struct Unavailability {
+    /// From the first failed attempt after the fault to the first final answer to an attempt
+    /// sent after that failure (zero when no attempt failed).
+    pub(crate) unavailable: Duration,
+    pub(crate) failed_attempts: usize,
+    /// Attempts answered (finally or not) in the window: how well the figure is sampled.
+    pub(crate) attempts: usize,
+}
+
 impl Timeline {
-    pub(crate) fn attempt(&self, sent: Instant, how: Attempted) {
+    pub(crate) fn attempt(&self, sent: Instant, how: Attempted, kind: CallKind) {
         if let Ok(mut attempts) = self.attempts.lock() {
-            attempts.push((sent, Instant::now(), how));
+            attempts.push(TimedAttempt {
+                sent,
+                answered: Instant::now(),
+                how,
+                kind,
+            });
         }
     }
 
@@ -103,36 +173,23 @@ impl Timeline {
     /// The outage the clients saw after `event`, looking no further than `until` (the next
     /// fault, or the end of traffic): failures from other faults in that window count too.
     pub(crate) fn outage(&self, event: &FaultEvent, until: Instant) -> Outage {
-        let mut window: Vec<(Instant, Instant, Attempted)> = self
+        let mut window: Vec<TimedAttempt> = self
             .attempts
             .lock()
             .map(|a| a.clone())
             .unwrap_or_default()
             .into_iter()
-            .filter(|(_, answered, _)| *answered >= event.at && *answered < until)
+            .filter(|a| a.answered >= event.at && a.answered < until)
             .collect();
-        window.sort_by_key(|(_, answered, _)| *answered);
-        let first_failed = window.iter().find(|(_, _, how)| *how == Attempted::Failed);
-        let (unavailable, failed_attempts) = match first_failed {
-            None => (Duration::ZERO, 0),
-            Some(&(_, failed_at, _)) => {
-                // Recovered: an attempt sent after the failure was seen got a final answer (one
-                // sent before it may have been answered from before the fault).
-                let recovered = window
-                    .iter()
-                    .find(|(sent, _, how)| *sent >= failed_at && *how == Attempted::Answered)
-                    .map_or(until, |(_, answered, _)| *answered);
-                let failed = window
-                    .iter()
-                    .filter(|(_, answered, how)| {
-                        *answered >= failed_at
-                            && *answered <= recovered
-                            && *how == Attempted::Failed
-                    })
-                    .count();
-                (recovered - failed_at, failed)
-            }
-        };
+        window.sort_by_key(|a| a.answered);
+        let by_kind = CallKind::ALL
+            .into_iter()
+            .map(|kind| {
+                let of_kind: Vec<TimedAttempt> =
+                    window.iter().filter(|a| a.kind == kind).copied().collect();
+                (kind, unavailability(&of_kind, until))
+            })
+            .collect();
         let keys_left = self
             .left
             .lock()
@@ -143,9 +200,111 @@ impl Timeline {
             })
             .unwrap_or(0);
         Outage {
-            unavailable,
-            failed_attempts,
+            all: unavailability(&window, until),
+            by_kind,
             keys_left,
         }
+    }
+}
+
+/// The unavailability seen in `window` (attempts in the order they were answered).
+fn unavailability(window: &[TimedAttempt], until: Instant) -> Unavailability {
+    let Some(failed_at) = window
+        .iter()
+        .find(|a| a.how == Attempted::Failed)
+        .map(|a| a.answered)
+    else {
+        return Unavailability {
+            attempts: window.len(),
+            ..Unavailability::default()
+        };
+    };
+    // Recovered: an attempt sent after the failure was seen got a final answer (one sent before
+    // it may have been answered from before the fault).
+    let recovered = window
+        .iter()
+        .find(|a| a.sent >= failed_at && a.how == Attempted::Answered)
+        .map_or(until, |a| a.answered);
+    let failed_attempts = window
+        .iter()
+        .filter(|a| {
+            a.answered >= failed_at && a.answered <= recovered && a.how == Attempted::Failed
+        })
+        .count();
+    Unavailability {
+        unavailable: recovered - failed_at,
+        failed_attempts,
+        attempts: window.len(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    impl Timeline {
+        fn answered_at(&self, sent: Instant, answered: Instant, how: Attempted, kind: CallKind) {
+            if let Ok(mut attempts) = self.attempts.lock() {
+                attempts.push(TimedAttempt {
+                    sent,
+                    answered,
+                    how,
+                    kind,
+                });
+            }
+        }
+    }
+
+    #[test]
+    fn the_outage_is_measured_per_kind_of_call() {
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        let timeline = Timeline::default();
+        let event = FaultEvent {
+            label: "failover/postgresql primary SIGKILL".to_owned(),
+            at: at(1000),
+            healed: at(5000),
+        };
+        use Attempted::{Answered, Failed};
+        // Fresh: answered before the fault, fails from 1.2 s, a retry sent at 1.1 s (before the
+        // failure was seen) answered at 2 s does not end it, one sent at 3 s answered at 3.5 s
+        // does.
+        timeline.answered_at(at(500), at(900), Answered, CallKind::Fresh);
+        timeline.answered_at(at(1100), at(1200), Failed, CallKind::Fresh);
+        timeline.answered_at(at(1100), at(2000), Answered, CallKind::Fresh);
+        timeline.answered_at(at(2500), at(2600), Failed, CallKind::Fresh);
+        timeline.answered_at(at(3000), at(3500), Answered, CallKind::Fresh);
+        // Replays: fail once at 1.3 s, answered again at 1.8 s.
+        timeline.answered_at(at(1250), at(1300), Failed, CallKind::Replay);
+        timeline.answered_at(at(1700), at(1800), Answered, CallKind::Replay);
+        // Refusals: never failed.
+        timeline.answered_at(at(1400), at(1450), Answered, CallKind::Refusal);
+
+        let outage = timeline.outage(&event, at(10_000));
+        let kind = |k: CallKind| outage.by_kind[&k];
+        assert_eq!(
+            kind(CallKind::Fresh).unavailable,
+            Duration::from_millis(2300)
+        );
+        assert_eq!(kind(CallKind::Fresh).failed_attempts, 2);
+        assert_eq!(kind(CallKind::Fresh).attempts, 4);
+        assert_eq!(
+            kind(CallKind::Replay).unavailable,
+            Duration::from_millis(500)
+        );
+        assert_eq!(kind(CallKind::Replay).failed_attempts, 1);
+        assert_eq!(kind(CallKind::Refusal).unavailable, Duration::ZERO);
+        assert_eq!(kind(CallKind::Refusal).attempts, 1);
+        // All calls: from the first failure (1.2 s) to the first final answer to an attempt
+        // sent after it, the refusal at 1.45 s, which hides the fresh calls' 2.3 s: what the
+        // split by kind is for.
+        assert_eq!(outage.all.unavailable, Duration::from_millis(250));
+        assert_eq!(outage.all.failed_attempts, 2);
+        // A window that ends before the fresh calls recover: unavailable until its end.
+        let cut = timeline.outage(&event, at(3000));
+        assert_eq!(
+            cut.by_kind[&CallKind::Fresh].unavailable,
+            Duration::from_millis(1800)
+        );
     }
 }

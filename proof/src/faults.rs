@@ -379,6 +379,12 @@ async fn restart_at_random(
     Ok(())
 }
 
+/// The timeline's labels of `--ha`'s faults (`outages::FaultClass` sorts them by these).
+pub(crate) const PRIMARY_KILL: &str = "failover/postgresql primary SIGKILL";
+pub(crate) const SWITCHOVER: &str = "failover/postgresql planned switchover";
+/// Followed by the node's number.
+pub(crate) const BROKER_KILL: &str = "sigkill/rabbitmq node";
+
 /// `--ha`'s faults on the high-availability topology, one at a time per kind, each only once the
 /// last has healed (a primary with a synchronous standby, three brokers), and each logged on
 /// the timeline so that the report can say what the clients saw around it.
@@ -408,10 +414,10 @@ impl HaFaults {
             let at = Instant::now();
             let label = if rng.random_bool(switchover_ratio.clamp(0.0, 1.0)) {
                 ha.switchover().await?;
-                "failover/postgresql planned switchover"
+                SWITCHOVER
             } else {
                 ha.kill_primary().await?;
-                "failover/postgresql primary SIGKILL"
+                PRIMARY_KILL
             };
             self.faults.add(label, 1);
             ha.wait_healthy().await?;
@@ -435,7 +441,7 @@ impl HaFaults {
             tokio::time::sleep(Duration::from_millis(rng.random_range(1000..5000))).await;
             ha.start_broker(node).await?;
             ha.wait_healthy().await?;
-            self.log(format!("sigkill/rabbitmq node {node}"), at);
+            self.log(format!("{BROKER_KILL} {node}"), at);
         }
         Ok(())
     }

@@ -48,6 +48,7 @@ mod money;
 mod money_checks;
 mod money_rider;
 mod other_product;
+mod outages;
 mod processes;
 mod reconciliation;
 mod replays;
@@ -323,6 +324,13 @@ impl Gathering<'_> {
             &tallies.attempts.snapshot(),
             &tallies.faults.snapshot(),
             &self.plan.log_dir,
+            &mut verdict.violations,
+        );
+        let outages = outages::spread(&outages::per_fault(&tallies.timeline));
+        invariants::failover::check(args, &outages, &mut verdict.violations);
+        invariants::failover::check_live_replays(
+            args,
+            &tallies.live_replays,
             &mut verdict.violations,
         );
         let money = money_checks::judge_and_report(

@@ -19,10 +19,11 @@ use tokio::task::JoinHandle;
 use crate::{
     args::Args,
     clients::KeyRecord,
-    counters::{Counters, Tallies, Timeline},
+    counters::{CallKind, Counters, Tallies, Unavailability},
     faults::sleep_unless_stopped,
     invariants::{Facts, INVARIANTS, Verdict},
     maintenance::Drain,
+    outages::{self, FaultOutage},
     setup::{Plan, Wiring},
 };
 
@@ -113,6 +114,7 @@ impl Report<'_> {
                     *m.entry(a.reason.clone()).or_default() += 1;
                     m
                 });
+        let fault_rows = outages::per_fault(&tallies.timeline);
         json!({
             "run_id": plan.run_id,
             "seed": plan.seed,
@@ -152,7 +154,9 @@ impl Report<'_> {
             "reconciliation": reconciliation_json(&ev.reconciliation),
             "replays": self.facts.replays.stats,
             "money": self.money,
-            "ha_faults": ha_faults(&tallies.timeline),
+            "ha_faults": ha_faults(&fault_rows),
+            "ha_outage_spread": ha_outage_spread(&fault_rows),
+            "replays_during_traffic": tallies.live_replays.outcomes.snapshot(),
             "invariant_violations": invariant_json,
             "violations": v.list.iter().take(200).collect::<Vec<_>>(),
             "passed": passed,
@@ -229,6 +233,11 @@ impl Report<'_> {
             "answers per attempt",
             self.tallies.attempts.snapshot(),
         );
+        section(
+            text,
+            "replays during traffic",
+            self.tallies.live_replays.outcomes.snapshot(),
+        );
         section(text, "faults injected", self.tallies.faults.snapshot());
     }
 
@@ -264,6 +273,8 @@ impl Report<'_> {
             Some("no --money")
         } else if !self.args.rolling && crate::invariants::rolling::INVARIANTS.contains(&id) {
             Some("no --rolling")
+        } else if !self.args.ha && crate::invariants::failover::HA_INVARIANTS.contains(&id) {
+            Some("no --ha")
         } else if self.args.no_crash_points && id == "crash_points_fired" {
             Some("crash points not armed")
         } else {
@@ -314,12 +325,14 @@ fn section<K: std::fmt::Display, N: std::fmt::Display>(
     }
 }
 
-/// Each `--ha` fault: when it healed, and what the clients saw after it.
+/// Each `--ha` fault: when it healed, and what the clients saw after it, in all and per kind of
+/// call; then the spread per class of fault.
 fn text_ha_faults(text: &mut String, report: &Value) {
     text.push_str(
-        "-- HA faults: healed after / clients unavailable (first failed to first answered) / failed attempts / keys left to the completer\n",
+        "-- HA faults: healed after / clients unavailable (first failed to first answered): all, fresh, replay, refusal / failed attempts / keys left to the completer\n",
     );
     for event in report["ha_faults"].as_array().into_iter().flatten() {
+        let by_kind = |kind: CallKind| event["by_kind"][kind.label()]["unavailable_ms"].clone();
         line(
             text,
             &format!(
@@ -328,44 +341,92 @@ fn text_ha_faults(text: &mut String, report: &Value) {
                 event["fault"].as_str().unwrap_or("?")
             ),
             format!(
-                "{:.1}s / {} ms / {} / {}",
+                "{:.1}s / {}, {}, {}, {} ms / {} / {}",
                 event["healed_after_secs"].as_f64().unwrap_or(0.0),
                 event["clients_unavailable_ms"],
+                by_kind(CallKind::Fresh),
+                by_kind(CallKind::Replay),
+                by_kind(CallKind::Refusal),
                 event["failed_attempts"],
                 event["keys_left_to_completer"]
             ),
         );
     }
+    text.push_str("-- HA outage per class of fault and kind of call: faults, unavailable p50 / p99 / max, failed attempts\n");
+    for (class, kinds) in report["ha_outage_spread"].as_object().into_iter().flatten() {
+        for (kind, spread) in kinds.as_object().into_iter().flatten() {
+            line(
+                text,
+                &format!("  {class}, {kind}"),
+                format!(
+                    "{} / {} / {} / {} ms / {}",
+                    spread["faults"],
+                    spread["p50_ms"],
+                    spread["p99_ms"],
+                    spread["max_ms"],
+                    spread["failed_attempts"]
+                ),
+            );
+        }
+    }
 }
 
-/// Each `--ha` fault with what the clients saw after it, up to the next fault or 30 s after it
-/// healed, whichever is first (so a failure is counted against at most one fault).
-fn ha_faults(timeline: &Timeline) -> Value {
-    let mut events = timeline.events();
-    events.sort_by_key(|event| event.at);
-    let Some(first) = events.first().map(|event| event.at) else {
-        return json!([]);
+/// Each `--ha` fault with what the clients saw after it (`outages::per_fault`).
+fn ha_faults(rows: &[FaultOutage]) -> Value {
+    let unavailability = |u: &Unavailability| {
+        json!({
+            "unavailable_ms": u.unavailable.as_millis() as u64,
+            "failed_attempts": u.failed_attempts,
+            "attempts": u.attempts,
+        })
     };
-    let rows: Vec<Value> = events
+    let rows: Vec<Value> = rows
         .iter()
-        .enumerate()
-        .map(|(i, event)| {
-            let horizon = event.healed + Duration::from_secs(30);
-            let until = events
-                .get(i + 1)
-                .map_or(horizon, |next| next.at.min(horizon));
-            let outage = timeline.outage(event, until);
+        .map(|row| {
+            let by_kind: serde_json::Map<String, Value> = row
+                .outage
+                .by_kind
+                .iter()
+                .map(|(kind, u)| (kind.label().to_owned(), unavailability(u)))
+                .collect();
             json!({
-                "fault": event.label,
-                "at_secs": round1((event.at - first).as_secs_f64()),
-                "healed_after_secs": round1((event.healed - event.at).as_secs_f64()),
-                "clients_unavailable_ms": outage.unavailable.as_millis() as u64,
-                "failed_attempts": outage.failed_attempts,
-                "keys_left_to_completer": outage.keys_left,
+                "fault": row.event.label,
+                "class": row.class.label(),
+                "at_secs": round1(row.at.as_secs_f64()),
+                "healed_after_secs": round1((row.event.healed - row.event.at).as_secs_f64()),
+                "clients_unavailable_ms": row.outage.all.unavailable.as_millis() as u64,
+                "failed_attempts": row.outage.all.failed_attempts,
+                "keys_left_to_completer": row.outage.keys_left,
+                "by_kind": by_kind,
             })
         })
         .collect();
     json!(rows)
+}
+
+/// The spread of the outage per class of fault and kind of call (`outages::spread`).
+fn ha_outage_spread(rows: &[FaultOutage]) -> Value {
+    let ms = |d: Duration| d.as_millis() as u64;
+    let classes: serde_json::Map<String, Value> = outages::spread(rows)
+        .into_iter()
+        .map(|(class, kinds)| {
+            let kinds: serde_json::Map<String, Value> = kinds
+                .into_iter()
+                .map(|(kind, s)| {
+                    let spread = json!({
+                        "faults": s.faults,
+                        "p50_ms": ms(s.p50),
+                        "p99_ms": ms(s.p99),
+                        "max_ms": ms(s.max),
+                        "failed_attempts": s.failed_attempts,
+                    });
+                    (kind.label().to_owned(), spread)
+                })
+                .collect();
+            (class.label().to_owned(), Value::Object(kinds))
+        })
+        .collect();
+    Value::Object(classes)
 }
 
 fn round1(x: f64) -> f64 {

@@ -3,7 +3,7 @@
 //! mail without its ride, every crash point fired). Each violation names its invariant and the
 //! offending key, so that one failed run says what broke and where to look. The checks are
 //! methods of `Checks`, by what they look at: `rides.rs`, `keys.rs`, `ledger.rs` (the run as a
-//! whole).
+//! whole); `rolling.rs` and `failover.rs` hold the goals of `--rolling` and `--ha`.
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -16,13 +16,14 @@ use crate::{
     replays::Replays,
 };
 
+pub(crate) mod failover;
 mod keys;
 mod ledger;
 mod rides;
 pub(crate) mod rolling;
 
 /// Every invariant the campaign checks, by id, with what it means (the report's lines).
-pub(crate) const INVARIANTS: [(&str, &str); 33] = [
+pub(crate) const INVARIANTS: [(&str, &str); 37] = [
     (
         "ok_key_finished",
         "every key a client saw succeed is finished",
@@ -76,6 +77,10 @@ pub(crate) const INVARIANTS: [(&str, &str); 33] = [
     ),
     ("replay_marked", "replays carry idempotent-replayed: true"),
     ("replay_final", "finished keys replay a final answer"),
+    (
+        "live_replay_identical",
+        "replays sent during traffic are the first answer to the byte, marked",
+    ),
     (
         "declined_once",
         "declined rides: at most one PaymentIntent, none succeeded",
@@ -132,6 +137,19 @@ pub(crate) const INVARIANTS: [(&str, &str); 33] = [
     (
         "rolling_drained",
         "--rolling: each api-server logged its shutdown and drain on every rollout",
+    ),
+    // `--ha`'s (failover.rs).
+    (
+        "ha_primary_kills",
+        "--ha: at least --ha-min-primary-kills primary kills",
+    ),
+    (
+        "ha_fresh_outage",
+        "--ha: fresh CreateRides unavailable <= 5 s at p99, <= 10 s at worst per primary kill",
+    ),
+    (
+        "ha_replay_outage",
+        "--ha: replays unavailable no longer than fresh work (within 1 s) per primary or broker kill",
     ),
 ];
 
