@@ -82,6 +82,14 @@ pub enum RidesError {
     /// reached the server. Retryable with the same key, which is the point of the key.
     #[error("transport failure ({:?})", .0.code())]
     Transport(#[source] Box<Status>),
+    /// The server had announced that it was closing the connection (an HTTP/2 GOAWAY with
+    /// NO_ERROR: a graceful shutdown, a drain, a proxy recycling connections), and this request
+    /// was refused on this side for it or cut when the connection then closed; it may or may not
+    /// have reached the server. tonic reports it as `INTERNAL` (`h2 protocol error`), which is no
+    /// answer of the server: it is counted as `CLIENT/GOAWAY` with the code `UNAVAILABLE`, as
+    /// grpc-java does, and retried with the same key like any transport failure.
+    #[error("the server was closing the connection (HTTP/2 GOAWAY)")]
+    ServerGoingAway(#[source] Box<Status>),
     /// This attempt got no answer within its timeout; the server may still be running it.
     #[error("no answer within {0:?}")]
     AttemptTimedOut(Duration),
@@ -132,6 +140,7 @@ impl RidesError {
             | RidesError::IdempotencyKeyNeedsUpgrade(_)
             | RidesError::Internal(_)
             | RidesError::Transport(_)
+            | RidesError::ServerGoingAway(_)
             | RidesError::AttemptTimedOut(_)
             | RidesError::DeadlineExceeded { .. } => true,
             RidesError::UnknownReason { status, .. } => {
@@ -179,6 +188,10 @@ impl RidesError {
             | RidesError::RideNotFound(status)
             | RidesError::UnknownReason { status, .. }
             | RidesError::Transport(status) => Ok(status),
+            RidesError::ServerGoingAway(_) => Err(Local {
+                label: "GOAWAY",
+                code: Some(Code::Unavailable),
+            }),
             RidesError::AttemptTimedOut(_) => Err(Local::timeout("TIMEOUT")),
             RidesError::DeadlineExceeded { .. } => Err(Local::timeout("DEADLINE_EXCEEDED")),
             RidesError::MissingRide => Err(Local::other("MISSING_RIDE")),
@@ -232,11 +245,27 @@ fn our_error_info(status: &Status) -> Option<tonic_types::ErrorInfo> {
         .cloned()
 }
 
+/// Whether the status is tonic's report of an HTTP/2 GOAWAY with NO_ERROR from the server (its
+/// source chain holds the h2 error; no server sends such a status itself).
+fn server_going_away(status: &Status) -> bool {
+    let mut source = std::error::Error::source(status);
+    while let Some(error) = source {
+        if let Some(h2) = error.downcast_ref::<h2::Error>() {
+            return h2.is_go_away() && h2.is_remote() && h2.reason() == Some(h2::Reason::NO_ERROR);
+        }
+        source = error.source();
+    }
+    false
+}
+
 impl From<Status> for RidesError {
     /// Classifies an answer by its `ErrorInfo` reason; without one, by whether the status came
     /// from below the API (transport codes) or from a server that said something we do not know.
     fn from(status: Status) -> RidesError {
         let Some(info) = our_error_info(&status) else {
+            if server_going_away(&status) {
+                return RidesError::ServerGoingAway(Box::new(status));
+            }
             return match status.code() {
                 Code::Unavailable
                 | Code::Unknown
@@ -400,6 +429,55 @@ mod tests {
             assert_eq!(error.label(), format!("{code:?}/{reason}"));
             assert!(error.to_string().contains(reason), "{error}");
         }
+    }
+
+    /// The `Internal/-` that rolling deploys showed now and then: a request sent on a connection
+    /// whose server had begun its graceful shutdown. A real h2 server on loopback sends its
+    /// GOAWAY; the client's next request is refused by h2 with the GOAWAY's NO_ERROR, which tonic
+    /// maps to INTERNAL.
+    #[tokio::test]
+    async fn a_request_after_the_servers_goaway_is_the_server_going_away() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = tokio::spawn(async move {
+            let (socket, _) = listener.accept().await.unwrap();
+            let mut connection = h2::server::handshake(socket).await.unwrap();
+            connection.graceful_shutdown();
+            while let Some(request) = connection.accept().await {
+                drop(request);
+            }
+        });
+        let socket = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let (client, connection) = h2::client::handshake(socket).await.unwrap();
+        let driver = tokio::spawn(connection);
+        let mut refused = None;
+        for _ in 0..500 {
+            match client.clone().ready().await {
+                Err(error) => {
+                    refused = Some(error);
+                    break;
+                }
+                Ok(_) => tokio::time::sleep(Duration::from_millis(10)).await,
+            }
+        }
+        let refused = refused.expect("the client never saw the server's GOAWAY");
+        assert!(refused.is_go_away() && refused.is_remote(), "{refused:?}");
+        let status = Status::from_error(Box::new(refused));
+        assert_eq!(status.code(), Code::Internal, "tonic's mapping of NO_ERROR");
+        let error = RidesError::from(status);
+        assert!(matches!(error, RidesError::ServerGoingAway(_)), "{error:?}");
+        assert_eq!(error.label(), "CLIENT/GOAWAY");
+        assert_eq!(error.code(), Some(Code::Unavailable));
+        assert!(error.is_retryable());
+        assert!(error.status().is_none(), "no answer of the server");
+        // Any other h2 failure stays a transport failure under its own code.
+        let reset = RidesError::from(Status::from_error(Box::new(h2::Error::from(
+            h2::Reason::INTERNAL_ERROR,
+        ))));
+        assert!(matches!(reset, RidesError::Transport(_)), "{reset:?}");
+        assert_eq!(reset.label(), "Internal/-");
+        driver.abort();
+        server.abort();
     }
 
     #[test]

@@ -174,6 +174,7 @@ pub fn classify(result: &Result<Created, CallError>) -> Attempt {
         | RidesError::RideNotFound(_)
         | RidesError::UnknownReason { .. }
         | RidesError::Transport(_)
+        | RidesError::ServerGoingAway(_)
         | RidesError::AttemptTimedOut(_)
         | RidesError::DeadlineExceeded { .. }
         | RidesError::MissingRide
