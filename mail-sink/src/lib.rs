@@ -1,5 +1,6 @@
 //! A small SMTP server for development and tests. It speaks what lettre needs (EHLO/HELO, MAIL
-//! FROM, RCPT TO, DATA with dot-unstuffing, RSET, NOOP, QUIT), keeps what it receives in memory,
+//! FROM, RCPT TO, DATA with dot-unstuffing, RSET, NOOP, QUIT; with a certificate, STARTTLS, a
+//! TLS-from-the-first-byte `smtps` listener and AUTH PLAIN over TLS only), keeps what it receives in memory,
 //! optionally writes each mail to `DIR/<n>.eml`, and can be told to answer the next N messages
 //! with a failure code (e.g. 451) to exercise retries. It accepts every address and never relays.
 //!
@@ -31,8 +32,13 @@ use tokio_util::sync::CancellationToken;
 
 mod search;
 mod smtp;
+mod tls;
 
-use self::{search::serve_http, smtp::session};
+pub use self::tls::SinkTls;
+use self::{
+    search::serve_http,
+    smtp::{session, smtps_session},
+};
 
 /// One accepted mail.
 #[derive(Clone, Debug)]
@@ -41,6 +47,16 @@ pub struct ReceivedMail {
     pub rcpt_to: Vec<String>,
     /// The message as received, after dot-unstuffing, lines joined with CRLF.
     pub data: String,
+    /// Whether TLS carried it (STARTTLS or `smtps`); false for mails loaded from a directory.
+    pub over_tls: bool,
+}
+
+/// Credentials a client sent (AUTH PLAIN): the user, and whether TLS carried them. Over plain
+/// SMTP they are refused, but a client that sent them inline has already leaked them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Login {
+    pub user: String,
+    pub over_tls: bool,
 }
 
 impl ReceivedMail {
@@ -116,6 +132,9 @@ struct State {
     /// How long the next messages' end of DATA takes before they are kept, front first.
     slow_accepts: Mutex<VecDeque<Duration>>,
     received: Notify,
+    /// STARTTLS and `smtps`, when the sink has a certificate.
+    tls: Option<SinkTls>,
+    logins: Mutex<Vec<Login>>,
 }
 
 impl State {
@@ -134,6 +153,13 @@ impl State {
             };
             kept.bytes -= oldest.data.len();
         }
+    }
+
+    fn login(&self, login: Login) {
+        self.logins
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(login);
     }
 
     fn next_slow_accept(&self) -> Option<Duration> {
@@ -156,6 +182,7 @@ pub struct MailSink {
     addr: SocketAddr,
     state: Arc<State>,
     stop: CancellationToken,
+    listening: Listening,
 }
 
 impl MailSink {
@@ -171,6 +198,16 @@ impl MailSink {
         dir: Option<PathBuf>,
         retention: Retention,
     ) -> std::io::Result<MailSink> {
+        MailSink::spawn_with_tls(listen, dir, retention, None).await
+    }
+
+    /// [`MailSink::spawn_with`], offering STARTTLS with `tls` (and [`MailSink::serve_smtps`]).
+    pub async fn spawn_with_tls(
+        listen: SocketAddr,
+        dir: Option<PathBuf>,
+        retention: Retention,
+        tls: Option<SinkTls>,
+    ) -> std::io::Result<MailSink> {
         let listener = TcpListener::bind(listen).await?;
         let addr = listener.local_addr()?;
         if let Some(dir) = &dir {
@@ -178,6 +215,7 @@ impl MailSink {
         }
         let state = Arc::new(State {
             retention,
+            tls,
             ..State::default()
         });
         if let Some(dir) = &dir {
@@ -186,8 +224,18 @@ impl MailSink {
             }
         }
         let stop = CancellationToken::new();
-        tokio::spawn(serve(listener, Arc::clone(&state), dir, stop.clone()));
-        Ok(MailSink { addr, state, stop })
+        let listening = Listening {
+            state: Arc::clone(&state),
+            dir: dir.clone(),
+            stop: stop.clone(),
+        };
+        tokio::spawn(listening.clone().serve(listener, None));
+        Ok(MailSink {
+            addr,
+            state,
+            stop,
+            listening,
+        })
     }
 
     pub fn addr(&self) -> SocketAddr {
@@ -197,6 +245,31 @@ impl MailSink {
     /// The URL to put in `SMTP_URL`.
     pub fn smtp_url(&self) -> String {
         format!("smtp://{}", self.addr)
+    }
+
+    /// Serves SMTP over TLS from the first byte on `listen` (port 0 picks one) until the sink
+    /// stops; returns the URL to put in `SMTP_URL` (without the `cacertfile` a client needs).
+    /// Only a sink spawned with TLS can.
+    pub async fn serve_smtps(&self, listen: SocketAddr) -> std::io::Result<String> {
+        let Some(tls) = self.state.tls.clone() else {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                "the mail sink has no certificate for smtps",
+            ));
+        };
+        let listener = TcpListener::bind(listen).await?;
+        let addr = listener.local_addr()?;
+        tokio::spawn(self.listening.clone().serve(listener, Some(tls)));
+        Ok(format!("smtps://{addr}"))
+    }
+
+    /// Every AUTH seen so far, in order.
+    pub fn logins(&self) -> Vec<Login> {
+        self.state
+            .logins
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
     }
 
     /// Everything received so far, in order.
@@ -281,36 +354,48 @@ impl Drop for MailSink {
     }
 }
 
-async fn serve(
-    listener: TcpListener,
+/// What every listener's sessions share.
+#[derive(Clone)]
+struct Listening {
     state: Arc<State>,
     dir: Option<PathBuf>,
     stop: CancellationToken,
-) {
-    loop {
-        let accepted = tokio::select! {
-            () = stop.cancelled() => return,
-            accepted = listener.accept() => accepted,
-        };
-        match accepted {
-            Ok((stream, peer)) => {
-                let state = Arc::clone(&state);
-                let dir = dir.clone();
-                let stop = stop.clone();
-                tokio::spawn(async move {
-                    tokio::select! {
-                        () = stop.cancelled() => {}
-                        result = session(stream, &state, dir.as_deref()) => {
-                            if let Err(error) = result {
-                                tracing::debug!(%error, %peer, "mail sink session ended");
+}
+
+impl Listening {
+    /// Accepts until the sink stops; with `implicit_tls`, every session is TLS from the start.
+    async fn serve(self, listener: TcpListener, implicit_tls: Option<SinkTls>) {
+        loop {
+            let accepted = tokio::select! {
+                () = self.stop.cancelled() => return,
+                accepted = listener.accept() => accepted,
+            };
+            match accepted {
+                Ok((stream, peer)) => {
+                    let listening = self.clone();
+                    let implicit_tls = implicit_tls.clone();
+                    tokio::spawn(async move {
+                        let (state, dir) = (&listening.state, listening.dir.as_deref());
+                        let conversation = async {
+                            match &implicit_tls {
+                                None => session(stream, state, dir).await,
+                                Some(tls) => smtps_session(stream, tls, state, dir).await,
+                            }
+                        };
+                        tokio::select! {
+                            () = listening.stop.cancelled() => {}
+                            result = conversation => {
+                                if let Err(error) = result {
+                                    tracing::debug!(%error, %peer, "mail sink session ended");
+                                }
                             }
                         }
-                    }
-                });
-            }
-            Err(error) => {
-                tracing::warn!(%error, "mail sink cannot accept");
-                tokio::time::sleep(Duration::from_millis(50)).await;
+                    });
+                }
+                Err(error) => {
+                    tracing::warn!(%error, "mail sink cannot accept");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
             }
         }
     }
@@ -334,6 +419,7 @@ async fn load(dir: &Path) -> std::io::Result<Vec<ReceivedMail>> {
             mail_from: String::new(),
             rcpt_to: Vec::new(),
             data: data.strip_suffix("\r\n").unwrap_or(&data).to_owned(),
+            over_tls: false,
         });
     }
     Ok(mails)
@@ -382,6 +468,7 @@ mod tests {
             mail_from: String::new(),
             rcpt_to: vec![],
             data: data.into(),
+            over_tls: false,
         }
     }
 
@@ -415,6 +502,7 @@ mod tests {
             mail_from: String::new(),
             rcpt_to: vec![],
             data: "Message-ID: <a@b>\r\nSubject: long\r\n  folded\r\n\r\nMessage-ID: body".into(),
+            over_tls: false,
         };
         assert_eq!(mail.message_id().as_deref(), Some("<a@b>"));
         assert_eq!(mail.header("subject").as_deref(), Some("long folded"));

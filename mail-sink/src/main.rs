@@ -1,13 +1,15 @@
 //! `mail-sink` binary: the development SMTP server, until SIGTERM/SIGINT. Every mail is stored as
 //! an .eml file in `--dir`; with `--http-listen` it also answers the receipt worker's message
-//! search (`MAIL_SEARCH_URL`). Logs go to stderr, through the `telemetry` crate as the fleet's do.
+//! search (`MAIL_SEARCH_URL`). With `--tls-cert` and `--tls-key` it offers STARTTLS and AUTH
+//! PLAIN (over TLS only), and with `--smtps-listen` also listens for TLS from the first byte. Logs
+//! go to stderr, through the `telemetry` crate as the fleet's do.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::Parser;
-use mail_sink::{MailSink, Retention};
+use mail_sink::{MailSink, Retention, SinkTls};
 use tokio::signal::unix::{SignalKind, signal};
 use tokio_util::sync::CancellationToken;
 
@@ -35,6 +37,16 @@ struct Args {
     /// Also serve the message search (Mailpit's `/api/v1/search`) here, for MAIL_SEARCH_URL.
     #[arg(long)]
     http_listen: Option<SocketAddr>,
+    /// The server certificate chain (PEM): STARTTLS is offered on --listen.
+    #[arg(long, requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// The certificate's private key (PEM).
+    #[arg(long, requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+    /// Also listen here for SMTP over TLS from the first byte (`smtps://`, port 465 in
+    /// production); needs --tls-cert.
+    #[arg(long, requires = "tls_cert")]
+    smtps_listen: Option<SocketAddr>,
 }
 
 #[tokio::main]
@@ -55,8 +67,20 @@ async fn run(args: Args, shutdown: CancellationToken) -> anyhow::Result<()> {
         max_mails: args.max_mails,
         max_bytes: args.max_bytes,
     };
-    let sink = MailSink::spawn_with(args.listen, Some(args.dir), retention).await?;
-    tracing::info!(addr = %sink.addr(), "mail sink listening");
+    let tls = match (&args.tls_cert, &args.tls_key) {
+        (Some(cert), Some(key)) => Some(
+            SinkTls::from_pem_files(cert, key)
+                .with_context(|| format!("cannot use {} and {}", cert.display(), key.display()))?,
+        ),
+        _ => None,
+    };
+    let starttls = tls.is_some();
+    let sink = MailSink::spawn_with_tls(args.listen, Some(args.dir), retention, tls).await?;
+    tracing::info!(addr = %sink.addr(), starttls, "mail sink listening");
+    if let Some(smtps_listen) = args.smtps_listen {
+        let url = sink.serve_smtps(smtps_listen).await?;
+        tracing::info!(%url, "mail sink smtps listening");
+    }
     if let Some(http_listen) = args.http_listen {
         let url = sink.serve_search(http_listen).await?;
         tracing::info!(%url, "mail sink search listening");

@@ -10,6 +10,7 @@ use std::{
     time::Duration,
 };
 
+use api_server::testing::{GOOD_CARD, TestApp, new_key, ride_request};
 use contract::{BackgroundJob, ReceiptJob};
 use diesel_async::RunQueryDsl;
 use lapin::{
@@ -178,6 +179,20 @@ pub fn enqueuer(pool: &Pool, broker: &TestBroker, batch_size: i64) -> Enqueuer {
         broker.topology.clone(),
         enqueuer_config(batch_size),
     )
+}
+
+/// A paid ride whose receipt message is in the broker's receipts queue (published by the
+/// enqueuer); returns its id.
+pub async fn paid_ride(app: &TestApp, broker: &TestBroker) -> i64 {
+    let user = app.create_user(GOOD_CARD).await;
+    let response = app
+        .create_ride(&user, &new_key(), ride_request())
+        .await
+        .unwrap()
+        .into_inner();
+    let summary = enqueuer(&app.pool, broker, 100).run_once().await.unwrap();
+    assert_eq!(summary.published, 1);
+    response.ride.unwrap().id
 }
 
 pub fn receipt_args(ride_id: i64) -> serde_json::Value {

@@ -11,4 +11,5 @@ mod enqueuer;
 mod reaper;
 mod receipts;
 mod reconciler;
+mod smtp_tls;
 mod tls;

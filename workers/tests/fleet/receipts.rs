@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use api_server::testing::{GOOD_CARD, TestApp, new_key, ride_request};
+use api_server::testing::TestApp;
 use contract::message::ReceiptMessage;
 use diesel::{ExpressionMethods, QueryDsl};
 use diesel_async::RunQueryDsl;
@@ -14,22 +14,6 @@ use workers::{
 };
 
 use crate::common::{self, TestBroker};
-
-/// A paid ride whose receipt message is in the broker's receipts queue; returns its id.
-async fn paid_ride(app: &TestApp, broker: &TestBroker) -> i64 {
-    let user = app.create_user(GOOD_CARD).await;
-    let response = app
-        .create_ride(&user, &new_key(), ride_request())
-        .await
-        .unwrap()
-        .into_inner();
-    let summary = common::enqueuer(&app.pool, broker, 100)
-        .run_once()
-        .await
-        .unwrap();
-    assert_eq!(summary.published, 1);
-    response.ride.unwrap().id
-}
 
 async fn sent_count(app: &TestApp) -> i64 {
     let mut conn = app.pool.get().await.unwrap();
@@ -45,7 +29,7 @@ async fn a_redelivered_receipt_is_mailed_once() {
     let app = TestApp::spawn().await;
     let broker = TestBroker::new().await;
     let sink = common::mail_sink().await;
-    let ride_id = paid_ride(&app, &broker).await;
+    let ride_id = common::paid_ride(&app, &broker).await;
     // The same message again, as after a redelivery or an enqueuer republishing a job whose
     // deletion did not commit.
     let original = broker.take_all(&broker.topology.receipts_queue).await;
@@ -83,7 +67,7 @@ async fn poison_messages_are_dead_lettered_not_retried() {
     let app = TestApp::spawn().await;
     let broker = TestBroker::new().await;
     let sink = common::mail_sink().await;
-    let ride_id = paid_ride(&app, &broker).await;
+    let ride_id = common::paid_ride(&app, &broker).await;
     let valid =
         ReceiptMessage::decode(&broker.take_all(&broker.topology.receipts_queue).await[0].body)
             .unwrap();
@@ -135,7 +119,7 @@ async fn a_receipt_for_a_ride_without_its_recorded_charge_is_dead_lettered_not_m
     let app = TestApp::spawn().await;
     let broker = TestBroker::new().await;
     let sink = common::mail_sink().await;
-    let ride_id = paid_ride(&app, &broker).await;
+    let ride_id = common::paid_ride(&app, &broker).await;
     let valid =
         ReceiptMessage::decode(&broker.take_all(&broker.topology.receipts_queue).await[0].body)
             .unwrap();
@@ -178,7 +162,7 @@ async fn a_temporary_smtp_failure_is_retried_then_delivered_once() {
     let app = TestApp::spawn().await;
     let broker = TestBroker::new().await;
     let sink = common::mail_sink().await;
-    let ride_id = paid_ride(&app, &broker).await;
+    let ride_id = common::paid_ride(&app, &broker).await;
     sink.fail_next(2, 451);
 
     let worker = common::receipt_worker(&app.pool, &broker, &sink);
@@ -198,7 +182,7 @@ async fn smtp_down_is_temporary_and_the_delivery_limit_dead_letters_eventually()
     let app = TestApp::spawn().await;
     let broker = TestBroker::with_delivery_limit(2).await;
     let sink = common::mail_sink().await;
-    paid_ride(&app, &broker).await;
+    common::paid_ride(&app, &broker).await;
     // Every attempt fails temporarily: bounded by the quorum queue's delivery limit.
     sink.fail_next(100, 421);
     let worker = common::receipt_worker(&app.pool, &broker, &sink);
@@ -220,7 +204,7 @@ async fn a_permanent_smtp_failure_is_dead_lettered() {
     let app = TestApp::spawn().await;
     let broker = TestBroker::new().await;
     let sink = common::mail_sink().await;
-    paid_ride(&app, &broker).await;
+    common::paid_ride(&app, &broker).await;
     sink.fail_next(1, 550);
     let worker = common::receipt_worker(&app.pool, &broker, &sink);
     let summary = worker.run_once(&broker.session.channel).await.unwrap();
@@ -301,7 +285,7 @@ async fn scene(with_search: bool) -> Scene {
         ),
         false => None,
     };
-    let ride_id = paid_ride(&app, &broker).await;
+    let ride_id = common::paid_ride(&app, &broker).await;
     let worker = common::receipt_worker_with(&app.pool, &broker, &sink, search.as_deref());
     Scene {
         app,
@@ -493,7 +477,7 @@ async fn a_send_cut_off_by_the_timeout_keeps_the_lease_so_the_retry_finds_the_ma
         .serve_search("127.0.0.1:0".parse().unwrap())
         .await
         .unwrap();
-    let ride_id = paid_ride(&app, &broker).await;
+    let ride_id = common::paid_ride(&app, &broker).await;
     let worker =
         common::receipt_worker_configured(&app.pool, &broker, &sink, Some(&search), |config| {
             config.smtp_timeout = Duration::from_millis(500);
