@@ -85,16 +85,13 @@ pub(crate) fn search(state: &State, uri: &hyper::Uri) -> hyper::Response<Full<By
     let wanted = bare(wanted.trim_matches('"'));
     let mails = state.mails();
     let messages: Vec<serde_json::Value> = mails
-        .iter()
-        .enumerate()
-        .filter_map(|(n, mail)| {
-            let id = mail.message_id()?;
-            (bare(&id) == wanted).then(|| {
-                serde_json::json!({
-                    "ID": n.to_string(),
-                    "MessageID": bare(&id),
-                    "Subject": mail.header("Subject").unwrap_or_default(),
-                })
+        .with_message_id(wanted)
+        .into_iter()
+        .map(|(seq, mail)| {
+            serde_json::json!({
+                "ID": seq.to_string(),
+                "MessageID": wanted,
+                "Subject": mail.header("Subject").unwrap_or_default(),
             })
         })
         .collect();
