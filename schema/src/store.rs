@@ -62,14 +62,17 @@ impl From<DieselError> for StoreError {
 
 /// True when the error says the connection, not the statement, failed: a closed connection,
 /// SQLSTATE class 08 (connection exception) or 57P01..57P03 (the server is shutting down or
-/// starting up).
+/// starting up). Every FATAL that starts "terminating connection" ends the session: an
+/// administrator's command, the crash of another backend, and the postmaster's death, which is
+/// what a primary's backends say when its postmaster is SIGKILLed in a failover (HA run 40844b0b
+/// answered 6 attempts `INTERNAL` with it before this was recognised).
 pub fn is_connection_loss(error: &DieselError) -> bool {
     match error {
         DieselError::DatabaseError(DatabaseErrorKind::ClosedConnection, _)
         | DieselError::BrokenTransactionManager => true,
         DieselError::DatabaseError(_, info) => {
             let message = info.message();
-            message.starts_with("terminating connection due to administrator command")
+            message.starts_with("terminating connection")
                 || message.starts_with("the database system is shutting down")
                 || message.starts_with("the database system is starting up")
                 || message.starts_with("connection closed")
@@ -164,6 +167,14 @@ mod tests {
             database_error(
                 DatabaseErrorKind::Unknown,
                 "terminating connection due to administrator command",
+            ),
+            database_error(
+                DatabaseErrorKind::Unknown,
+                "terminating connection due to unexpected postmaster exit",
+            ),
+            database_error(
+                DatabaseErrorKind::Unknown,
+                "terminating connection because of crash of another server process",
             ),
             database_error(
                 DatabaseErrorKind::Unknown,
