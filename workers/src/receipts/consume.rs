@@ -1,7 +1,7 @@
 //! The broker side: a pass with `basic.get`, or a consumer that reconnects, each delivery
 //! processed in its own task (at most the prefetch at once) and settled as its disposition says.
 
-use std::sync::Arc;
+use std::{sync::Arc, time::Duration};
 
 use futures_util::StreamExt;
 use lapin::{
@@ -18,6 +18,37 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use super::{Disposition, ReceiptError, ReceiptSummary, ReceiptWorker};
+
+/// How long a settle may wait for lapin, and how long the in-flight deliveries of a consumer
+/// whose connection is gone may take to finish, before the consumer gives up on them and
+/// reconnects. Without these bounds, proof's HA run 40844b0b saw the consumer hang for good after
+/// a broker node's reset: no receipt mailed for its last 12 minutes.
+const SETTLE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How often a waiting consumer looks at its connection's state.
+const LIVENESS_CHECK: Duration = Duration::from_millis(500);
+
+/// Resolves once `session` is no longer usable.
+async fn connection_lost(session: &AmqpSession) {
+    let mut tick = tokio::time::interval(LIVENESS_CHECK);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        if !session.is_usable() {
+            return;
+        }
+    }
+}
+
+/// `settle` bounded by [`SETTLE_TIMEOUT`].
+async fn bounded<T>(
+    settle: impl std::future::Future<Output = lapin::Result<T>>,
+) -> Result<T, ReceiptError> {
+    match tokio::time::timeout(SETTLE_TIMEOUT, settle).await {
+        Ok(settled) => Ok(settled?),
+        Err(_) => Err(ReceiptError::SettleTimedOut(SETTLE_TIMEOUT)),
+    }
+}
 use crate::{
     amqp::{self, AmqpSession},
     backoff,
@@ -62,7 +93,8 @@ impl ReceiptWorker {
                 Ok(summary) => total.add(&summary),
                 Err(error) => tracing::warn!(%error, "receipt consumer stopped, reconnecting"),
             }
-            session.close().await;
+            // A polite close on a dead connection may never be answered either.
+            let _ = tokio::time::timeout(SETTLE_TIMEOUT, session.close()).await;
         }
         total
     }
@@ -95,6 +127,10 @@ impl ReceiptWorker {
             }
             let next = tokio::select! {
                 () = shutdown.cancelled() => break,
+                () = connection_lost(session) => {
+                    result = Err(ReceiptError::ConnectionLost);
+                    break;
+                }
                 next = consumer.next() => next,
             };
             let delivery = match next {
@@ -105,9 +141,16 @@ impl ReceiptWorker {
                 }
                 None => break,
             };
-            let permit = match Arc::clone(&in_flight).acquire_owned().await {
-                Ok(permit) => permit,
-                Err(_) => break,
+            // Every permit may be held by a delivery whose settle hangs on a dead connection.
+            let permit = tokio::select! {
+                permit = Arc::clone(&in_flight).acquire_owned() => match permit {
+                    Ok(permit) => permit,
+                    Err(_) => break,
+                },
+                () = connection_lost(session) => {
+                    result = Err(ReceiptError::ConnectionLost);
+                    break;
+                }
             };
             let worker = Arc::clone(&self);
             let shutdown = shutdown.clone();
@@ -118,11 +161,25 @@ impl ReceiptWorker {
             });
         }
         // Stop receiving first, then let in-flight deliveries finish and be settled.
-        let _ = channel
-            .basic_cancel(consumer.tag(), BasicCancelOptions::default())
-            .await;
-        while let Some(done) = tasks.join_next().await {
-            record(&mut summary, done, &mut result);
+        let _ = bounded(channel.basic_cancel(consumer.tag(), BasicCancelOptions::default())).await;
+        let finished = async {
+            while let Some(done) = tasks.join_next().await {
+                record(&mut summary, done, &mut result);
+            }
+        };
+        // Each task's own steps are bounded (database, SMTP, relay search, settle); this bound is
+        // for what is not. Detached, not aborted: a task cut mid-transaction is a crash the
+        // claims survive, but one left to finish is cleaner.
+        if tokio::time::timeout(SETTLE_TIMEOUT * 3, finished)
+            .await
+            .is_err()
+        {
+            tracing::warn!(
+                unfinished = tasks.len(),
+                "in-flight receipts did not finish; left to finish on their own, their deliveries \
+                 return to the queue with the connection"
+            );
+            tasks.detach_all();
         }
         result.map(|()| summary)
     }
@@ -164,14 +221,11 @@ impl ReceiptWorker {
             .await;
         match &disposition {
             Disposition::Sent { .. } | Disposition::Duplicate | Disposition::Recovered => {
-                delivery.acker.ack(BasicAckOptions::default()).await?;
+                bounded(delivery.acker.ack(BasicAckOptions::default())).await?;
             }
             Disposition::DeadLetter(reason) => {
                 tracing::warn!(message_id, reason, "dead-lettering receipt message");
-                delivery
-                    .acker
-                    .reject(BasicRejectOptions { requeue: false })
-                    .await?;
+                bounded(delivery.acker.reject(BasicRejectOptions { requeue: false })).await?;
             }
             Disposition::Retry(reason) => {
                 let deliveries = delivery_count(delivery);
@@ -189,13 +243,11 @@ impl ReceiptWorker {
                 );
                 // On shutdown requeue at once: another worker takes it.
                 crate::worker_loop::sleep(shutdown, delay).await;
-                delivery
-                    .acker
-                    .nack(BasicNackOptions {
-                        multiple: false,
-                        requeue: true,
-                    })
-                    .await?;
+                bounded(delivery.acker.nack(BasicNackOptions {
+                    multiple: false,
+                    requeue: true,
+                }))
+                .await?;
             }
         }
         Ok(disposition)

@@ -55,6 +55,14 @@ use crate::{
 pub enum ReceiptError {
     #[error("RabbitMQ error")]
     Broker(#[from] lapin::Error),
+    /// The connection stopped being usable while the consumer waited: lapin does not always end
+    /// a consumer's stream, or answer an ack, once its connection is reset.
+    #[error("the RabbitMQ connection was lost")]
+    ConnectionLost,
+    /// A settle (ack, nack, reject) got no answer in time; the delivery returns to the queue with
+    /// the connection.
+    #[error("settling a delivery got no answer within {0:?}")]
+    SettleTimedOut(std::time::Duration),
 }
 
 #[derive(Debug, thiserror::Error)]
