@@ -25,7 +25,10 @@ pub(crate) struct Args {
     pub(crate) clients: u32,
     /// Every gRPC hop over mutual TLS, with the certificates in this directory (`ca.pem`,
     /// `server.pem`/`.key` for the api-servers, `client.pem`/`.key` for the campaign's clients
-    /// and the completer), as `deploy/local/lib.sh`'s `make_tls_certificates` writes them.
+    /// and the completer), as `deploy/local/lib.sh`'s `make_tls_certificates` writes them. The
+    /// run's own RabbitMQ node then listens for `amqps://` only and the mail sink requires
+    /// STARTTLS, both with the server certificate (not with `--ha` or `--shared-services`,
+    /// whose brokers are plaintext).
     #[arg(long)]
     pub(crate) tls_dir: Option<PathBuf>,
     /// How many of the clients' users have the declining card `pm_card_chargeDeclined`.

@@ -204,22 +204,6 @@ fn process_state(pid: u32) -> String {
     format!("pid {pid}, state {state}, wchan {wchan}")
 }
 
-pub(crate) async fn wait_for_port(port: u16, timeout: Duration) -> anyhow::Result<()> {
-    let deadline = Instant::now() + timeout;
-    loop {
-        if tokio::net::TcpStream::connect(("127.0.0.1", port))
-            .await
-            .is_ok()
-        {
-            return Ok(());
-        }
-        if Instant::now() > deadline {
-            bail!("port {port} not open after {timeout:?}");
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
 pub(crate) async fn port_in_use(port: u16) -> bool {
     tokio::net::TcpStream::connect(("127.0.0.1", port))
         .await
@@ -354,17 +338,24 @@ impl Children {
             Some(args.stripe_port),
         );
         stripe.start().await?;
+        let mut sink_args = vec![
+            "--listen".into(),
+            format!("127.0.0.1:{}", args.smtp_port),
+            "--dir".into(),
+            plan.mail_dir.display().to_string(),
+            "--http-listen".into(),
+            format!("127.0.0.1:{}", args.mail_search_port),
+        ];
+        if let Some(dir) = &args.tls_dir {
+            // STARTTLS with the api-servers' certificate: the workers' SMTP_URL requires it.
+            for (flag, file) in [("--tls-cert", "server.pem"), ("--tls-key", "server.key")] {
+                sink_args.extend([flag.into(), dir.join(file).display().to_string()]);
+            }
+        }
         let mut sink = make(
             "mail-sink",
             plan.bin_dir.join("mail-sink"),
-            vec![
-                "--listen".into(),
-                format!("127.0.0.1:{}", args.smtp_port),
-                "--dir".into(),
-                plan.mail_dir.display().to_string(),
-                "--http-listen".into(),
-                format!("127.0.0.1:{}", args.mail_search_port),
-            ],
+            sink_args,
             Some(args.smtp_port),
         );
         sink.start().await?;

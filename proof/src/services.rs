@@ -12,11 +12,11 @@
 use std::{
     path::{Path, PathBuf},
     process::Stdio,
-    time::Duration,
 };
 
 use anyhow::{Context, bail};
 use tokio::process::Command;
+use workers::testing::RabbitNode;
 
 /// Runs `program args` (as the `postgres` user when we are root: PostgreSQL refuses to run as
 /// root) and fails with its output when it fails.
@@ -178,95 +178,6 @@ impl Postgres {
     }
 }
 
-pub struct Rabbit {
-    dir: PathBuf,
-    port: u16,
-    node: String,
-}
-
-const RABBIT_BIN: &str = "/usr/lib/rabbitmq/bin";
-
-impl Rabbit {
-    pub fn available() -> bool {
-        Path::new(RABBIT_BIN).join("rabbitmq-server").exists()
-    }
-
-    /// A node named after `run_id` listening on `port` only, with no plugins, its data in `dir`.
-    pub async fn start_new(dir: &Path, port: u16, run_id: &str) -> anyhow::Result<Rabbit> {
-        std::fs::create_dir_all(dir)?;
-        std::fs::write(dir.join("enabled_plugins"), "[].\n")?;
-        std::fs::write(dir.join("rabbitmq-env.conf"), "")?;
-        std::fs::write(
-            dir.join("rabbitmq.conf"),
-            format!("listeners.tcp.1 = 127.0.0.1:{port}\nloopback_users = none\n"),
-        )?;
-        let rabbit = Rabbit {
-            dir: dir.to_path_buf(),
-            port,
-            node: format!("proof-{run_id}@localhost"),
-        };
-        rabbit.start().await?;
-        Ok(rabbit)
-    }
-
-    pub fn url(&self) -> String {
-        format!("amqp://guest:guest@127.0.0.1:{}/%2f", self.port)
-    }
-
-    fn env(&self) -> Vec<(&'static str, String)> {
-        let d = |name: &str| self.dir.join(name).display().to_string();
-        vec![
-            ("RABBITMQ_NODENAME", self.node.clone()),
-            ("RABBITMQ_CONF_ENV_FILE", d("rabbitmq-env.conf")),
-            ("RABBITMQ_CONFIG_FILE", d("rabbitmq.conf")),
-            ("RABBITMQ_ADVANCED_CONFIG_FILE", d("advanced.config")),
-            ("RABBITMQ_ENABLED_PLUGINS_FILE", d("enabled_plugins")),
-            ("RABBITMQ_MNESIA_BASE", d("mnesia")),
-            ("RABBITMQ_LOG_BASE", d("log")),
-            ("RABBITMQ_PID_FILE", d("pid")),
-            (
-                "RABBITMQ_DIST_PORT",
-                (u32::from(self.port) + 20_000).to_string(),
-            ),
-            ("ERL_EPMD_ADDRESS", "127.0.0.1".to_owned()),
-        ]
-    }
-
-    pub async fn start(&self) -> anyhow::Result<()> {
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(self.dir.join("server.out"))?;
-        // Detached on purpose: the node must outlive this handle between a stop and a start.
-        Command::new(Path::new(RABBIT_BIN).join("rabbitmq-server"))
-            .envs(self.env())
-            .stdin(Stdio::null())
-            .stdout(Stdio::from(log.try_clone()?))
-            .stderr(Stdio::from(log))
-            .spawn()
-            .context("starting rabbitmq-server")?;
-        crate::processes::wait_for_port(self.port, Duration::from_secs(90)).await
-    }
-
-    /// A clean stop of the whole node (`rabbitmqctl stop`): every connection is closed.
-    pub async fn stop(&self) -> anyhow::Result<()> {
-        let output = Command::new(Path::new(RABBIT_BIN).join("rabbitmqctl"))
-            .args(["-n", &self.node, "stop"])
-            .envs(self.env())
-            .stdin(Stdio::null())
-            .kill_on_drop(true)
-            .output()
-            .await?;
-        if !output.status.success() {
-            bail!(
-                "rabbitmqctl stop failed: {}",
-                String::from_utf8_lossy(&output.stderr)
-            );
-        }
-        Ok(())
-    }
-}
-
 /// The high-availability topology, driven through `deploy/local/ha.sh`.
 pub struct Ha {
     script: PathBuf,
@@ -393,7 +304,7 @@ impl ServerKind {
 /// The private servers, if the campaign runs its own.
 pub(crate) struct Services {
     pub(crate) pg: Option<Postgres>,
-    pub(crate) rabbit: Option<Rabbit>,
+    pub(crate) rabbit: Option<RabbitNode>,
     /// `--ha`: instead of `pg` and `rabbit`.
     pub(crate) ha: Option<Ha>,
     pub(crate) dir: PathBuf,
@@ -421,7 +332,7 @@ impl Services {
     pub(crate) async fn start_server(&self, kind: ServerKind) -> anyhow::Result<()> {
         match (kind, &self.pg, &self.rabbit) {
             (ServerKind::Postgres, Some(pg), _) => pg.start().await,
-            (ServerKind::Rabbit, _, Some(rabbit)) => rabbit.start().await,
+            (ServerKind::Rabbit, _, Some(rabbit)) => rabbit.start().await.map(drop),
             _ => Ok(()),
         }
     }

@@ -14,6 +14,8 @@ use diesel_async::RunQueryDsl;
 use rand::Rng;
 use tokio::process::Command;
 
+use workers::testing::{NodeTls, RabbitNode};
+
 use crate::{
     args::Args,
     processes::port_in_use,
@@ -127,10 +129,8 @@ pub(crate) async fn start_services(args: &Args, plan: &Plan) -> anyhow::Result<S
         }
         (true, _) => None,
     };
-    let rabbit = if !args.shared_services && services::Rabbit::available() {
-        match services::Rabbit::start_new(&services_dir.join("rabbitmq"), args.amqp_port, run_id)
-            .await
-        {
+    let rabbit = if !args.shared_services && RabbitNode::available() {
+        match start_rabbit(args, &services_dir, run_id).await {
             Ok(rabbit) => Some(rabbit),
             Err(error) => {
                 if let Some(pg) = &pg {
@@ -151,6 +151,32 @@ pub(crate) async fn start_services(args: &Args, plan: &Plan) -> anyhow::Result<S
         ha: None,
         dir: services_dir,
     })
+}
+
+/// The run's own RabbitMQ node: with `--tls-dir` its only listener speaks TLS, with the
+/// api-servers' server certificate (its names are 127.0.0.1 and localhost), so every worker's
+/// AMQP hop runs over `amqps://`.
+async fn start_rabbit(
+    args: &Args,
+    services_dir: &Path,
+    run_id: &str,
+) -> anyhow::Result<RabbitNode> {
+    let tls = args.tls_dir.as_ref().map(|dir| NodeTls {
+        cert: dir.join("server.pem"),
+        key: dir.join("server.key"),
+        ca: dir.join("ca.pem"),
+    });
+    let node = RabbitNode::configure(
+        &services_dir.join("rabbitmq"),
+        &format!("proof-{run_id}"),
+        args.amqp_port,
+        args.amqp_port
+            .checked_add(20_000)
+            .context("--amqp-port leaves no room for Erlang distribution's port (+20000)")?,
+        tls,
+    )?;
+    node.start().await?;
+    Ok(node)
 }
 
 /// Where the children find the database, the broker, the provider, the mail relay and each
@@ -176,7 +202,7 @@ impl Wiring {
                     .map_or_else(|| args.admin_url.clone(), services::Postgres::admin_url),
                 rabbit
                     .as_ref()
-                    .map_or_else(|| args.amqp_url.clone(), services::Rabbit::url),
+                    .map_or_else(|| args.amqp_url.clone(), RabbitNode::url),
             ),
         };
         let db_name = format!("proof_{run_id}");
@@ -201,7 +227,7 @@ impl Wiring {
             ("RUST_LOG", "info"),
             ("AMQP_URL", amqp_url.as_str()),
             ("AMQP_TOPOLOGY_PREFIX", prefix.as_str()),
-            ("SMTP_URL", &format!("smtp://{smtp_addr}")),
+            ("SMTP_URL", &smtp_url(args, &smtp_addr)),
             ("SMTP_TIMEOUT_SECS", "2"),
             ("RECEIPTS_CLAIM_LEASE_SECS", "5"),
             ("MAIL_SEARCH_URL", mail_search_url.as_str()),
@@ -240,6 +266,17 @@ impl Wiring {
             stripe_base,
             env,
         })
+    }
+}
+
+/// The mail sink's URL: with `--tls-dir`, STARTTLS required and verified against the run's CA.
+fn smtp_url(args: &Args, smtp_addr: &str) -> String {
+    match &args.tls_dir {
+        None => format!("smtp://{smtp_addr}"),
+        Some(dir) => format!(
+            "smtp://{smtp_addr}?tls=required&cacertfile={}",
+            dir.join("ca.pem").display()
+        ),
     }
 }
 

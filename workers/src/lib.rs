@@ -16,6 +16,7 @@
 //! - [`reconciler`]: compares the provider's charges with the rides and records every mismatch
 //!   in `reconciliation_findings`; refunds a charge no ride stands for only when asked.
 //! - [`shutdown`] and [`backoff`]: the plumbing every loop shares.
+//! - `testing` (feature): a RabbitMQ node of a test's own, plain or TLS.
 //! - [`admin`]: the operator CLI (`workers admin …`, see `docs/operations.md`).
 //!
 //! Every worker has a `run_once` (one pass, returns a serialisable summary of counts) and a `run`
@@ -39,6 +40,8 @@ pub mod reconciler;
 pub mod redact;
 pub mod relay_search;
 pub mod shutdown;
+#[cfg(feature = "testing")]
+pub mod testing;
 pub mod topology;
 pub mod worker_loop;
 

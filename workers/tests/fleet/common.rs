@@ -46,6 +46,8 @@ pub fn amqp_url() -> String {
 pub struct TestBroker {
     pub topology: Topology,
     pub session: AmqpSession,
+    /// The broker's URL, which the workers built by these helpers connect to.
+    pub url: String,
 }
 
 /// A message taken off a queue.
@@ -62,10 +64,19 @@ impl TestBroker {
     }
 
     pub async fn with_delivery_limit(limit: u32) -> TestBroker {
+        TestBroker::at(&amqp_url(), limit).await
+    }
+
+    /// A topology of its own on the broker at `url`.
+    pub async fn at(url: &str, limit: u32) -> TestBroker {
         let prefix = format!("test-{}", uuid::Uuid::new_v4().simple());
         let topology = Topology::from_prefix(&prefix, limit);
-        let session = AmqpSession::open(&amqp_url(), &topology).await.unwrap();
-        TestBroker { topology, session }
+        let session = AmqpSession::open(url, &topology).await.unwrap();
+        TestBroker {
+            topology,
+            session,
+            url: url.to_owned(),
+        }
     }
 
     /// Takes (and acks) every message currently in `queue`.
@@ -175,7 +186,7 @@ pub fn enqueuer_config(batch_size: i64) -> EnqueuerConfig {
 pub fn enqueuer(pool: &Pool, broker: &TestBroker, batch_size: i64) -> Enqueuer {
     Enqueuer::new(
         pool.clone(),
-        &amqp_url(),
+        &broker.url,
         broker.topology.clone(),
         enqueuer_config(batch_size),
     )

@@ -4,6 +4,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod admin;
+mod amqp_tls;
 mod common;
 mod completer;
 mod end_to_end;
