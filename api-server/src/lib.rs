@@ -20,6 +20,7 @@
 //!   per-user rate limits and the decline budget; [`penalty`]: peers that keep failing
 //!   authentication are shut out.
 //! - [`config`]: typed configuration, read once from the environment.
+//! - [`health_check`]: `api-server health-check`, the exec probe that speaks TLS.
 //! - [`fault`]: crash points for the reliability campaign (feature `fault-injection` only).
 
 pub mod admission;
@@ -27,6 +28,7 @@ pub mod auth;
 pub mod config;
 pub mod fault;
 pub mod grpc;
+pub mod health_check;
 pub mod idempotency;
 pub mod limits;
 pub mod listener;

@@ -1,8 +1,8 @@
-//! `api-server`: `serve`, `migrate`, and `users create`. Configuration comes from the
+//! `api-server`: `serve`, `migrate`, `health-check` and `users create`. Configuration comes from the
 //! environment (see docs/configuration.md); this file only parses the command line and wires things up.
 
 use anyhow::Context;
-use api_server::{App, auth, config::Config, server};
+use api_server::{App, auth, config::Config, health_check, server};
 use clap::{Parser, Subcommand};
 
 /// Every request allocates and frees a few hundred small objects (HTTP/2 frames, protobuf
@@ -25,6 +25,16 @@ enum Command {
     Serve,
     /// Apply pending database migrations.
     Migrate,
+    /// Ask this configuration's own listener (on loopback, over TLS when GRPC_TLS_* is set) whether
+    /// a service is SERVING: the container's probe. Exits 0 only when it is.
+    HealthCheck {
+        /// The grpc.health.v1 service: `liveness`, `rides.v1.RideService`, or "" for the server.
+        #[arg(long, default_value = "")]
+        service: String,
+        /// The CA the listener's certificate is verified against (default: GRPC_TLS_CLIENT_CA).
+        #[arg(long)]
+        ca: Option<std::path::PathBuf>,
+    },
     /// Manage users.
     Users {
         #[command(subcommand)]
@@ -48,6 +58,15 @@ enum UsersCommand {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
+    // A probe runs every few seconds: no telemetry set-up, no log lines, just the exit code and a
+    // reason on failure.
+    if let Command::HealthCheck { service, ca } = &cli.command {
+        let config = Config::from_env().context("invalid configuration")?;
+        health_check::check(&config, service, ca.as_deref())
+            .await
+            .context("health check failed")?;
+        return Ok(());
+    }
     let telemetry =
         telemetry::Telemetry::init("rides-api-server").context("cannot set up telemetry")?;
     let result = run(cli, &telemetry).await;
@@ -58,6 +77,8 @@ async fn main() -> anyhow::Result<()> {
 async fn run(cli: Cli, telemetry: &telemetry::Telemetry) -> anyhow::Result<()> {
     let config = Config::from_env().context("invalid configuration")?;
     match cli.command {
+        // Answered in `main`, before telemetry.
+        Command::HealthCheck { .. } => {}
         Command::Migrate => {
             if schema::migrations::create_database_if_missing(config.database.url.expose())
                 .await

@@ -450,3 +450,62 @@ async fn a_peer_that_never_answers_pings_is_closed() {
         opened.elapsed()
     );
 }
+
+/// `api-server health-check` with the server's own TLS environment, as the kubelet's exec probe
+/// runs it: its exit status and what it printed.
+fn health_check_command(
+    files: &TlsFiles,
+    addr: std::net::SocketAddr,
+    args: &[&str],
+) -> (bool, String) {
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_api-server"))
+        .arg("health-check")
+        .args(args)
+        .env_clear()
+        .envs(files.env())
+        .env("GRPC_LISTEN_ADDR", addr.to_string())
+        .output()
+        .unwrap();
+    (
+        output.status.success(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_health_check_command_probes_a_mutual_tls_listener_with_its_own_certificate() {
+    let ca = TestCa::new("cluster ca");
+    let files = TlsFiles::new(&ca, Some(&ca));
+    let app = spawn(&files.env()).await;
+    for service in ["liveness", "rides.v1.RideService"] {
+        let (ok, stderr) = health_check_command(&files, app.addr, &["--service", service]);
+        assert!(ok, "{service}: {stderr}");
+    }
+
+    let (ok, stderr) = health_check_command(&files, app.addr, &["--service", "no.such.Service"]);
+    assert!(!ok, "an unknown service passed the probe");
+    assert!(stderr.contains("health check failed"), "{stderr}");
+
+    let impostor = TestCa::new("impostor ca");
+    let impostor_pem = files.dir.join("impostor.pem");
+    std::fs::write(&impostor_pem, &impostor.cert_pem).unwrap();
+    let (ok, _) = health_check_command(
+        &files,
+        app.addr,
+        &[
+            "--service",
+            "liveness",
+            "--ca",
+            impostor_pem.to_str().unwrap(),
+        ],
+    );
+    assert!(!ok, "a server the CA did not sign passed the probe");
+
+    // Nothing listening: fails, within the probe's budget rather than the TCP timeout.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let (ok, stderr) = health_check_command(&files, closed, &["--service", "liveness"]);
+    assert!(!ok, "{stderr}");
+}
