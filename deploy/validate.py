@@ -8,14 +8,16 @@ Subcommands:
                              and JSON 6902). Anything else is refused, never silently ignored.
   same A B                   two rendered streams hold the same objects (order-insensitive).
   k8s-policy FILE...         the project's own rules for rendered manifests (non-root, read-only
-                             root, no capabilities, requests and limits, gRPC probes, ...).
+                             root, no capabilities, requests and limits, the api-server's exec
+                             probes, TLS on every hop: certificates, their issuers and mounts).
   custom-resources DIR FILE...
                              every custom resource (an API group outside Kubernetes' own) in the
                              rendered FILEs against its JSON schema in DIR, named
                              <group>_<version>_<Kind>.json (deploy/schemas/README.md); a custom
                              resource without one is an error, never skipped.
   compose FILE               references inside a Compose file (depends_on targets, conditions,
-                             images or builds, healthchecks for service_healthy, volumes, ...).
+                             images or builds, healthchecks for service_healthy, volumes, TLS
+                             files in a mounted volume, a TLS api-server's health check, ...).
   collector FILE             an OpenTelemetry Collector config's pipelines use defined components.
   dockerfile DOCKERFILE ROOT the Dockerfile copies every workspace member, has the runtime targets,
                              runs them as a non-root user; .dockerignore keeps the members.
@@ -32,6 +34,7 @@ import os
 import re
 import sys
 from pathlib import Path
+from urllib.parse import parse_qs, unquote, urlsplit
 
 import yaml
 
@@ -444,9 +447,16 @@ def k8s_policy(paths: list[Path]) -> list[str]:
                 if ":" not in image.rsplit("/", 1)[-1] and "@" not in image:
                     problems.append(f"{name}: image {image!r} has no tag or digest")
             for env_container in containers(spec):
+                from_secrets: set[str] = set()
                 for env in env_container.get("env") or []:
+                    if ((env.get("valueFrom") or {}).get("secretKeyRef")):
+                        from_secrets.add(env["name"])
+                    # A value may build on a variable from a Secret ($(VAR)…, Kubernetes expands it)
+                    # and add only what is not secret, e.g. the TLS parameters of a URL.
+                    reference = re.match(r"\$\((\w+)\)", env.get("value") or "")
                     if re.search(r"(TOKEN|SECRET|PASSWORD|_URL)$", env["name"]) and "value" in env \
-                            and env["name"] not in ("API_SERVER_URL", "SMTP_URL"):
+                            and env["name"] not in ("API_SERVER_URL", "SMTP_URL") \
+                            and not (reference and reference.group(1) in from_secrets):
                         problems.append(f"{where}: {env['name']} set inline, not from a Secret")
         if obj["kind"] == "CronJob" and obj["spec"].get("concurrencyPolicy") != "Forbid":
             problems.append(f"{where}: concurrencyPolicy is not Forbid")
@@ -456,12 +466,7 @@ def k8s_policy(paths: list[Path]) -> list[str]:
     else:
         (container,) = [c for c in api["spec"]["template"]["spec"]["containers"]
                         if c["name"] == "api-server"]
-        for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
-            if "grpc" not in (container.get(probe) or {}):
-                problems.append(f"Deployment/api-server: {probe} is not a gRPC probe")
-        if (container.get("readinessProbe") or {}).get("grpc", {}).get("service") \
-                != "rides.v1.RideService":
-            problems.append("Deployment/api-server: readiness does not ask for rides.v1.RideService")
+        problems.extend(health_check_probes(container))
         if "preStop" not in (container.get("lifecycle") or {}):
             problems.append("Deployment/api-server: no preStop hook")
         if "replicas" in api["spec"]:
@@ -515,6 +520,429 @@ def k8s_policy(paths: list[Path]) -> list[str]:
                         if target is not None and ref["key"] not in (target.get("data") or {}):
                             problems.append(f"{obj['kind']}/{obj['metadata']['name']}: "
                                             f"{ref_kind} {ref['name']} has no key {ref['key']}")
+    problems.extend(tls_policy(objects, by_kind))
+    return list(dict.fromkeys(problems))  # once each, in order
+
+
+# ------------------------------------------------------------------------------------------------
+# TLS on every hop (issue 33): probes, certificates, their issuers, and the files processes read
+
+# The api-server's probes: `api-server health-check --service S` (exec; the kubelet's gRPC probe
+# cannot speak TLS). The check answers within 2 s (a 1 s dial, then the call), so a probe's
+# timeoutSeconds must be at least 2.
+HEALTH_CHECK_PROBES = (("startupProbe", "liveness"), ("livenessProbe", "liveness"),
+                       ("readinessProbe", "rides.v1.RideService"))
+HEALTH_CHECK_TIMEOUT_SECS = 2
+# Settings that name a PEM file (docs/configuration.md): variables, URL query parameters, and
+# command-line flags (the mail sink's certificate; the health check's --ca).
+TLS_FILE_VARIABLES = ("GRPC_TLS_CERT", "GRPC_TLS_KEY", "GRPC_TLS_CLIENT_CA", "API_SERVER_CA",
+                      "API_SERVER_CLIENT_CERT", "API_SERVER_CLIENT_KEY")
+TLS_FILE_PARAMETERS = ("cacertfile", "sslrootcert")
+TLS_FILE_FLAGS = ("--tls-cert", "--tls-key", "--ca")
+SERVER_CERT_VARIABLES, SERVER_CERT_FLAGS = ("GRPC_TLS_CERT",), ("--tls-cert",)
+# The keys cert-manager writes to a Certificate's Secret.
+CERTIFICATE_SECRET_KEYS = {"tls.crt", "tls.key", "ca.crt"}
+# Client URLs whose peer, when it runs in the rendering, must be reached over verified TLS.
+TLS_URL_VARIABLES = ("DATABASE_URL", "AMQP_URL", "SMTP_URL", "API_SERVER_URL")
+# The processes that read a variable (docs/configuration.md, "Used by"), named by a container's
+# first argument (`serve`, `receipts`, ...); one not listed is read by all. The shared ConfigMap
+# hands every process SMTP_URL, but only the receipt worker dials it.
+READ_BY = {
+    "GRPC_TLS_CERT": {"serve"}, "GRPC_TLS_KEY": {"serve"}, "GRPC_TLS_CLIENT_CA": {"serve"},
+    "API_SERVER_URL": {"completer"}, "API_SERVER_CA": {"completer"},
+    "API_SERVER_CLIENT_CERT": {"completer"}, "API_SERVER_CLIENT_KEY": {"completer"},
+    "AMQP_URL": {"enqueuer", "receipts", "admin"}, "SMTP_URL": {"receipts"},
+}
+
+
+def health_check_probes(container: dict) -> list[str]:
+    problems = []
+    for probe, service in HEALTH_CHECK_PROBES:
+        spec = container.get(probe) or {}
+        command = (spec.get("exec") or {}).get("command") or []
+        where = f"Deployment/api-server: {probe}"
+        if not command:
+            problems.append(f"{where} is not an exec probe running `api-server health-check` "
+                            "(the kubelet's gRPC probe cannot speak TLS)")
+            continue
+        if Path(command[0]).name != "api-server" or command[1:2] != ["health-check"]:
+            problems.append(f"{where} runs {command}, not `api-server health-check`")
+        asked = command[command.index("--service") + 1] \
+            if "--service" in command[:-1] else None
+        if asked != service:
+            problems.append(f"{where} asks for {asked!r}, not {service!r}")
+        if spec.get("timeoutSeconds", 1) < HEALTH_CHECK_TIMEOUT_SECS:
+            problems.append(f"{where}: timeoutSeconds {spec.get('timeoutSeconds', 1)} is shorter "
+                            f"than the health check's {HEALTH_CHECK_TIMEOUT_SECS} s")
+    return problems
+
+
+def secret_text(secret: dict) -> dict[str, str]:
+    data = {}
+    for key, value in (secret.get("data") or {}).items():
+        try:
+            data[key] = base64.b64decode(value.replace("\n", "")).decode()
+        except (ValueError, UnicodeDecodeError):
+            data[key] = ""
+    data.update(secret.get("stringData") or {})
+    return data
+
+
+def container_env(container: dict, by_kind: dict) -> tuple[dict, dict]:
+    """The variables a container's process reads (READ_BY), as far as the rendering shows them
+    (None: not in it, e.g. from a Secret a secret manager makes), and for each variable from a
+    Secret, that Secret's name."""
+    values: dict[str, str | None] = {}
+    sources: dict[str, str] = {}
+    for source in container.get("envFrom") or []:
+        if source.get("configMapRef"):
+            config = (by_kind.get("ConfigMap") or {}).get(source["configMapRef"]["name"]) or {}
+            values.update(config.get("data") or {})
+        if source.get("secretRef"):
+            secret = (by_kind.get("Secret") or {}).get(source["secretRef"]["name"])
+            values.update(secret_text(secret) if secret else {})
+    for env in container.get("env") or []:
+        name, value_from = env["name"], env.get("valueFrom") or {}
+        if "value" in env:
+            values[name] = re.sub(r"\$\((\w+)\)", lambda m: values.get(m.group(1)) or m.group(0),
+                                  env["value"])
+        elif value_from.get("configMapKeyRef"):
+            ref = value_from["configMapKeyRef"]
+            values[name] = ((by_kind.get("ConfigMap") or {}).get(ref["name"]) or {}) \
+                .get("data", {}).get(ref["key"])
+        elif value_from.get("secretKeyRef"):
+            ref = value_from["secretKeyRef"]
+            secret = (by_kind.get("Secret") or {}).get(ref["name"])
+            values[name] = secret_text(secret).get(ref["key"]) if secret else None
+            sources[name] = ref["name"]
+        else:
+            values[name] = None
+    process = (container.get("args") or [""])[0]
+    read = {name: value for name, value in values.items()
+            if name not in READ_BY or process in READ_BY[name]}
+    return read, sources
+
+
+def tls_file_references(container: dict, values: dict) -> list[tuple[str, str]]:
+    """(what names it, path) for every PEM file the container is configured to read."""
+    files = [(name, values[name]) for name in TLS_FILE_VARIABLES if values.get(name)]
+    for name, value in values.items():
+        if name.endswith("_URL") and value:
+            for parameter, path in re.findall(
+                    rf"[?&]({'|'.join(TLS_FILE_PARAMETERS)})=([^&,]*)", value):
+                files.append((f"{name} {parameter}=", unquote(path)))
+    words = list(container.get("command") or []) + list(container.get("args") or [])
+    for probe, _ in HEALTH_CHECK_PROBES:
+        words += ((container.get(probe) or {}).get("exec") or {}).get("command") or []
+    for index, word in enumerate(words):
+        for flag in TLS_FILE_FLAGS:
+            if word == flag and index + 1 < len(words):
+                files.append((flag, words[index + 1]))
+            elif word.startswith(flag + "="):
+                files.append((flag, word.split("=", 1)[1]))
+    return files
+
+
+def secret_makers(objects: list[dict]) -> dict[tuple[str, str], dict]:
+    """(namespace, Secret name) -> what makes that Secret in the rendering: a cert-manager
+    Certificate, or an operator whose custom resource is rendered (documented behaviour:
+    CloudNativePG keeps each Cluster's own CA in the Secret <cluster>-ca, keys ca.crt and ca.key)."""
+    makers: dict[tuple[str, str], dict] = {}
+    for obj in objects:
+        meta = obj.get("metadata") or {}
+        namespace, spec = meta.get("namespace", ""), obj.get("spec") or {}
+        if obj.get("kind") == "Certificate" and obj["apiVersion"].startswith("cert-manager.io/"):
+            makers[(namespace, spec.get("secretName"))] = {
+                "by": f"Certificate/{meta['name']}", "keys": CERTIFICATE_SECRET_KEYS,
+                "ca": bool(spec.get("isCA")), "certificate": obj}
+        if obj.get("kind") == "Cluster" and obj["apiVersion"].startswith("postgresql.cnpg.io/"):
+            makers[(namespace, f"{meta['name']}-ca")] = {
+                "by": f"CloudNativePG Cluster/{meta['name']}", "keys": {"ca.crt", "ca.key"},
+                "ca": True, "certificate": None}
+    return makers
+
+
+def secret_volumes(pod_spec: dict) -> dict[str, list[tuple[str, list | None]]]:
+    """volume name -> [(Secret name, items or None)] for Secret and projected volumes."""
+    volumes = {}
+    for volume in pod_spec.get("volumes") or []:
+        if volume.get("secret"):
+            volumes[volume["name"]] = [(volume["secret"].get("secretName"),
+                                        volume["secret"].get("items"))]
+        elif volume.get("projected"):
+            volumes[volume["name"]] = [(source["secret"].get("name"), source["secret"].get("items"))
+                                       for source in volume["projected"].get("sources") or []
+                                       if source.get("secret")]
+    return volumes
+
+
+def tls_file_secret(where: str, what: str, path: str, container: dict, pod_spec: dict,
+                    namespace: str, makers: dict, problems: list[str]) -> dict | None:
+    """The maker of the Secret that holds `path`, checking that the file is in a read-only mount
+    of a Secret volume, that the Secret is made in the rendering, and that it has that key."""
+    mounts = [mount for mount in container.get("volumeMounts") or []
+              if path.startswith(mount["mountPath"].rstrip("/") + "/")]
+    if not mounts:
+        problems.append(f"{where}: {what} names {path}, which no volumeMount holds")
+        return None
+    mount = max(mounts, key=lambda m: len(m["mountPath"]))
+    if not mount.get("readOnly"):
+        problems.append(f"{where}: volume {mount['name']} ({what} {path}) is not mounted readOnly")
+    if mount.get("subPath"):
+        problems.append(f"{where}: volume {mount['name']} is mounted with subPath, which a renewed "
+                        "Secret never reaches")
+    sources = secret_volumes(pod_spec).get(mount["name"])
+    if not sources:
+        problems.append(f"{where}: {what} {path} is in volume {mount['name']}, not a Secret volume")
+        return None
+    relative = path[len(mount["mountPath"].rstrip("/")) + 1:]
+    for secret_name, items in sources:
+        key = relative if items is None else next(
+            (item["key"] for item in items if item.get("path") == relative), None)
+        if key is None:
+            continue
+        maker = makers.get((namespace, secret_name))
+        if maker is None:
+            problems.append(f"{where}: {what} {path} comes from Secret {secret_name}, which no "
+                            "Certificate in the rendering (nor an operator it runs) makes")
+        elif key not in maker["keys"]:
+            problems.append(f"{where}: {what} {path}: Secret {secret_name} ({maker['by']}) has no "
+                            f"key {key}")
+        return maker
+    problems.append(f"{where}: {what} {path}: volume {mount['name']} does not project that file")
+    return None
+
+
+def tls_policy(objects: list[dict], by_kind: dict) -> list[str]:
+    problems: list[str] = []
+    makers = secret_makers(objects)
+    namespaces = {(obj.get("metadata") or {}).get("namespace", "") for obj in objects}
+    namespace = sorted(namespaces - {""})[0] if namespaces - {""} else ""
+
+    # Certificates: one per Secret, each issued by an issuer of the rendering; a CA issuer's key
+    # pair is made by a CA Certificate of the rendering.
+    issuers = {(o["metadata"].get("namespace", ""), o["metadata"]["name"]): o for o in objects
+               if o.get("kind") == "Issuer" and o["apiVersion"].startswith("cert-manager.io/")}
+    cluster_issuers = {o["metadata"]["name"]: o for o in objects
+                       if o.get("kind") == "ClusterIssuer"
+                       and o["apiVersion"].startswith("cert-manager.io/")}
+    secrets_seen: dict[tuple[str, str], str] = {}
+    for obj in objects:
+        if obj.get("kind") != "Certificate" or not obj["apiVersion"].startswith("cert-manager.io/"):
+            continue
+        meta, spec = obj["metadata"], obj.get("spec") or {}
+        where, ns = f"Certificate/{meta['name']}", meta.get("namespace", "")
+        previous = secrets_seen.setdefault((ns, spec.get("secretName")), meta["name"])
+        if previous != meta["name"]:
+            problems.append(f"{where}: Secret {spec.get('secretName')} is Certificate/{previous}'s too")
+        ref = spec.get("issuerRef") or {}
+        kind, group = ref.get("kind", "Issuer"), ref.get("group", "cert-manager.io")
+        issuer = issuers.get((ns, ref.get("name"))) if kind == "Issuer" else \
+            cluster_issuers.get(ref.get("name")) if kind == "ClusterIssuer" else None
+        if group != "cert-manager.io" or issuer is None:
+            problems.append(f"{where}: issuerRef {group}/{kind}/{ref.get('name')} is no Issuer or "
+                            "ClusterIssuer of the rendering")
+    for (ns, name), issuer in list(issuers.items()) + [(("", n), o) for n, o in cluster_issuers.items()]:
+        ca = (issuer.get("spec") or {}).get("ca")
+        if not ca:
+            continue
+        maker = makers.get((ns, ca.get("secretName"))) if issuer["kind"] == "Issuer" else next(
+            (m for (_, secret), m in makers.items() if secret == ca.get("secretName")), None)
+        if not maker or not maker["ca"] or not maker["certificate"]:
+            problems.append(f"{issuer['kind']}/{name}: its CA key pair, Secret {ca.get('secretName')}, "
+                            "is made by no CA Certificate (isCA: true) of the rendering")
+
+    # Every PEM file a process reads: in a read-only Secret volume whose Secret the rendering
+    # makes; no pod mounts a CA's private key.
+    server_certs: dict[str, list[tuple[dict, dict | None]]] = {}  # workload -> (container, cert)
+    workloads = []
+    for obj in objects:
+        for template_meta, spec in pod_specs(obj):
+            where = f"{obj['kind']}/{obj['metadata']['name']}"
+            ns = obj["metadata"].get("namespace", "")
+            workloads.append((obj, template_meta, spec))
+            for volume, sources in secret_volumes(spec).items():
+                for secret_name, items in sources:
+                    maker = makers.get((ns, secret_name))
+                    keys = {item["key"] for item in items} if items is not None else None
+                    if maker and maker["ca"] and (keys is None or keys & {"tls.key", "ca.key"}):
+                        problems.append(f"{where}: volume {volume} mounts the private key of the CA "
+                                        f"in Secret {secret_name} (project only ca.crt: items)")
+            for container in containers(spec):
+                name = f"{where} container {container['name']}"
+                values, _ = container_env(container, by_kind)
+                for what, path in tls_file_references(container, values):
+                    maker = tls_file_secret(name, what, path, container, spec, ns, makers, problems)
+                    if what in SERVER_CERT_VARIABLES + SERVER_CERT_FLAGS:
+                        server_certs.setdefault(where, []).append(
+                            (container, maker and maker["certificate"]))
+
+    # A server's certificate names every Service in front of it, as clients dial it.
+    services = by_kind.get("Service") or {}
+    serving: dict[str, list[str]] = {}  # Service -> workloads behind it
+    for obj, template_meta, _ in workloads:
+        labels = template_meta.get("labels") or {}
+        for service_name, service in services.items():
+            selector = (service.get("spec") or {}).get("selector") or {}
+            if selector and selector.items() <= labels.items():
+                serving.setdefault(service_name, []).append(f"{obj['kind']}/{obj['metadata']['name']}")
+    for service_name, behind in serving.items():
+        ns = services[service_name]["metadata"].get("namespace", "")
+        wanted = {service_name, f"{service_name}.{ns}.svc", f"{service_name}.{ns}.svc.cluster.local"}
+        for workload in behind:
+            for container, certificate in server_certs.get(workload, []):
+                if certificate is None:
+                    continue
+                missing = wanted - set((certificate.get("spec") or {}).get("dnsNames") or [])
+                if missing:
+                    problems.append(f"Certificate/{certificate['metadata']['name']} ({workload}'s) "
+                                    f"lacks the name(s) {sorted(missing)} of Service/{service_name}")
+
+    # The api-server serves mutual TLS, with a certificate its own probe can verify and present.
+    api = (by_kind.get("Deployment") or {}).get("api-server")
+    if api:
+        (container,) = [c for c in api["spec"]["template"]["spec"]["containers"]
+                        if c["name"] == "api-server"]
+        values, _ = container_env(container, by_kind)
+        for variable in ("GRPC_TLS_CERT", "GRPC_TLS_KEY", "GRPC_TLS_CLIENT_CA"):
+            if not values.get(variable):
+                problems.append(f"Deployment/api-server: {variable} is not set (mutual TLS)")
+        for _, certificate in server_certs.get("Deployment/api-server", []):
+            spec = (certificate or {}).get("spec") or {}
+            if certificate is None:
+                continue
+            where = f"Certificate/{certificate['metadata']['name']} (the api-server's)"
+            if not {"server auth", "client auth"} <= set(spec.get("usages") or []):
+                problems.append(f"{where}: usages lack server auth or client auth (the health "
+                                "check presents it as a client certificate)")
+            if "localhost" not in (spec.get("dnsNames") or []) or \
+                    "127.0.0.1" not in (spec.get("ipAddresses") or []):
+                problems.append(f"{where}: lacks localhost or 127.0.0.1, which the health check "
+                                "dials")
+
+    # The completer calls the api-server over mutual TLS.
+    completer = (by_kind.get("CronJob") or {}).get("completer")
+    if completer:
+        ((_, spec),) = pod_specs(completer)
+        container = spec["containers"][0]
+        values, _ = container_env(container, by_kind)
+        url = values.get("API_SERVER_URL") or ""
+        if not url.startswith("https://"):
+            problems.append(f"CronJob/completer: API_SERVER_URL {url!r} is not https://")
+        for variable in ("API_SERVER_CA", "API_SERVER_CLIENT_CERT", "API_SERVER_CLIENT_KEY"):
+            if not values.get(variable):
+                problems.append(f"CronJob/completer: {variable} is not set (mutual TLS)")
+        if values.get("API_SERVER_CLIENT_CERT"):
+            ns = completer["metadata"].get("namespace", "")
+            maker = tls_file_secret("CronJob/completer", "API_SERVER_CLIENT_CERT",
+                                    values["API_SERVER_CLIENT_CERT"], container, spec, ns, makers,
+                                    [])
+            usages = (((maker or {}).get("certificate") or {}).get("spec") or {}).get("usages")
+            if maker and "client auth" not in (usages or []):
+                problems.append(f"CronJob/completer: {maker['by']} has no `client auth` usage")
+
+    # Peers that run in the rendering (its Services, the operators' clusters) are reached over
+    # verified TLS: URLs the rendering shows are checked; where it runs the operators' clusters,
+    # every client of them mounts their CA (its URL may come from a Secret made elsewhere).
+    peers = {name: f"Service/{name}" for name in services}
+    database_clusters = [o for o in by_kind.get("Cluster", {}).values()
+                         if o["apiVersion"].startswith("postgresql.cnpg.io/")]
+    brokers = list((by_kind.get("RabbitmqCluster") or {}).values())
+    for cluster in database_clusters:
+        for suffix in ("-rw", "-ro", "-r"):
+            peers[cluster["metadata"]["name"] + suffix] = f"Cluster/{cluster['metadata']['name']}"
+    for broker in brokers:
+        peers[broker["metadata"]["name"]] = f"RabbitmqCluster/{broker['metadata']['name']}"
+        peers[broker["metadata"]["name"] + "-nodes"] = f"RabbitmqCluster/{broker['metadata']['name']}"
+
+    def peer_of(host: str | None) -> str | None:
+        labels = (host or "").split(".")
+        for index in (0, 1):  # a Service, or a pod under a headless Service
+            if len(labels) > index and labels[index] in peers and \
+                    (len(labels) == index + 1 or labels[index + 1] == namespace):
+                return peers[labels[index]]
+        return None
+
+    for obj, _, spec in workloads:
+        where = f"{obj['kind']}/{obj['metadata']['name']}"
+        for container in containers(spec):
+            values, sources = container_env(container, by_kind)
+            for variable in TLS_URL_VARIABLES:
+                value = values.get(variable)
+                if not value:
+                    continue
+                # $(VAR) from an operator's Secret of the rendering (CloudNativePG's <cluster>-app).
+                hinted = next((f"Cluster/{c['metadata']['name']}" for c in database_clusters
+                               for ref in re.findall(r"\$\((\w+)\)", value)
+                               if sources.get(ref, "").startswith(c["metadata"]["name"] + "-")), None)
+                for url in value.split(",") if variable == "AMQP_URL" else [value]:
+                    parts = urlsplit(url)
+                    try:
+                        host = parts.hostname
+                    except ValueError:
+                        host = None
+                    peer = peer_of(host) or hinted
+                    if peer is None:
+                        continue
+                    query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
+                    verified = {
+                        "DATABASE_URL": query.get("sslmode") == "verify-full"
+                        and bool(query.get("sslrootcert")),
+                        "AMQP_URL": parts.scheme == "amqps" and bool(query.get("cacertfile")),
+                        "SMTP_URL": (parts.scheme == "smtps" or query.get("tls") == "required")
+                        and bool(query.get("cacertfile")),
+                        "API_SERVER_URL": parts.scheme == "https",
+                    }[variable]
+                    if not verified:
+                        problems.append(f"{where}: {variable} reaches {peer} of the rendering "
+                                        "without verified TLS (verify-full and sslrootcert, "
+                                        "amqps:// and cacertfile, tls=required or smtps:// and "
+                                        "cacertfile, https://)")
+                    service = services.get(peer.split("/", 1)[1]) if peer.startswith("Service/") \
+                        else None
+                    if service is not None and not any(
+                            certificate is not None for workload in serving.get(peer[8:], [])
+                            for _, certificate in server_certs.get(workload, [])):
+                        problems.append(f"{where}: {variable} reaches {peer}, whose pods serve no "
+                                        "certificate of the rendering (GRPC_TLS_CERT, --tls-cert)")
+            mounted = {secret for mount in container.get("volumeMounts") or []
+                       for secret, _ in secret_volumes(spec).get(mount["name"], [])}
+            if "DATABASE_URL" in values:
+                for cluster in database_clusters:
+                    if f"{cluster['metadata']['name']}-ca" not in mounted:
+                        problems.append(f"{where} container {container['name']}: connects to "
+                                        f"PostgreSQL but does not mount Secret "
+                                        f"{cluster['metadata']['name']}-ca, the CA of Cluster/"
+                                        f"{cluster['metadata']['name']}")
+            if "AMQP_URL" in values:
+                for broker in brokers:
+                    tls = (broker.get("spec") or {}).get("tls") or {}
+                    if tls.get("secretName") and tls["secretName"] not in mounted:
+                        problems.append(f"{where} container {container['name']}: connects to "
+                                        f"RabbitMQ but does not mount Secret {tls['secretName']}, "
+                                        f"the CA of RabbitmqCluster/{broker['metadata']['name']}")
+
+    # The operators' clusters serve TLS only: the brokers with a certificate of the rendering that
+    # names the client Service and every node; CloudNativePG serves TLS always (its own CA).
+    for broker in brokers:
+        name, ns = broker["metadata"]["name"], broker["metadata"].get("namespace", "")
+        where = f"RabbitmqCluster/{name}"
+        tls = (broker.get("spec") or {}).get("tls") or {}
+        maker = makers.get((ns, tls.get("secretName")))
+        if not tls.get("secretName"):
+            problems.append(f"{where}: no spec.tls.secretName: AMQP in plaintext")
+            continue
+        if not tls.get("disableNonTLSListeners"):
+            problems.append(f"{where}: spec.tls.disableNonTLSListeners is not true: a plaintext "
+                            "AMQP listener stays open")
+        if not maker or not maker["certificate"]:
+            problems.append(f"{where}: Secret {tls['secretName']} is made by no Certificate of the "
+                            "rendering")
+            continue
+        names = set((maker["certificate"].get("spec") or {}).get("dnsNames") or [])
+        wanted = {name, f"{name}.{ns}.svc", f"*.{name}-nodes.{ns}.svc"}
+        if not wanted <= names:
+            problems.append(f"{where}: {maker['by']} lacks {sorted(wanted - names)}")
     return problems
 
 
@@ -600,6 +1028,24 @@ def compose(path: Path) -> list[str]:
         for ports in service.get("ports") or []:
             if isinstance(ports, str) and not ports.startswith("127.0.0.1:"):
                 problems.append(f"{where}: port {ports} is published on every interface")
+        # TLS: every PEM file a variable names is in one of the service's mounts, and a TLS
+        # api-server's healthcheck is its own health check (a TCP connect proves no handshake).
+        environment = service.get("environment") or {}
+        if isinstance(environment, list):
+            environment = dict(item.split("=", 1) if "=" in item else (item, None)
+                               for item in environment)
+        environment = {k: str(v) for k, v in environment.items() if v is not None}
+        targets = [(volume.split(":")[1] if isinstance(volume, str) and ":" in volume
+                    else (volume or {}).get("target") if isinstance(volume, dict) else None)
+                   for volume in service.get("volumes") or []]
+        for what, file in tls_file_references({}, environment):
+            if not any(target and file.startswith(target.rstrip("/") + "/") for target in targets):
+                problems.append(f"{where}: {what} names {file}, which none of its volumes holds")
+        if environment.get("GRPC_TLS_CERT"):
+            test = (service.get("healthcheck") or {}).get("test") or []
+            if "health-check" not in (test if isinstance(test, list) else test.split()):
+                problems.append(f"{where}: serves TLS (GRPC_TLS_CERT) but its healthcheck is not "
+                                "`api-server health-check`")
     # No cycles in depends_on.
     state: dict[str, int] = {}
 

@@ -3,8 +3,10 @@
 #
 #   1. yamllint --strict (deploy/.yamllint) on every YAML file under deploy/
 #   2. the Compose file against the Compose Specification's JSON schema (check-jsonschema's
-#      bundled copy), then its references (deploy/validate.py compose); `docker compose config`
-#      as well when a Compose plugin is installed
+#      bundled copy), then its references (deploy/validate.py compose: also every TLS file a
+#      variable names is in a mounted volume, and a TLS api-server's healthcheck is
+#      `api-server health-check`); `docker compose config` as well when a Compose plugin is
+#      installed
 #   3. the OpenTelemetry Collector config's pipelines
 #   4. the Dockerfile (every workspace member copied, runtime targets non-root) and .dockerignore
 #   5. kustomize: the base and every overlay rendered by deploy/validate.py (the subset of
@@ -12,11 +14,17 @@
 #      renderings must agree object for object
 #   6. the rendered manifests against Kubernetes' OpenAPI schemas, strictly (kubernetes-validate
 #      ships them), for the oldest and newest versions we support; custom resources (the
-#      operators' PostgreSQL and RabbitMQ clusters), which kubernetes-validate only warns about,
-#      against the JSON schemas vendored in deploy/schemas (deploy/validate.py custom-resources;
-#      a custom resource without one fails)
+#      operators' PostgreSQL and RabbitMQ clusters, cert-manager's Certificates and Issuers),
+#      which kubernetes-validate only warns about, against the JSON schemas vendored in
+#      deploy/schemas (deploy/validate.py custom-resources; a custom resource without one fails)
 #   7. the project's rules on the rendered overlays (non-root, read-only root filesystem, no
-#      capabilities, requests and limits, gRPC probes, Forbid CronJobs, secret refs resolve)
+#      capabilities, requests and limits, the api-server's exec probes running
+#      `api-server health-check`, Forbid CronJobs, secret refs resolve) and TLS on every hop:
+#      every PEM file a process reads is in a read-only Secret volume of a Secret that a
+#      Certificate of the rendering (or an operator it runs) makes, no CA key is mounted, every
+#      Certificate's issuer is in the rendering, server certificates name their Services, the
+#      completer uses https:// with a client certificate, and every peer the rendering runs is
+#      reached over verified TLS
 #
 # Python tools live in .run/venv (git-ignored), installed from PyPI on the first run only.
 # Usage: deploy/validate.sh        (from anywhere; no arguments)
@@ -88,7 +96,7 @@ run_check "yamllint --strict on ${#YAML_FILES[@]} files" \
 log "Docker Compose"
 run_check "deploy/compose.yaml matches the Compose Specification schema" \
   "$BIN/check-jsonschema" --builtin-schema vendor.compose-spec deploy/compose.yaml
-run_check "deploy/compose.yaml references (depends_on, builds, volumes, healthchecks, ports)" \
+run_check "deploy/compose.yaml references (depends_on, builds, volumes, healthchecks, ports, TLS files)" \
   "$PY" deploy/validate.py compose deploy/compose.yaml
 if command -v docker >/dev/null && docker compose version >/dev/null 2>&1; then
   run_check "docker compose config -q" docker compose -f deploy/compose.yaml config -q
@@ -142,12 +150,13 @@ run_check "custom resources against deploy/schemas (minimal schemas: deploy/sche
   "$PY" deploy/validate.py custom-resources deploy/schemas "${RENDERED[@]}"
 for overlay in "${OVERLAYS[@]}"; do
   [ -f "$overlay" ] || continue
-  run_check "policy on $(basename "$overlay" .yaml): non-root, read-only, no caps, resources, probes" \
+  run_check "policy on $(basename "$overlay" .yaml): non-root, read-only, no caps, resources, probes, TLS" \
     "$PY" deploy/validate.py k8s-policy "$overlay"
 done
 
 if command -v shellcheck >/dev/null; then
-  run_check "shellcheck deploy/validate.sh" shellcheck deploy/validate.sh
+  run_check "shellcheck deploy/validate.sh deploy/compose-certs.sh" \
+    shellcheck deploy/validate.sh deploy/compose-certs.sh
 fi
 
 if [ ${#FAILURES[@]} -gt 0 ]; then
