@@ -88,12 +88,17 @@ impl RabbitNode {
     pub fn url(&self) -> String {
         match &self.tls {
             None => format!("amqp://guest:guest@127.0.0.1:{}/%2f", self.port),
-            Some(tls) => format!(
-                "amqps://guest:guest@127.0.0.1:{}/%2f?cacertfile={}",
-                self.port,
-                tls.ca.display()
-            ),
+            Some(tls) => self.url_trusting(&tls.ca),
         }
+    }
+
+    /// The node's `amqps://` URL verified against the CA in `ca` (a test's wrong CA, say).
+    pub fn url_trusting(&self, ca: &Path) -> String {
+        format!(
+            "amqps://guest:guest@127.0.0.1:{}/%2f?cacertfile={}",
+            self.port,
+            ca.display()
+        )
     }
 
     pub fn port(&self) -> u16 {

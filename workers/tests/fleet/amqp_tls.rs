@@ -58,11 +58,7 @@ impl TlsBroker {
             .dir
             .join(format!("trusted-{}.pem", uuid::Uuid::new_v4()));
         std::fs::write(&path, &ca.cert_pem).unwrap();
-        format!(
-            "amqps://guest:guest@127.0.0.1:{}/%2f?cacertfile={}",
-            self.node.port(),
-            path.display()
-        )
+        self.node.url_trusting(&path)
     }
 }
 
