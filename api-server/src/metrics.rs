@@ -22,6 +22,9 @@ pub struct Metrics {
     pub foreign_charges: Counter<u64>,
     /// Attempts refused because another attempt held the key, or fenced off after a takeover.
     pub lock_conflicts: Counter<u64>,
+    /// Failed attempts whose unlock failed too (the database unreachable) and is retried in the
+    /// background until it succeeds or the lock expires.
+    pub unlock_retries: Counter<u64>,
     /// Claim statements run, by `step`: `insert_or_read` (every claim's first statement, alone or
     /// batched), `lock` (the locking inspection of a key that may need work). Divided by the
     /// CreateRides, the claim statements per request.
@@ -89,6 +92,10 @@ static METRICS: LazyLock<Metrics> = LazyLock::new(|| {
         lock_conflicts: meter
             .u64_counter("rides.idempotency.lock_conflicts")
             .with_description("Attempts refused or fenced off because another attempt held the key")
+            .build(),
+        unlock_retries: meter
+            .u64_counter("rides.idempotency.unlock_retries")
+            .with_description("Key unlocks that failed and are retried in the background")
             .build(),
         claim_statements: meter
             .u64_counter("rides.idempotency.claim_statements")

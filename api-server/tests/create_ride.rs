@@ -617,6 +617,77 @@ async fn a_provider_timeout_is_unavailable_and_the_retry_charges_once() {
     assert_eq!(app.stripe.succeeded_charges(), 1);
 }
 
+/// A failover as one server sees it: the database is out of reach from the charge on, so the
+/// charge cannot be recorded and the key cannot be unlocked either. Once the database is back,
+/// the key is unlocked in the background, long before its lock would expire (60 s here, 90 s by
+/// default), and the retry charges once instead of being refused `IDEMPOTENCY_KEY_IN_USE` until
+/// then.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_key_whose_unlock_failed_with_the_database_is_unlocked_once_the_database_is_back() {
+    let app = TestApp::spawn_with(
+        fake_stripe::Config {
+            latency: Duration::from_millis(800),
+            ..Default::default()
+        },
+        &[
+            ("DATABASE_POOL_SIZE", "1"),
+            ("DATABASE_POOL_TIMEOUT_MS", "300"),
+            ("IDEMPOTENCY_LOCK_TIMEOUT_SECS", "60"),
+        ],
+    )
+    .await;
+    let user = app.create_user(GOOD_CARD).await;
+    let key = new_key();
+    let attempt = {
+        let (app_client, user, key) = (app.client().await, user.clone(), key.clone());
+        tokio::spawn(async move {
+            let mut client = app_client;
+            client
+                .create_ride(authed(&user.token, Some(&key), ride_request()))
+                .await
+        })
+    };
+    while app.stripe.create_calls() == 0 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // The server's only connection, taken while the charge is in flight: the phase that records
+    // the charge and the unlock after it both find no connection.
+    let outage = app.rides.pool().get().await.unwrap();
+
+    let status = attempt.await.unwrap().unwrap_err();
+    assert_status(&status, Code::Unavailable, reason::DATABASE_UNAVAILABLE);
+    let key_row = app.key_row(&user, &key).await.unwrap();
+    assert_eq!(key_row.recovery_point, RecoveryPoint::RideCreated);
+    assert!(
+        key_row.locked_at.is_some(),
+        "the unlock failed with the phase"
+    );
+    // Longer than the first few retries of the unlock, which fail too.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(app.key_row(&user, &key).await.unwrap().lock_token.is_some());
+    drop(outage);
+
+    // Only an unlock clears `lock_token`; an expired lock keeps it.
+    let mut polls = 0;
+    while app.key_row(&user, &key).await.unwrap().lock_token.is_some() {
+        polls += 1;
+        assert!(
+            polls < 300,
+            "the key is still locked 30 s after the database came back"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let response = app.create_ride(&user, &key, ride_request()).await.unwrap();
+    assert!(!replayed(&response));
+    assert_eq!(
+        app.stripe.succeeded_charges(),
+        1,
+        "the retry's charge is the first one's"
+    );
+    assert_eq!(app.rides().await.len(), 1);
+    assert_eq!(app.staged_jobs().await.len(), 1);
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn unlocked_and_stale_locked_keys_resume_at_ride_created_with_one_charge() {
     let app = TestApp::spawn().await;

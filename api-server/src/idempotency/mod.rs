@@ -44,7 +44,7 @@ use uuid::Uuid;
 pub use batch::{BatchCounts, BatchStatement, Batcher, Batching};
 pub use claim::{Claimed, Claims, Decision, FirstRide, claim, key_exists};
 pub use key::{IdempotencyKey, InvalidKey, MAX_LEN, MIN_LEN};
-pub use phase::{atomic_phase, batched_phase, finish, release};
+pub use phase::{atomic_phase, batched_phase, finish, release, release_until_expired};
 pub use wait::{Holding, WaitBudget, WaitConfig, WaitEnd, Waits};
 
 /// What identifies a request beyond its key: a key reused for anything else is refused.

@@ -285,13 +285,29 @@ impl Rides {
         // Unlocked after a fenced-off phase too: a fence also fails while this attempt still
         // holds the lock, when the key is not where this attempt left it (a commit it saw was
         // lost). Releasing a lease that was taken over changes nothing.
-        if result.is_err()
-            && let Err(release_error) = idempotency::release(&self.pool, self.retry, lease).await
-        {
-            // The lock expires by itself; a retry just waits for it.
-            tracing::warn!(error = %release_error, key_id = lease.key_id, "could not unlock key");
+        if result.is_err() {
+            self.unlock(lease).await;
         }
         result
+    }
+
+    /// Unlocks the key so that a retry resumes at once. An unlock that fails (the database is
+    /// unreachable: the phase usually failed for the same reason) is retried in the background
+    /// until it succeeds or the lock would have expired anyway; the answer does not wait for it.
+    async fn unlock(&self, lease: &Lease) {
+        // Taken before the first try: the lock was taken earlier still, so it expires by then.
+        let expires = Instant::now() + self.idempotency.lock_timeout;
+        let Err(error) = idempotency::release(&self.pool, self.retry, lease).await else {
+            return;
+        };
+        tracing::warn!(%error, key_id = lease.key_id, "could not unlock key; retrying in the background");
+        metrics().unlock_retries.add(1, &[]);
+        tokio::spawn(idempotency::release_until_expired(
+            self.pool.clone(),
+            self.retry,
+            lease.clone(),
+            expires,
+        ));
     }
 
     /// Runs the phase for `lease.recovery_point`, which finishes the key, as an attempt that
