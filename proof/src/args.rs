@@ -20,9 +20,22 @@ pub(crate) struct Args {
     /// Seconds of traffic and faults (overrides the --short/--long default).
     #[arg(long)]
     pub(crate) duration_secs: Option<u64>,
-    /// Concurrent clients, one user each.
+    /// Concurrent clients: closed loops, one user each unless `--riders-per-client`.
     #[arg(long, default_value_t = 16)]
     pub(crate) clients: u32,
+    /// Riders per client: each client is then a backend carrying this many riders' tokens, each
+    /// key a random rider's, and every client shares one connection per api-server: the shape of
+    /// the production callers (many riders, each rare, over few connections from one address).
+    /// 0: one user per client with its own connections.
+    #[arg(long, default_value_t = 0)]
+    pub(crate) riders_per_client: u32,
+    /// The api-servers at their production defaults: the per-user limits, the lock timeout, the
+    /// pool and the provider timeout are left unset (the campaign otherwise lifts the limits,
+    /// shortens the lock timeout to 6 s and gives api-b a pool of one). The workers keep the
+    /// campaign's compressed schedules. Needs `--riders-per-client`: one-user closed loops are
+    /// not the callers the limits are set for (a declining one spends its budget in seconds).
+    #[arg(long, requires = "riders_per_client")]
+    pub(crate) production_defaults: bool,
     /// Every gRPC hop over mutual TLS, with the certificates in this directory (`ca.pem`,
     /// `server.pem`/`.key` for the api-servers, `client.pem`/`.key` for the campaign's clients
     /// and the completer), as `deploy/local/lib.sh`'s `make_tls_certificates` writes them. The
@@ -158,7 +171,20 @@ pub(crate) struct Args {
     pub(crate) keep: bool,
 }
 
+/// The campaign's lock timeout: short, so that keys a killed server held are resumed within the
+/// run.
+const CAMPAIGN_LOCK_TIMEOUT_SECS: u64 = 6;
+
 impl Args {
+    /// The api-servers' `IDEMPOTENCY_LOCK_TIMEOUT_SECS`.
+    pub(crate) fn lock_timeout_secs(&self) -> u64 {
+        if self.production_defaults {
+            contract::key::DEFAULT_LOCK_TIMEOUT_SECS
+        } else {
+            CAMPAIGN_LOCK_TIMEOUT_SECS
+        }
+    }
+
     /// `--rolling` measures what callers see of a deploy alone: no crash point is armed, and
     /// every client retries to a final answer (none drops a call or stops after one try).
     pub(crate) fn for_rolling(mut self) -> Args {

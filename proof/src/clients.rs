@@ -1,5 +1,7 @@
-//! The campaign's clients: concurrent closed loops, one user each, that send CreateRide with an
-//! idempotency key through `rides-client`, the client real services use, and let it retry (or
+//! The campaign's clients: concurrent closed loops, one user each (or, with
+//! `--riders-per-client`, backends each carrying many riders over connections all of them share),
+//! that send CreateRide with an idempotency key through `rides-client`, the client real services
+//! use, and let it retry (or
 //! drop the call mid-request, or give up after one try), recording the final answer each key got
 //! ([`KeyRecord`]). Their records are what the database, the ledger and the mail are later
 //! checked against. Beside each charging user's client runs a replay loop ([`replay_loop`]) that
@@ -39,6 +41,8 @@ pub(crate) struct User {
     pub(crate) id: i64,
     token: String,
     pub(crate) declining: bool,
+    /// The client that sends this user's calls.
+    client: u32,
 }
 
 #[derive(Clone, Debug)]
@@ -161,9 +165,9 @@ fn retrying(args: &Args, hard_end: Instant, impatient: bool) -> RetryPolicy {
 /// The share of retrying keys whose attempts time out after 300 ms.
 const IMPATIENT_RATIO: f64 = 0.25;
 
-/// The keys a user's client saw answered OK, newest last (at most [`ANSWERED_KEPT`]), for its
-/// replay loop.
-type Answered = Arc<std::sync::Mutex<VecDeque<(String, CreateRideRequest, Seen)>>>;
+/// The keys a client saw answered OK, newest last (at most [`ANSWERED_KEPT`]), for its replay
+/// loop: which of its riders, the key, its parameters and the answer.
+type Answered = Arc<std::sync::Mutex<VecDeque<(usize, String, CreateRideRequest, Seen)>>>;
 
 const ANSWERED_KEPT: usize = 512;
 
@@ -171,12 +175,18 @@ const ANSWERED_KEPT: usize = 512;
 /// replays are sampled as densely as the fresh calls without doubling the load.
 const REPLAY_PAUSE_MS: std::ops::Range<u64> = 100..400;
 
+/// A user and its client of both api-servers; each attempt picks one at random.
+struct Rider {
+    user: User,
+    client: RidesClient,
+}
+
 #[derive(Clone)]
 struct ClientCtx {
     id: u32,
-    user: User,
-    /// This user's client of both api-servers; each attempt picks one at random.
-    client: RidesClient,
+    /// The users whose calls this client sends, each key a random one's; all decline or none.
+    riders: Arc<Vec<Rider>>,
+    declining: bool,
     faults: Arc<Counters>,
     run_id: String,
     traffic_end: Instant,
@@ -194,13 +204,14 @@ async fn run_client(ctx: ClientCtx, seed: u64) -> Vec<KeyRecord> {
     let mut rng = StdRng::seed_from_u64(seed);
     let mut records = Vec::new();
     let mut n = 0_u32;
-    let kind = if ctx.user.declining {
+    let kind = if ctx.declining {
         CallKind::Refusal
     } else {
         CallKind::Fresh
     };
     while Instant::now() < ctx.traffic_end {
         n += 1;
+        let rider = rng.random_range(0..ctx.riders.len());
         let key = format!("proof-{}-c{:02}-{n:07}", ctx.run_id, ctx.id);
         let params = CreateRideRequest {
             origin_lat: Some(rng.random_range(-80.0..80.0)),
@@ -222,7 +233,7 @@ async fn run_client(ctx: ClientCtx, seed: u64) -> Vec<KeyRecord> {
             let impatient = rng.random_bool(IMPATIENT_RATIO);
             retrying(&ctx.args, ctx.hard_end, impatient)
         };
-        let result = ctx
+        let result = ctx.riders[rider]
             .client
             .clone()
             .with_policy(policy)
@@ -250,17 +261,17 @@ async fn run_client(ctx: ClientCtx, seed: u64) -> Vec<KeyRecord> {
             if answered.len() == ANSWERED_KEPT {
                 answered.pop_front();
             }
-            answered.push_back((key.clone(), params, seen.clone()));
+            answered.push_back((rider, key.clone(), params, seen.clone()));
         }
         records.push(KeyRecord {
             key,
-            user_id: ctx.user.id,
+            user_id: ctx.riders[rider].user.id,
             client: ctx.id,
             params,
             attempts,
             seen,
         });
-        if ctx.user.declining {
+        if ctx.declining {
             // Declines are instant; keep the mix dominated by charges.
             tokio::time::sleep(Duration::from_millis(rng.random_range(50..250))).await;
         }
@@ -279,10 +290,10 @@ async fn replay_loop(ctx: ClientCtx, seed: u64) {
             let i = rng.random_range(0..answered.len().max(1));
             answered.get(i).cloned()
         });
-        let Some((key, params, first)) = picked else {
+        let Some((rider, key, params, first)) = picked else {
             continue;
         };
-        let result = ctx
+        let result = ctx.riders[rider]
             .client
             .clone()
             .with_policy(retrying(&ctx.args, ctx.hard_end, false))
@@ -405,19 +416,22 @@ pub(crate) async fn create_users(
         } else {
             "pm_card_visa"
         };
-        let (user, token) = api_server::auth::create_user(
-            &pool,
-            &format!("proof-{}-{i}@proof.rocketrides.test", plan.run_id),
-            &format!("cus_proof_{}_{i}", plan.run_id),
-            card,
-        )
-        .await
-        .with_context(|| format!("creating user {i}"))?;
-        users.push(User {
-            id: user.id,
-            token,
-            declining,
-        });
+        for r in 0..args.riders_per_client.max(1) {
+            let (user, token) = api_server::auth::create_user(
+                &pool,
+                &format!("proof-{}-{i}-{r}@proof.rocketrides.test", plan.run_id),
+                &format!("cus_proof_{}_{i}_{r}", plan.run_id),
+                card,
+            )
+            .await
+            .with_context(|| format!("creating user {r} of client {i}"))?;
+            users.push(User {
+                id: user.id,
+                token,
+                declining,
+                client: i,
+            });
+        }
     }
     Ok(users)
 }
@@ -449,8 +463,9 @@ pub(crate) struct Traffic {
 }
 
 impl Traffic {
-    /// One client per user, each with a channel to either api-server, and a replay loop beside
-    /// each charging user's client.
+    /// One client per user (or per `--riders-per-client` users), with its own channel to either
+    /// api-server (or one channel to each that every client shares), and a replay loop beside
+    /// each charging client.
     pub(crate) fn start(
         args: &Args,
         plan: &Plan,
@@ -460,21 +475,30 @@ impl Traffic {
     ) -> anyhow::Result<Self> {
         let mut clients: Vec<JoinHandle<Vec<KeyRecord>>> = Vec::new();
         let mut replays: Vec<JoinHandle<()>> = Vec::new();
-        for (i, user) in users.iter().enumerate() {
-            let channel = |port: u16| -> anyhow::Result<Channel> {
-                Ok(grpc_endpoint(args, &format!("127.0.0.1:{port}"))?
-                    .connect_timeout(Duration::from_secs(1))
-                    .connect_lazy())
+        let channel = |port: u16| -> anyhow::Result<Channel> {
+            Ok(grpc_endpoint(args, &format!("127.0.0.1:{port}"))?
+                .connect_timeout(Duration::from_secs(1))
+                .connect_lazy())
+        };
+        let shared = (channel(args.grpc_port)?, channel(args.grpc_port_b)?);
+        for (i, group) in users.chunk_by(|a, b| a.client == b.client).enumerate() {
+            let (first, second) = if args.riders_per_client > 0 {
+                shared.clone()
+            } else {
+                (channel(args.grpc_port)?, channel(args.grpc_port_b)?)
             };
-            let client = user_client(
-                user,
-                channel(args.grpc_port)?,
-                vec![channel(args.grpc_port_b)?],
-            );
+            let riders = group
+                .iter()
+                .map(|user| Rider {
+                    user: user.clone(),
+                    client: user_client(user, first.clone(), vec![second.clone()]),
+                })
+                .collect();
+            let declining = group.iter().any(|user| user.declining);
             let ctx = ClientCtx {
                 id: i as u32,
-                user: user.clone(),
-                client,
+                riders: Arc::new(riders),
+                declining,
                 faults: Arc::clone(&tallies.faults),
                 run_id: plan.run_id.clone(),
                 traffic_end: window.end,
@@ -487,7 +511,7 @@ impl Traffic {
                 answered: Answered::default(),
                 live_replays: Arc::clone(&tallies.live_replays),
             };
-            if !user.declining {
+            if !declining {
                 replays.push(tokio::spawn(replay_loop(
                     ctx.clone(),
                     plan.seed.wrapping_add(2000 + i as u64),

@@ -21,7 +21,7 @@ use crate::{
     counters::{Counters, FaultEvent, Tallies, Timeline},
     processes::{Children, Proc, Terminated, kill_and_restart, signal},
     services::{ServerKind, Services},
-    setup::{LOCK_TIMEOUT_SECS, Plan, Wiring},
+    setup::{Plan, Wiring},
 };
 
 fn exp_delay(rng: &mut StdRng, mean_secs: f64) -> Duration {
@@ -107,6 +107,7 @@ impl Faults {
             },
         );
         let staller = stall_apis(
+            args.lock_timeout_secs(),
             children.apis(),
             Arc::clone(faults),
             Arc::clone(&stop),
@@ -314,6 +315,7 @@ fn kill_at_random(
 /// in-flight attempts' keys are taken over by retries on the other api-server meanwhile;
 /// when it resumes, their fencing tokens are gone.
 fn stall_apis(
+    lock_timeout_secs: u64,
     apis: [Arc<Mutex<Proc>>; 2],
     faults: Arc<Counters>,
     stop: Arc<AtomicBool>,
@@ -322,7 +324,7 @@ fn stall_apis(
     mut rng: StdRng,
 ) -> FaultTask {
     let mut first = true;
-    let lock_timeout: f64 = LOCK_TIMEOUT_SECS.parse().unwrap_or(6.0);
+    let lock_timeout = Duration::from_secs(lock_timeout_secs).as_secs_f64();
     tokio::spawn(async move {
         while sleep_unless_stopped(&stop, rare_fault_delay(&mut rng, &mut first, traffic, mean))
             .await

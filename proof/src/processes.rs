@@ -289,15 +289,26 @@ pub(crate) struct Children {
     pub(crate) arming: Arc<Arming>,
 }
 
-/// The second api-server's settings: its own port, and one pooled connection that times out
-/// after 100 ms.
-fn pool_of_one_env(port: u16) -> [(String, String); 3] {
-    [
-        ("GRPC_LISTEN_ADDR", format!("127.0.0.1:{port}")),
-        ("DATABASE_POOL_SIZE", "1".to_owned()),
-        ("DATABASE_POOL_TIMEOUT_MS", "100".to_owned()),
-    ]
-    .map(|(k, v)| (k.to_owned(), v))
+/// The second api-server's settings: its own port, and (but at the production defaults) one
+/// pooled connection that times out after 100 ms.
+fn api_b_env(args: &Args) -> Vec<(String, String)> {
+    let pool_of_one = [
+        ("DATABASE_POOL_SIZE", "1"),
+        ("DATABASE_POOL_TIMEOUT_MS", "100"),
+    ];
+    let port = (
+        "GRPC_LISTEN_ADDR",
+        format!("127.0.0.1:{}", args.grpc_port_b),
+    );
+    std::iter::once(port)
+        .chain(
+            pool_of_one
+                .iter()
+                .filter(|_| !args.production_defaults)
+                .map(|(k, v)| (*k, (*v).to_owned())),
+        )
+        .map(|(k, v)| (k.to_owned(), v))
+        .collect()
 }
 
 impl Arming {
@@ -375,7 +386,7 @@ impl Children {
             Some(args.grpc_port_b),
         );
         api_b.arming = Some(Arc::clone(&arming));
-        api_b.env.extend(pool_of_one_env(args.grpc_port_b));
+        api_b.env.extend(api_b_env(args));
         let api = Arc::new(Mutex::new(api_a));
         let api_b = Arc::new(Mutex::new(api_b));
         api.lock().await.start().await?;

@@ -23,7 +23,14 @@ use crate::{
 };
 
 pub(crate) const STRIPE_KEY: &str = "sk_test_proof_campaign";
-pub(crate) const LOCK_TIMEOUT_SECS: &str = "6";
+/// The api-servers' settings the campaign sets away from their production defaults, left unset
+/// with `--production-defaults` (as are the lifted limits, `api_server::limits::LIFTED`).
+const CAMPAIGN_API_SETTINGS: [&str; 4] = [
+    "DATABASE_POOL_SIZE",
+    "DATABASE_POOL_TIMEOUT_MS",
+    "STRIPE_TIMEOUT_MS",
+    "IDEMPOTENCY_LOCK_TIMEOUT_SECS",
+];
 
 /// What the run is and where it writes, decided before anything starts.
 pub(crate) struct Plan {
@@ -213,6 +220,12 @@ impl Wiring {
         let stripe_base = format!("http://127.0.0.1:{}", args.stripe_port);
         let smtp_addr = format!("127.0.0.1:{}", args.smtp_port);
         let mail_search_url = format!("http://127.0.0.1:{}", args.mail_search_port);
+        let lock_timeout = args.lock_timeout_secs().to_string();
+        let lifted = if args.production_defaults {
+            &[][..]
+        } else {
+            api_server::limits::LIFTED
+        };
         let mut env: Vec<(String, String)> = [
             ("DATABASE_URL", database_url.as_str()),
             ("DATABASE_POOL_SIZE", "8"),
@@ -221,7 +234,7 @@ impl Wiring {
             ("STRIPE_API_BASE", stripe_base.as_str()),
             ("STRIPE_SECRET_KEY", STRIPE_KEY),
             ("STRIPE_TIMEOUT_MS", "2000"),
-            ("IDEMPOTENCY_LOCK_TIMEOUT_SECS", LOCK_TIMEOUT_SECS),
+            ("IDEMPOTENCY_LOCK_TIMEOUT_SECS", lock_timeout.as_str()),
             ("INTERNAL_API_TOKEN", internal_token.as_str()),
             ("METRICS_LISTEN_ADDR", "off"),
             ("RUST_LOG", "info"),
@@ -246,8 +259,9 @@ impl Wiring {
         ]
         .iter()
         // The campaign's clients run closed loops to prove exactly-once under crashes, not the
-        // per-user limits: lifted.
-        .chain(api_server::limits::LIFTED)
+        // per-user limits: lifted, unless the run measures the production defaults.
+        .chain(lifted)
+        .filter(|(k, _)| !(args.production_defaults && CAMPAIGN_API_SETTINGS.contains(k)))
         .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
         .collect();
         env.extend(tls_env(args, &grpc_addr));
