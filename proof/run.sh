@@ -32,4 +32,10 @@ if [ "${TLS:-0}" = 1 ]; then
   make_tls_certificates "$tls_dir" 127.0.0.1
   args+=(--tls-dir "$tls_dir")
 fi
+# --lb: HAProxy in front of the api-servers, from Debian's packages when absent.
+if [[ " ${args[*]} " == *" --lb "* ]] && ! command -v haproxy >/dev/null; then
+  # shellcheck source=deploy/local/lib.sh
+  . deploy/local/lib.sh
+  apt_install haproxy
+fi
 exec "$bin_dir/proof" "$mode" "${args[@]}"

@@ -98,6 +98,13 @@ pub(crate) struct Args {
     /// The second api-server (pool of 1 connection, 100 ms pool timeout).
     #[arg(long, default_value_t = 25252)]
     pub(crate) grpc_port_b: u16,
+    /// Put HAProxy (Debian's `haproxy`) in front of both api-servers and send every call
+    /// through it (`load_balancer.rs`), rather than each client picking a server per attempt.
+    #[arg(long, conflicts_with = "tls_dir")]
+    pub(crate) lb: bool,
+    /// `--lb`: the proxy's port.
+    #[arg(long, default_value_t = 25250)]
+    pub(crate) lb_port: u16,
     /// Run against the shared PostgreSQL and RabbitMQ (--admin-url, --amqp-url) instead of
     /// private ones; their restarts are then skipped.
     #[arg(long)]

@@ -464,8 +464,8 @@ pub(crate) struct Traffic {
 
 impl Traffic {
     /// One client per user (or per `--riders-per-client` users), with its own channel to either
-    /// api-server (or one channel to each that every client shares), and a replay loop beside
-    /// each charging client.
+    /// api-server (or one channel to each that every client shares; with `--lb`, to the proxy
+    /// instead), and a replay loop beside each charging client.
     pub(crate) fn start(
         args: &Args,
         plan: &Plan,
@@ -480,18 +480,27 @@ impl Traffic {
                 .connect_timeout(Duration::from_secs(1))
                 .connect_lazy())
         };
-        let shared = (channel(args.grpc_port)?, channel(args.grpc_port_b)?);
+        // Through the proxy alone with `--lb`, which spreads the calls; otherwise each attempt
+        // picks an api-server.
+        let targets = || -> anyhow::Result<(Channel, Vec<Channel>)> {
+            if args.lb {
+                Ok((channel(args.lb_port)?, Vec::new()))
+            } else {
+                Ok((channel(args.grpc_port)?, vec![channel(args.grpc_port_b)?]))
+            }
+        };
+        let shared = targets()?;
         for (i, group) in users.chunk_by(|a, b| a.client == b.client).enumerate() {
-            let (first, second) = if args.riders_per_client > 0 {
+            let (first, more) = if args.riders_per_client > 0 {
                 shared.clone()
             } else {
-                (channel(args.grpc_port)?, channel(args.grpc_port_b)?)
+                targets()?
             };
             let riders = group
                 .iter()
                 .map(|user| Rider {
                     user: user.clone(),
-                    client: user_client(user, first.clone(), vec![second.clone()]),
+                    client: user_client(user, first.clone(), more.clone()),
                 })
                 .collect();
             let declining = group.iter().any(|user| user.declining);

@@ -43,6 +43,7 @@ mod counters;
 mod evidence;
 mod faults;
 mod invariants;
+mod load_balancer;
 mod maintenance;
 mod money;
 mod money_checks;

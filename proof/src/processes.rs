@@ -285,6 +285,8 @@ pub(crate) struct Children {
     pub(crate) api_b: Arc<Mutex<Proc>>,
     pub(crate) enqueuer: Arc<Mutex<Proc>>,
     pub(crate) receipts: Arc<Mutex<Proc>>,
+    /// `--lb`: the proxy in front of both api-servers.
+    lb: Option<Proc>,
     /// Hands the api-servers their crash points; read again for the report of what fired.
     pub(crate) arming: Arc<Arming>,
 }
@@ -391,6 +393,19 @@ impl Children {
         let api_b = Arc::new(Mutex::new(api_b));
         api.lock().await.start().await?;
         api_b.lock().await.start().await?;
+        let lb = if args.lb {
+            let config = plan.out_dir.join("haproxy.cfg");
+            let pid_file = plan.out_dir.join("haproxy.pid");
+            std::fs::write(&config, crate::load_balancer::config(args, &pid_file))
+                .with_context(|| format!("writing {}", config.display()))?;
+            // `-db`: in the foreground, so that it is this campaign's child.
+            let lb_args = vec!["-db".into(), "-f".into(), config.display().to_string()];
+            let mut lb = make("haproxy", "haproxy".into(), lb_args, Some(args.lb_port));
+            lb.start().await?;
+            Some(lb)
+        } else {
+            None
+        };
         let enqueuer = Arc::new(Mutex::new(make(
             "enqueuer",
             workers_bin.clone(),
@@ -412,6 +427,7 @@ impl Children {
             api_b,
             enqueuer,
             receipts,
+            lb,
             arming,
         })
     }
@@ -457,6 +473,9 @@ impl Children {
         self.receipts.lock().await.kill().await;
         self.sink.kill().await;
         self.stripe.kill().await;
+        if let Some(lb) = &mut self.lb {
+            lb.kill().await;
+        }
     }
 }
 

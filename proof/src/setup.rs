@@ -95,6 +95,7 @@ pub(crate) async fn check_ports_free(args: &Args) -> anyhow::Result<()> {
         args.amqp_port,
     ]
     .into_iter()
+    .chain(args.lb.then_some(args.lb_port))
     // ha.sh reuses a server it finds on its port: a stale topology must not be mistaken for the
     // run's own (its PostgreSQL ports and first broker; the layout is in ha.sh).
     .chain(if args.ha {
