@@ -142,6 +142,10 @@ pub(crate) struct Args {
     /// then SIGCONT): the other api-server takes the stalled attempts' keys over.
     #[arg(long, default_value_t = 15.0)]
     pub(crate) stall_every_secs: f64,
+    /// No stall at all (a rare fault otherwise fires once, early, whatever its mean): for
+    /// measuring other faults alone.
+    #[arg(long)]
+    pub(crate) no_stalls: bool,
     /// Do not arm the api-server's crash points (needed when its binary lacks the
     /// `fault-injection` feature; proof/run.sh builds it with the feature).
     #[arg(long)]

@@ -111,7 +111,7 @@ impl Faults {
             children.apis(),
             Arc::clone(faults),
             Arc::clone(&stop),
-            args.stall_every_secs,
+            (!args.no_stalls).then_some(args.stall_every_secs),
             plan.duration,
             rng(5),
         );
@@ -319,10 +319,13 @@ fn stall_apis(
     apis: [Arc<Mutex<Proc>>; 2],
     faults: Arc<Counters>,
     stop: Arc<AtomicBool>,
-    mean: f64,
+    mean: Option<f64>,
     traffic: Duration,
     mut rng: StdRng,
 ) -> FaultTask {
+    let Some(mean) = mean else {
+        return tokio::spawn(async { anyhow::Ok(()) });
+    };
     let mut first = true;
     let lock_timeout = Duration::from_secs(lock_timeout_secs).as_secs_f64();
     tokio::spawn(async move {
