@@ -3,7 +3,9 @@
 # against real PostgreSQL and RabbitMQ (started or installed here when absent), then a two-minute
 # soak (bench/soak.sh: every call answered, every ride charged, receipted and mailed once), the short
 # crash-and-fault campaign with the money campaign (proof/run.sh --short --money; skip it with
-# PROOF=0), the rolling-deploy campaign (proof/run.sh --rolling) and the high-availability smoke
+# PROOF=0), the rolling-deploy campaign (proof/run.sh --rolling: clients straight to the
+# api-servers, then behind HAProxy at the production defaults with rider-shaped callers; installs
+# haproxy when absent) and the high-availability smoke
 # run: one PostgreSQL primary SIGKILL and one RabbitMQ
 # node SIGKILL on the Patroni + 3-node topology of deploy/local/ha.sh (installs patroni and
 # etcd-server when absent; skip it with HA=0).
@@ -42,6 +44,8 @@ fi
 if [[ "${PROOF:-1}" != 0 ]]; then
   log "proof/run.sh --rolling (every api-server and worker replaced three times during traffic; about 2 minutes)"
   proof/run.sh --rolling --duration-secs 45
+  log "proof/run.sh --rolling behind HAProxy, at the production defaults, 16 backends carrying 250 riders each over one connection (about 2 minutes)"
+  proof/run.sh --rolling --duration-secs 45 --lb --riders-per-client 250 --production-defaults
 fi
 if [[ "${PROOF:-1}" != 0 && "${HA:-1}" != 0 ]]; then
   log "proof/run.sh --ha smoke run (one failover, one broker node kill; about 3 minutes)"
