@@ -95,7 +95,11 @@ static METRICS: LazyLock<Metrics> = LazyLock::new(|| {
             .build(),
         unlock_retries: meter
             .u64_counter("rides.idempotency.unlock_retries")
-            .with_description("Key unlocks that failed and are retried in the background")
+            .with_description(
+                "Keys unlocked in the background after the database was unreachable, by kind \
+                 (lease: a failed phase's unlock failed too; claim: a failed claim may have \
+                 committed)",
+            )
             .build(),
         claim_statements: meter
             .u64_counter("rides.idempotency.claim_statements")

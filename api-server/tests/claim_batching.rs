@@ -9,13 +9,16 @@ use std::{sync::Arc, time::Duration};
 use api_server::{
     auth::{self, Caller},
     grpc::reason,
-    idempotency::{self, BatchCounts, Batcher, Batching, Decision, FirstRide, IdempotencyKey},
+    idempotency::{
+        self, BatchCounts, Batcher, Batching, Decision, FirstRide, IdempotencyKey, Unlock,
+    },
     rides::RideParams,
     testing::*,
 };
 use proto::v1::CreateRideRequest;
 use schema::RecoveryPoint;
 use tonic::Code;
+use uuid::Uuid;
 
 const LOCK_TIMEOUT: Duration = Duration::from_secs(90);
 
@@ -130,6 +133,7 @@ async fn claims_queued_together_share_a_statement_and_each_get_their_own_answer(
                 &signature,
                 &first_ride,
                 LOCK_TIMEOUT,
+                Uuid::new_v4(),
             )
             .await
             .unwrap();
@@ -269,5 +273,87 @@ async fn concurrent_requests_through_batched_claims_charge_each_key_once() {
     for key in &keys {
         let replay = app.create_ride(&user, key, ride_request()).await.unwrap();
         assert!(replayed(&replay));
+    }
+}
+
+/// A claim whose statement committed but whose answer was lost (the primary died after its
+/// synchronous standby, now the primary, had the commit) left the key locked by its token. Run
+/// again with that token (a batch's redo, a later round) it owns the key; any other attempt is
+/// refused while the lock is live; and the attempt that gave up undoes it by its token alone,
+/// so a retry need not wait out the lock timeout (HA runs c6f9eaa6 and b78e994a: riders refused
+/// `IDEMPOTENCY_KEY_IN_USE` for 45 s and more after a primary kill).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_claim_whose_answer_was_lost_owns_its_key_by_its_token_and_undoes_it_by_that_token() {
+    let app = TestApp::spawn().await;
+    let rider = app.create_user(GOOD_CARD).await;
+    let key_text = new_key();
+    let key = IdempotencyKey::parse(&key_text).unwrap();
+    let request = params(ride_request());
+    // The claim that committed: the key and its ride, locked by the claim's token.
+    let lost = app.claim(&rider, &key_text, &request).await;
+    let digest = auth::token_digest(&rider.token);
+    let claim_with = |token: Uuid| {
+        let first_ride = first_ride(request);
+        let key = key.clone();
+        let app = &app;
+        async move {
+            idempotency::claim(
+                app.rides.claim_batcher(),
+                Caller::Token(digest),
+                &key,
+                &request.signature(),
+                &first_ride,
+                LOCK_TIMEOUT,
+                token,
+            )
+            .await
+            .unwrap()
+            .expect("the rider exists")
+            .1
+            .decision
+        }
+    };
+
+    match claim_with(lost.token).await {
+        Decision::Execute(lease) => {
+            assert_eq!(lease.key_id, lost.key_id);
+            assert_eq!(lease.token, lost.token);
+            assert_eq!(lease.recovery_point, RecoveryPoint::RideCreated);
+        }
+        other => panic!("the claim's own lock was not recognised: {other:?}"),
+    }
+    assert!(matches!(claim_with(Uuid::new_v4()).await, Decision::InUse));
+
+    let policy = Default::default();
+    let unlock = |caller: Caller, token: Uuid| Unlock::Claim {
+        caller,
+        key: key.clone(),
+        token,
+    };
+    // Another token undoes nothing, whoever asks.
+    for caller in [Caller::OnBehalfOf(rider.id), Caller::Token(digest)] {
+        assert!(
+            !unlock(caller, Uuid::new_v4())
+                .once(&app.pool, policy)
+                .await
+                .unwrap()
+        );
+    }
+    let row = app.key_row(&rider, &key_text).await.unwrap();
+    assert_eq!(row.lock_token, Some(lost.token));
+    // The claim's token does, by the rider's token as the claim was made.
+    let by_token = unlock(Caller::Token(digest), lost.token);
+    assert!(by_token.once(&app.pool, policy).await.unwrap());
+    let row = app.key_row(&rider, &key_text).await.unwrap();
+    assert_eq!((row.locked_at, row.lock_token), (None, None));
+    // Once only: the unlock is fenced by the token it cleared.
+    assert!(!by_token.once(&app.pool, policy).await.unwrap());
+    // And the next attempt takes the key over at once, where the lost claim left it.
+    match claim_with(Uuid::new_v4()).await {
+        Decision::Execute(lease) => {
+            assert_eq!(lease.key_id, lost.key_id);
+            assert_eq!(lease.recovery_point, RecoveryPoint::RideCreated);
+        }
+        other => panic!("the unlocked key was not taken over: {other:?}"),
     }
 }

@@ -17,6 +17,8 @@
 //! - [`batch`]: the machinery that sends concurrent requests' statements of one kind together.
 //! - [`wait`]: a duplicate's wait for the attempt in flight on its key, woken by that attempt on
 //!   this process, polling the key row across processes.
+//! - [`unlock`]: unlocking in the background a key left locked when the database was unreachable
+//!   (a failed phase's lease, or a failed claim that may have committed).
 //! - Database errors and the transient-retry policy are `schema::store`'s, shared by every crate.
 //!
 //! # Isolation level
@@ -36,6 +38,7 @@ mod batch;
 pub mod claim;
 mod key;
 pub mod phase;
+mod unlock;
 pub mod wait;
 
 use schema::RecoveryPoint;
@@ -44,7 +47,8 @@ use uuid::Uuid;
 pub use batch::{BatchCounts, BatchStatement, Batcher, Batching};
 pub use claim::{Claimed, Claims, Decision, FirstRide, claim, key_exists};
 pub use key::{IdempotencyKey, InvalidKey, MAX_LEN, MIN_LEN};
-pub use phase::{atomic_phase, batched_phase, finish, release, release_until_expired};
+pub use phase::{atomic_phase, batched_phase, finish, release};
+pub use unlock::Unlock;
 pub use wait::{Holding, WaitBudget, WaitConfig, WaitEnd, Waits};
 
 /// What identifies a request beyond its key: a key reused for anything else is refused.

@@ -9,11 +9,7 @@
 //! statements; the two every key shares, finishing with a stored outcome and releasing the lock,
 //! are here.
 
-use std::{
-    future::Future,
-    sync::Arc,
-    time::{Duration, Instant},
-};
+use std::{future::Future, sync::Arc};
 
 use chrono::{DateTime, Utc};
 use contract::{
@@ -153,53 +149,4 @@ pub async fn release(
         Ok(updated == 1)
     })
     .await
-}
-
-/// The first pause before [`release_until_expired`] tries again, doubled after each failure up to
-/// [`RELEASE_RETRY_MAX_DELAY`]: a failover's new primary is usually up within a few seconds.
-const RELEASE_RETRY_FIRST_DELAY: Duration = Duration::from_millis(100);
-const RELEASE_RETRY_MAX_DELAY: Duration = Duration::from_secs(2);
-
-/// [`release`] again and again, with back-off, until it succeeds or `expires` (no later than the
-/// lock's own expiry) has passed. For an attempt whose unlock failed because the database was
-/// unreachable (a failover): without it the key stays locked until the lock timeout (90 s by
-/// default) and every retry in between is refused `IDEMPOTENCY_KEY_IN_USE`. Safe to run at any
-/// time: the unlock is fenced by the lease's token, so once another attempt has taken the key
-/// over it changes nothing. Returns whether the key was unlocked by this call.
-pub async fn release_until_expired(
-    pool: Pool,
-    policy: ConflictRetry,
-    lease: Lease,
-    expires: Instant,
-) -> bool {
-    let mut delay = RELEASE_RETRY_FIRST_DELAY;
-    let mut failures = 0_u32;
-    loop {
-        let pause = delay.min(expires.saturating_duration_since(Instant::now()));
-        if pause.is_zero() {
-            tracing::warn!(
-                key_id = lease.key_id,
-                failures,
-                "gave up unlocking a key; its lock expires by itself"
-            );
-            return false;
-        }
-        tokio::time::sleep(pause).await;
-        match release(&pool, policy, &lease).await {
-            Ok(unlocked) => {
-                tracing::info!(
-                    key_id = lease.key_id,
-                    failures,
-                    unlocked,
-                    "key unlock retried"
-                );
-                return unlocked;
-            }
-            Err(error) => {
-                failures += 1;
-                tracing::debug!(%error, key_id = lease.key_id, failures, "key unlock failed again");
-                delay = delay.saturating_mul(2).min(RELEASE_RETRY_MAX_DELAY);
-            }
-        }
-    }
 }

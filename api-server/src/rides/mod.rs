@@ -164,6 +164,11 @@ impl Rides {
     ) -> Option<(Option<i64>, CreateRideReply)> {
         let first_ride = self.first_ride(params, origin_ip);
         let signature = params.signature();
+        // This attempt's lock token, from its first statement on: a statement of it whose commit
+        // was lost left the key locked by it, which only this attempt can recognise or undo.
+        let token = uuid::Uuid::new_v4();
+        // Taken before the first statement, so no later than the expiry of a lock it takes.
+        let claim_lock_expires = Instant::now() + self.idempotency.lock_timeout;
         let claim = || async {
             // The claim of a fresh key commits phase `started` (its ride) with the key.
             crate::fault::crash_point(CrashPoint::StartedBeforeCommit);
@@ -174,6 +179,7 @@ impl Rides {
                 &signature,
                 &first_ride,
                 self.idempotency.lock_timeout,
+                token,
             )
             .await
         };
@@ -211,14 +217,38 @@ impl Rides {
                 let reply = self.answer(claimed, key, &request, waited).await;
                 Some((Some(user_id), reply))
             }
-            Err(error) => Some((
-                None,
-                CreateRideReply {
-                    key_expires_at: None,
-                    replayed: false,
-                    result: Err(error.into()),
-                },
-            )),
+            Err(error) => {
+                let unlock = idempotency::Unlock::Claim {
+                    caller,
+                    key: key.clone(),
+                    token,
+                };
+                Some((None, self.claim_failed(error, unlock, claim_lock_expires)))
+            }
+        }
+    }
+
+    /// The answer to a claim that failed. One that failed on a lost connection or an unreachable
+    /// database may have committed all the same (the primary died after its synchronous standby
+    /// had the commit), leaving the key locked by `unlock`'s token, which no other attempt
+    /// knows: it is undone in the background, or every retry would be refused until the lock
+    /// expired.
+    fn claim_failed(
+        &self,
+        error: StoreError,
+        unlock: idempotency::Unlock,
+        expires: Instant,
+    ) -> CreateRideReply {
+        if matches!(
+            error,
+            StoreError::ConnectionLost(_) | StoreError::Unavailable(_)
+        ) {
+            self.unlock_in_background(unlock, expires);
+        }
+        CreateRideReply {
+            key_expires_at: None,
+            replayed: false,
+            result: Err(error.into()),
         }
     }
 
@@ -301,13 +331,18 @@ impl Rides {
             return;
         };
         tracing::warn!(%error, key_id = lease.key_id, "could not unlock key; retrying in the background");
-        metrics().unlock_retries.add(1, &[]);
-        tokio::spawn(idempotency::release_until_expired(
-            self.pool.clone(),
-            self.retry,
-            lease.clone(),
-            expires,
-        ));
+        self.unlock_in_background(idempotency::Unlock::Lease(lease.clone()), expires);
+    }
+
+    /// [`idempotency::Unlock::retry_in_background`], counted.
+    fn unlock_in_background(&self, unlock: idempotency::Unlock, expires: Instant) {
+        let kind = match unlock {
+            idempotency::Unlock::Lease(_) => "lease",
+            idempotency::Unlock::Claim { .. } => "claim",
+        };
+        if unlock.retry_in_background(self.pool.clone(), self.retry, expires) {
+            metrics().unlock_retries.add(1, &[attr("kind", kind)]);
+        }
     }
 
     /// Runs the phase for `lease.recovery_point`, which finishes the key, as an attempt that

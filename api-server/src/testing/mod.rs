@@ -294,6 +294,7 @@ impl TestApp {
             &params.signature(),
             &first_ride,
             self.config.idempotency.lock_timeout,
+            uuid::Uuid::new_v4(),
         )
         .await
         .unwrap()

@@ -66,9 +66,9 @@ impl Batcher<Claims> {
         key: &IdempotencyKey,
         request: &RequestSignature,
         first_ride: &FirstRide,
+        lock_token: Uuid,
     ) -> Result<Option<(User, KeyFound)>, StoreError> {
         if self.enabled() {
-            let lock_token = Uuid::new_v4();
             let claim = ClaimRequest {
                 token_digest: *token_digest,
                 key: key.as_str().to_owned(),
@@ -87,6 +87,7 @@ impl Batcher<Claims> {
             key,
             request,
             first_ride,
+            lock_token,
         )
         .await
     }
@@ -99,7 +100,8 @@ impl BatchStatement for Claims {
     type Output = Option<Box<CallerAndKey>>;
     const NAME: &'static str = "claim";
     /// A claim run again after a batch that did commit finds its key, locked by the lock token
-    /// the batch gave it: the same answer as two concurrent claims of one key, never a second key.
+    /// the batch gave it, which the claim presents again: it goes on as the key's owner, and
+    /// never makes a second key.
     const REDO_AFTER_CONNECTION_LOSS: bool = true;
 
     async fn execute(

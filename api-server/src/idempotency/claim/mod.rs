@@ -82,13 +82,18 @@ pub async fn claim(
     request: &RequestSignature,
     first_ride: &FirstRide,
     lock_timeout: Duration,
+    token: Uuid,
 ) -> Result<Option<(User, Claimed)>, StoreError> {
     let (pool, policy) = (claims.pool(), claims.policy());
     count_statement("insert_or_read");
     let found = match caller {
-        Caller::Token(digest) => claims.claim(&digest, key, request, first_ride).await?,
+        Caller::Token(digest) => {
+            claims
+                .claim(&digest, key, request, first_ride, token)
+                .await?
+        }
         Caller::OnBehalfOf(_) => {
-            claim_alone(pool, policy, caller, key, request, first_ride).await?
+            claim_alone(pool, policy, caller, key, request, first_ride, token).await?
         }
     };
     let context = ClaimContext {
@@ -98,6 +103,7 @@ pub async fn claim(
         request,
         first_ride,
         lock_timeout,
+        token,
     };
     let (user, decided) = match found {
         Some((user, found)) => {
@@ -170,6 +176,9 @@ struct ClaimContext<'a> {
     request: &'a RequestSignature,
     first_ride: &'a FirstRide,
     lock_timeout: Duration,
+    /// The lock token of every statement of this claim: one that finds the key locked by it
+    /// finds its own earlier statement's lock, committed though its answer was lost.
+    token: Uuid,
 }
 
 impl ClaimContext<'_> {
@@ -189,6 +198,7 @@ impl ClaimContext<'_> {
                 self.key,
                 self.request,
                 self.first_ride,
+                self.token,
             )
             .await?;
             let Some((_, found)) = found else { continue };
@@ -214,9 +224,7 @@ impl ClaimContext<'_> {
             count_statement("lock");
             conn.build_transaction()
                 .read_committed()
-                .run(async |conn| {
-                    lock_existing(conn, user_id, self.key, self.request, self.lock_timeout).await
-                })
+                .run(async |conn| lock_existing(conn, user_id, self, self.lock_timeout).await)
                 .await
         })
         .await
@@ -274,10 +282,11 @@ async fn claim_alone(
     key: &IdempotencyKey,
     request: &RequestSignature,
     first_ride: &FirstRide,
+    token: Uuid,
 ) -> Result<Option<(User, KeyFound)>, StoreError> {
     retry_transient(policy, || async {
         let mut conn = pool.get().await.map_err(StoreError::Unavailable)?;
-        insert_or_read(&mut conn, caller, key, request, first_ride).await
+        insert_or_read(&mut conn, caller, key, request, first_ride, token).await
     })
     .await
 }
@@ -290,8 +299,8 @@ async fn insert_or_read(
     key: &IdempotencyKey,
     request: &RequestSignature,
     first_ride: &FirstRide,
+    token: Uuid,
 ) -> Result<Option<(User, KeyFound)>, StoreError> {
-    let token = Uuid::new_v4();
     macro_rules! run {
         ($statement:ty, $caller_type:ty, $caller:expr) => {
             prepared::<$statement, _>(|q| {
@@ -415,15 +424,16 @@ impl Decision {
 
 /// The locking inspection of an existing key, in one READ COMMITTED transaction: the
 /// `SELECT … FOR UPDATE` serialises it with every other attempt on the key. `None` if the key was
-/// deleted (reaped) since it was seen.
+/// deleted (reaped) since it was seen. A key locked by this claim's own token is this claim's:
+/// an earlier statement of it committed and its answer was lost (a failover), and no other
+/// attempt has taken it over since, or the token would have changed.
 async fn lock_existing(
     conn: &mut AsyncPgConnection,
     user_id: i64,
-    key: &IdempotencyKey,
-    request: &RequestSignature,
+    claim: &ClaimContext<'_>,
     lock_timeout: Duration,
 ) -> Result<Option<Claimed>, StoreError> {
-    let token = Uuid::new_v4();
+    let (key, request, token) = (claim.key, claim.request, claim.token);
     let existing = idempotency_keys::table
         .filter(idempotency_keys::user_id.eq(user_id))
         .filter(idempotency_keys::idempotency_key.eq(key.as_str()))
@@ -442,9 +452,10 @@ async fn lock_existing(
         Decision::Mismatch
     } else if row.recovery_point == RecoveryPoint::Finished {
         Decision::Replay(stored_response(row.response_code, row.response_body)?)
-    } else if row
-        .locked_at
-        .is_some_and(|locked_at| lock_is_live(locked_at, now, lock_timeout))
+    } else if row.lock_token != Some(token)
+        && row
+            .locked_at
+            .is_some_and(|locked_at| lock_is_live(locked_at, now, lock_timeout))
     {
         Decision::InUse
     } else {
