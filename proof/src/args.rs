@@ -95,11 +95,14 @@ pub(crate) struct Args {
     /// The mail sink's message search (MAIL_SEARCH_URL for the receipt worker).
     #[arg(long, default_value_t = 8626)]
     pub(crate) mail_search_port: u16,
-    /// The second api-server (pool of 1 connection, 100 ms pool timeout).
+    /// The second api-server: a pool of 1 connection with a 100 ms pool timeout, to exercise pool
+    /// exhaustion, except with `--production-defaults`, where it runs at the defaults too.
     #[arg(long, default_value_t = 25252)]
     pub(crate) grpc_port_b: u16,
     /// Put HAProxy (Debian's `haproxy`) in front of both api-servers and send every call
-    /// through it (`load_balancer.rs`), rather than each client picking a server per attempt.
+    /// through it (`load_balancer.rs`), rather than each client picking a server per attempt. It
+    /// routes to a server only while its readiness probe answers `SERVING`, and the api-servers
+    /// get a drain delay, as behind a Kubernetes Service.
     #[arg(long, conflicts_with = "tls_dir")]
     pub(crate) lb: bool,
     /// `--lb`: the proxy's port.

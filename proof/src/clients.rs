@@ -16,7 +16,7 @@ use std::{
         Arc,
         atomic::{AtomicU64, Ordering},
     },
-    time::{Duration, Instant},
+    time::{Duration, Instant, SystemTime},
 };
 
 use anyhow::Context;
@@ -32,7 +32,7 @@ use tonic::transport::Channel;
 
 use crate::{
     args::Args,
-    counters::{Attempted, CallKind, Counters, LiveReplays, Tallies, Timeline},
+    counters::{CallKind, Counters, LiveReplays, Tallies, Timeline},
     setup::{Plan, Wiring},
 };
 
@@ -233,6 +233,7 @@ async fn run_client(ctx: ClientCtx, seed: u64) -> Vec<KeyRecord> {
             let impatient = rng.random_bool(IMPATIENT_RATIO);
             retrying(&ctx.args, ctx.hard_end, impatient)
         };
+        let sent_at = SystemTime::now();
         let result = ctx.riders[rider]
             .client
             .clone()
@@ -244,6 +245,10 @@ async fn run_client(ctx: ClientCtx, seed: u64) -> Vec<KeyRecord> {
             Ok(created) => created.attempts(),
             Err(call) => call.attempts(),
         };
+        let history = match &result {
+            Err(call) => attempt_history(sent_at, &call.log),
+            Ok(_) => String::new(),
+        };
         let seen = match classify(result) {
             Answer::Final(seen) => seen,
             Answer::Retry(label) if drop_mid && label == TIMEOUT => {
@@ -252,7 +257,9 @@ async fn run_client(ctx: ClientCtx, seed: u64) -> Vec<KeyRecord> {
             Answer::Retry(label) if drop_mid || no_retry => {
                 Seen::Abandoned(format!("no retry after {label}"))
             }
-            Answer::Retry(label) => Seen::GaveUp(format!("{attempts} tries, last {label}")),
+            Answer::Retry(label) => {
+                Seen::GaveUp(format!("{attempts} tries, last {label}; {history}"))
+            }
         };
         if matches!(seen, Seen::Abandoned(_) | Seen::GaveUp(_)) {
             ctx.timeline.key_left();
@@ -277,6 +284,45 @@ async fn run_client(ctx: ClientCtx, seed: u64) -> Vec<KeyRecord> {
         }
     }
     records
+}
+
+/// A call's attempts in order, runs of the same answer from the same api-server folded, with
+/// when the call began: what a key given up is explained from (`server_time` is how long the
+/// attempts of the run took, the rest was the client's back-off).
+fn attempt_history(sent_at: SystemTime, log: &[AttemptRecord]) -> String {
+    let mut runs: Vec<(usize, &str, u32, Duration)> = Vec::new();
+    for attempt in log {
+        match runs.last_mut() {
+            Some((target, outcome, n, server_time))
+                if *target == attempt.target && *outcome == attempt.outcome =>
+            {
+                *n += 1;
+                *server_time += attempt.elapsed;
+            }
+            _ => runs.push((attempt.target, &attempt.outcome, 1, attempt.elapsed)),
+        }
+    }
+    let total: Duration = log
+        .iter()
+        .map(|a| a.elapsed + a.wait.unwrap_or_default())
+        .sum();
+    let runs: Vec<String> = runs
+        .iter()
+        .map(|(target, outcome, n, server_time)| {
+            format!(
+                "{n}x {outcome} from target {target} in {:.1}s",
+                server_time.as_secs_f64()
+            )
+        })
+        .collect();
+    format!(
+        "sent at unix {:.1} for {:.1}s: {}",
+        sent_at
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64()),
+        total.as_secs_f64(),
+        runs.join(", ")
+    )
 }
 
 /// A charging user's replays during traffic: one of the user's keys answered OK, picked at
@@ -361,12 +407,8 @@ fn observer(ctx: &ClientCtx, drop_mid: bool, kind: CallKind) -> AttemptObserver 
                 attempt.outcome == "OK" || attempt.outcome.ends_with("/CARD_DECLINED");
             timeline.attempt(
                 sent,
-                if final_answer {
-                    Attempted::Answered
-                } else {
-                    Attempted::Failed
-                },
                 kind,
+                (!final_answer).then_some(attempt.outcome.as_str()),
             );
         }
         if attempt.target == 1 && attempt.outcome.ends_with("/DATABASE_UNAVAILABLE") {
@@ -489,12 +531,16 @@ impl Traffic {
                 Ok((channel(args.grpc_port)?, vec![channel(args.grpc_port_b)?]))
             }
         };
-        let shared = targets()?;
+        // Backends carrying riders share one connection per target, as a mesh sidecar would.
+        let shared = if args.riders_per_client > 0 {
+            Some(targets()?)
+        } else {
+            None
+        };
         for (i, group) in users.chunk_by(|a, b| a.client == b.client).enumerate() {
-            let (first, more) = if args.riders_per_client > 0 {
-                shared.clone()
-            } else {
-                targets()?
+            let (first, more) = match &shared {
+                Some(shared) => shared.clone(),
+                None => targets()?,
             };
             let riders = group
                 .iter()
@@ -544,5 +590,38 @@ impl Traffic {
             records.extend(client.await?);
         }
         Ok(records)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_calls_history_folds_runs_of_the_same_answer_from_the_same_server() {
+        let attempt =
+            |target: usize, outcome: &str, elapsed_ms: u64, wait_ms: Option<u64>| AttemptRecord {
+                number: 0,
+                target,
+                outcome: outcome.to_owned(),
+                elapsed: Duration::from_millis(elapsed_ms),
+                retry_info: None,
+                wait: wait_ms.map(Duration::from_millis),
+            };
+        let log = [
+            attempt(0, TIMEOUT, 20_000, Some(100)),
+            attempt(1, "Aborted/IDEMPOTENCY_KEY_IN_USE", 400, Some(2_000)),
+            attempt(1, "Aborted/IDEMPOTENCY_KEY_IN_USE", 600, Some(2_000)),
+            attempt(0, "Aborted/IDEMPOTENCY_KEY_IN_USE", 500, None),
+        ];
+        let sent_at = std::time::UNIX_EPOCH + Duration::from_secs(1_000);
+        assert_eq!(
+            attempt_history(sent_at, &log),
+            format!(
+                "sent at unix 1000.0 for 25.6s: 1x {TIMEOUT} from target 0 in 20.0s, \
+                 2x Aborted/IDEMPOTENCY_KEY_IN_USE from target 1 in 1.0s, \
+                 1x Aborted/IDEMPOTENCY_KEY_IN_USE from target 0 in 0.5s"
+            )
+        );
     }
 }

@@ -5,7 +5,7 @@
 use std::{
     collections::BTreeMap,
     sync::{Arc, atomic::AtomicU64},
-    time::{Duration, Instant},
+    time::{Duration, Instant, SystemTime},
 };
 
 #[derive(Default)]
@@ -71,11 +71,18 @@ pub(crate) struct Timeline {
     left: std::sync::Mutex<Vec<Instant>>,
     /// The `--ha` faults, in the order they were injected.
     events: std::sync::Mutex<Vec<FaultEvent>>,
+    /// With `--ha`, the primary's busy sessions by state and wait event, and how late the
+    /// campaign's runtime woke ([`crate::ha_samples`]).
+    db_samples: std::sync::Mutex<Vec<DbSample>>,
+    lateness: std::sync::Mutex<Vec<(Instant, Duration)>>,
 }
+
+/// The busy sessions of the primary at one moment, by state and wait event.
+type DbSample = (Instant, BTreeMap<String, u64>);
 
 /// How an attempt was answered, as far as an outage is concerned.
 #[derive(Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Attempted {
+enum Attempted {
     /// A final answer (OK or a stored decline).
     Answered,
     /// A retryable failure: UNAVAILABLE, ABORTED, INTERNAL, a cut connection or a timeout.
@@ -106,12 +113,15 @@ impl CallKind {
     }
 }
 
-#[derive(Clone, Copy)]
+#[derive(Clone)]
 struct TimedAttempt {
     sent: Instant,
     answered: Instant,
     how: Attempted,
     kind: CallKind,
+    /// A failed attempt's outcome (`UNAVAILABLE/DATABASE_UNAVAILABLE`, `CLIENT/TIMEOUT`, ...): what
+    /// a long outage is explained from.
+    failure: Option<String>,
 }
 
 /// One injected `--ha` fault: when, and when the topology was whole again.
@@ -119,6 +129,8 @@ struct TimedAttempt {
 pub(crate) struct FaultEvent {
     pub(crate) label: String,
     pub(crate) at: Instant,
+    /// `at` on the wall clock, to find the fault in the processes' logs.
+    pub(crate) at_wall: SystemTime,
     pub(crate) healed: Instant,
 }
 
@@ -132,7 +144,7 @@ pub(crate) struct Outage {
 }
 
 /// How long some calls could not get an answer after a fault.
-#[derive(Clone, Copy, Default)]
+#[derive(Clone, Default)]
 pub(crate) struct Unavailability {
     /// From the first failed attempt after the fault to the first final answer to an attempt
     /// sent after that failure (zero when no attempt failed).
@@ -140,16 +152,36 @@ pub(crate) struct Unavailability {
     pub(crate) failed_attempts: usize,
     /// Attempts answered (finally or not) in the window: how well the figure is sampled.
     pub(crate) attempts: usize,
+    /// From the fault to the first failed attempt.
+    pub(crate) first_failure_after: Duration,
+    /// The failed attempts of the outage by outcome, and the final answers in it to attempts
+    /// sent before it began: together they tell a refusing server from a silent one.
+    pub(crate) failures: BTreeMap<String, usize>,
+    pub(crate) answered_from_before: usize,
+    /// The primary's busy sessions summed over the samples taken during the outage, and how many
+    /// samples that is: what the database was doing meanwhile.
+    pub(crate) db_busy: BTreeMap<String, u64>,
+    pub(crate) db_samples: usize,
+    /// The most the campaign's own runtime woke late during the outage.
+    pub(crate) own_lateness: Duration,
+    /// From the first failure to the recovery, when some attempt failed.
+    span: Option<(Instant, Instant)>,
 }
 
 impl Timeline {
-    pub(crate) fn attempt(&self, sent: Instant, how: Attempted, kind: CallKind) {
+    /// `failure` is the outcome of an attempt that is not a final answer.
+    pub(crate) fn attempt(&self, sent: Instant, kind: CallKind, failure: Option<&str>) {
         if let Ok(mut attempts) = self.attempts.lock() {
             attempts.push(TimedAttempt {
                 sent,
                 answered: Instant::now(),
-                how,
+                how: if failure.is_some() {
+                    Attempted::Failed
+                } else {
+                    Attempted::Answered
+                },
                 kind,
+                failure: failure.map(str::to_owned),
             });
         }
     }
@@ -166,6 +198,18 @@ impl Timeline {
         }
     }
 
+    pub(crate) fn db_sample(&self, busy: BTreeMap<String, u64>) {
+        if let Ok(mut samples) = self.db_samples.lock() {
+            samples.push((Instant::now(), busy));
+        }
+    }
+
+    pub(crate) fn own_lateness(&self, late: Duration) {
+        if let Ok(mut lateness) = self.lateness.lock() {
+            lateness.push((Instant::now(), late));
+        }
+    }
+
     pub(crate) fn events(&self) -> Vec<FaultEvent> {
         self.events.lock().map(|e| e.clone()).unwrap_or_default()
     }
@@ -176,18 +220,61 @@ impl Timeline {
         let mut window: Vec<TimedAttempt> = self
             .attempts
             .lock()
-            .map(|a| a.clone())
-            .unwrap_or_default()
-            .into_iter()
-            .filter(|a| a.answered >= event.at && a.answered < until)
-            .collect();
+            .map(|a| {
+                a.iter()
+                    .filter(|a| a.answered >= event.at && a.answered < until)
+                    .cloned()
+                    .collect()
+            })
+            .unwrap_or_default();
         window.sort_by_key(|a| a.answered);
+        let db: Vec<DbSample> = self
+            .db_samples
+            .lock()
+            .map(|samples| {
+                samples
+                    .iter()
+                    .filter(|(at, _)| *at >= event.at && *at < until)
+                    .cloned()
+                    .collect()
+            })
+            .unwrap_or_default();
+        let lateness: Vec<(Instant, Duration)> = self
+            .lateness
+            .lock()
+            .map(|l| {
+                l.iter()
+                    .filter(|(at, _)| *at >= event.at && *at < until)
+                    .copied()
+                    .collect()
+            })
+            .unwrap_or_default();
+        // The outage of some attempts, with what the primary and the campaign were doing
+        // meanwhile.
+        let measured = |attempts: &[TimedAttempt]| {
+            let mut u = unavailability(attempts, event.at, until);
+            if let Some((began, ended)) = u.span {
+                for (_, busy) in db.iter().filter(|(at, _)| *at >= began && *at <= ended) {
+                    u.db_samples += 1;
+                    for (label, n) in busy {
+                        *u.db_busy.entry(label.clone()).or_default() += n;
+                    }
+                }
+                u.own_lateness = lateness
+                    .iter()
+                    .filter(|(at, _)| *at >= began && *at <= ended)
+                    .map(|(_, late)| *late)
+                    .max()
+                    .unwrap_or_default();
+            }
+            u
+        };
         let by_kind = CallKind::ALL
             .into_iter()
             .map(|kind| {
                 let of_kind: Vec<TimedAttempt> =
-                    window.iter().filter(|a| a.kind == kind).copied().collect();
-                (kind, unavailability(&of_kind, until))
+                    window.iter().filter(|a| a.kind == kind).cloned().collect();
+                (kind, measured(&of_kind))
             })
             .collect();
         let keys_left = self
@@ -200,15 +287,16 @@ impl Timeline {
             })
             .unwrap_or(0);
         Outage {
-            all: unavailability(&window, until),
+            all: measured(&window),
             by_kind,
             keys_left,
         }
     }
 }
 
-/// The unavailability seen in `window` (attempts in the order they were answered).
-fn unavailability(window: &[TimedAttempt], until: Instant) -> Unavailability {
+/// The unavailability seen in `window` (attempts in the order they were answered) after a fault
+/// `at`.
+fn unavailability(window: &[TimedAttempt], at: Instant, until: Instant) -> Unavailability {
     let Some(failed_at) = window
         .iter()
         .find(|a| a.how == Attempted::Failed)
@@ -225,16 +313,26 @@ fn unavailability(window: &[TimedAttempt], until: Instant) -> Unavailability {
         .iter()
         .find(|a| a.sent >= failed_at && a.how == Attempted::Answered)
         .map_or(until, |a| a.answered);
-    let failed_attempts = window
-        .iter()
-        .filter(|a| {
-            a.answered >= failed_at && a.answered <= recovered && a.how == Attempted::Failed
-        })
-        .count();
+    let during = || {
+        window
+            .iter()
+            .filter(move |a| a.answered >= failed_at && a.answered <= recovered)
+    };
+    let mut failures: BTreeMap<String, usize> = BTreeMap::new();
+    for failure in during().filter_map(|a| a.failure.as_deref()) {
+        *failures.entry(failure.to_owned()).or_default() += 1;
+    }
     Unavailability {
         unavailable: recovered - failed_at,
-        failed_attempts,
+        failed_attempts: failures.values().sum(),
         attempts: window.len(),
+        first_failure_after: failed_at.saturating_duration_since(at),
+        failures,
+        answered_from_before: during()
+            .filter(|a| a.how == Attempted::Answered && a.sent < failed_at)
+            .count(),
+        span: Some((failed_at, recovered)),
+        ..Unavailability::default()
     }
 }
 
@@ -250,7 +348,14 @@ mod tests {
                     answered,
                     how,
                     kind,
+                    failure: (how == Attempted::Failed).then(|| "UNAVAILABLE/-".to_owned()),
                 });
+            }
+        }
+
+        fn sampled_at(&self, at: Instant, label: &str, n: u64) {
+            if let Ok(mut samples) = self.db_samples.lock() {
+                samples.push((at, BTreeMap::from([(label.to_owned(), n)])));
             }
         }
     }
@@ -263,6 +368,7 @@ mod tests {
         let event = FaultEvent {
             label: "failover/postgresql primary SIGKILL".to_owned(),
             at: at(1000),
+            at_wall: SystemTime::now(),
             healed: at(5000),
         };
         use Attempted::{Answered, Failed};
@@ -279,15 +385,47 @@ mod tests {
         timeline.answered_at(at(1700), at(1800), Answered, CallKind::Replay);
         // Refusals: never failed.
         timeline.answered_at(at(1400), at(1450), Answered, CallKind::Refusal);
+        // The primary: commits waiting on the standby inside the fresh and the replay outages,
+        // then nothing busy once both are over.
+        timeline.sampled_at(at(1500), "active:IPC/SyncRep", 3);
+        timeline.sampled_at(at(2000), "active:IPC/SyncRep", 2);
+        timeline.sampled_at(at(4000), "active:-", 1);
+        // The campaign's runtime: woke 700 ms late during the fresh outage only.
+        if let Ok(mut lateness) = timeline.lateness.lock() {
+            lateness.push((at(3200), Duration::from_millis(700)));
+            lateness.push((at(4200), Duration::from_millis(900)));
+        }
 
         let outage = timeline.outage(&event, at(10_000));
-        let kind = |k: CallKind| outage.by_kind[&k];
+        let kind = |k: CallKind| outage.by_kind[&k].clone();
         assert_eq!(
             kind(CallKind::Fresh).unavailable,
             Duration::from_millis(2300)
         );
         assert_eq!(kind(CallKind::Fresh).failed_attempts, 2);
         assert_eq!(kind(CallKind::Fresh).attempts, 4);
+        assert_eq!(
+            kind(CallKind::Fresh).first_failure_after,
+            Duration::from_millis(200)
+        );
+        assert_eq!(
+            kind(CallKind::Fresh).failures,
+            BTreeMap::from([("UNAVAILABLE/-".to_owned(), 2)])
+        );
+        // The retry sent at 1.1 s, before the failure at 1.2 s, answered at 2 s.
+        assert_eq!(kind(CallKind::Fresh).answered_from_before, 1);
+        assert_eq!(kind(CallKind::Fresh).db_samples, 2);
+        assert_eq!(
+            kind(CallKind::Fresh).db_busy,
+            BTreeMap::from([("active:IPC/SyncRep".to_owned(), 5)])
+        );
+        assert_eq!(kind(CallKind::Replay).db_samples, 1);
+        assert_eq!(
+            kind(CallKind::Fresh).own_lateness,
+            Duration::from_millis(700)
+        );
+        assert_eq!(kind(CallKind::Replay).own_lateness, Duration::ZERO);
+        assert_eq!(kind(CallKind::Refusal).db_samples, 0);
         assert_eq!(
             kind(CallKind::Replay).unavailable,
             Duration::from_millis(500)

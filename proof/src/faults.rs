@@ -9,7 +9,7 @@ use std::{
         Arc,
         atomic::{AtomicBool, Ordering},
     },
-    time::{Duration, Instant},
+    time::{Duration, Instant, SystemTime},
 };
 
 use rand::{Rng, SeedableRng, rngs::StdRng};
@@ -19,6 +19,7 @@ use tokio::{sync::Mutex, task::JoinHandle};
 use crate::{
     args::Args,
     counters::{Counters, FaultEvent, Tallies, Timeline},
+    ha_samples,
     processes::{Children, Proc, Terminated, kill_and_restart, signal},
     services::{ServerKind, Services},
     setup::{Plan, Wiring},
@@ -190,7 +191,7 @@ struct Rollouts {
     rollouts: u32,
 }
 
-/// `--rolling`: `rollouts` times, evenly spread over the traffic, every process of `procs`
+/// `--rolling`: `rollouts` times, at even marks of the traffic, every process of `procs`
 /// replaced one at a time, as a Deployment's rolling update replaces its pods: SIGTERM, its
 /// drain and exit waited for, a new one started from this build's binary in `bin_dir` (the first
 /// rollout of `--rolling-from` is the upgrade) and its port waited for, then a second for the
@@ -209,9 +210,13 @@ async fn rolling_deploys(plan: Rollouts) -> anyhow::Result<()> {
         traffic,
         rollouts,
     } = plan;
+    // Each round at its own mark of the traffic, whatever the last one took: a drain delay
+    // lengthens every replacement.
     let gap = traffic / (rollouts + 1);
+    let start = Instant::now();
     for round in 1..=rollouts {
-        if !sleep_unless_stopped(&stop, gap).await {
+        let due = (start + gap * round).saturating_duration_since(Instant::now());
+        if !sleep_unless_stopped(&stop, due).await {
             break;
         }
         if round == 1
@@ -414,6 +419,15 @@ impl HaFaults {
         let Some(ha) = &self.services.ha else {
             return Ok(());
         };
+        tokio::spawn(ha_samples::primary_sessions(
+            ha.admin_url.clone(),
+            Arc::clone(&self.timeline),
+            Arc::clone(&self.stop),
+        ));
+        tokio::spawn(ha_samples::own_clock(
+            Arc::clone(&self.timeline),
+            Arc::clone(&self.stop),
+        ));
         let mut first = true;
         while self.wait_next(&mut rng, &mut first, mean).await {
             let at = Instant::now();
@@ -460,6 +474,7 @@ impl HaFaults {
         self.timeline.fault(FaultEvent {
             label,
             at,
+            at_wall: SystemTime::now() - at.elapsed(),
             healed: Instant::now(),
         });
     }

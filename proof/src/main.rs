@@ -32,6 +32,8 @@
 //! - [`invariants`]: what the clients saw, checked against the evidence.
 //! - [`report`]: the progress line and the report.
 //! - [`counters`]: the tallies the steps keep while they run, for the report.
+//! - [`ha_samples`]: with `--ha`, what the primary's sessions wait on and how late the
+//!   campaign's own runtime runs, to explain an outage.
 //!
 //! `main` and the flow from one step to the next stay here, because the order is part of what
 //! the campaign proves: faults stop before the drains, the replays run while the api-servers
@@ -42,6 +44,7 @@ mod clients;
 mod counters;
 mod evidence;
 mod faults;
+mod ha_samples;
 mod invariants;
 mod load_balancer;
 mod maintenance;

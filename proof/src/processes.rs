@@ -389,19 +389,27 @@ impl Children {
         );
         api_b.arming = Some(Arc::clone(&arming));
         api_b.env.extend(api_b_env(args));
+        if args.lb {
+            for api in [&mut api_a, &mut api_b] {
+                api.env.extend(crate::load_balancer::api_env());
+            }
+        }
         let api = Arc::new(Mutex::new(api_a));
         let api_b = Arc::new(Mutex::new(api_b));
         api.lock().await.start().await?;
         api_b.lock().await.start().await?;
         let lb = if args.lb {
-            let config = plan.out_dir.join("haproxy.cfg");
-            let pid_file = plan.out_dir.join("haproxy.pid");
-            std::fs::write(&config, crate::load_balancer::config(args, &pid_file))
-                .with_context(|| format!("writing {}", config.display()))?;
+            let config = crate::load_balancer::write_config(args, plan, wiring)?;
             // `-db`: in the foreground, so that it is this campaign's child.
             let lb_args = vec!["-db".into(), "-f".into(), config.display().to_string()];
             let mut lb = make("haproxy", "haproxy".into(), lb_args, Some(args.lb_port));
             lb.start().await?;
+            if let Some(status) = lb.exited() {
+                bail!(
+                    "haproxy exited at start ({status}); see {}",
+                    lb.log.display()
+                );
+            }
             Some(lb)
         } else {
             None

@@ -351,6 +351,7 @@ fn text_ha_faults(text: &mut String, report: &Value) {
                 event["keys_left_to_completer"]
             ),
         );
+        text_long_outage(text, event);
     }
     text.push_str("-- HA outage per class of fault and kind of call: faults, unavailable p50 / p99 / max, failed attempts\n");
     for (class, kinds) in report["ha_outage_spread"].as_object().into_iter().flatten() {
@@ -371,6 +372,33 @@ fn text_ha_faults(text: &mut String, report: &Value) {
     }
 }
 
+/// Unavailability past this gets its explanation printed under its fault: the goal for
+/// fresh work at p99.
+const LONG_OUTAGE_MS: u64 = 5_000;
+
+/// For each kind of call unavailable for longer than [`LONG_OUTAGE_MS`] after `event`: when it
+/// began, how the attempts failed, and how many answers came from attempts sent before it (a
+/// silent server answers neither), with the fault's wall-clock time to find it in the logs.
+fn text_long_outage(text: &mut String, event: &Value) {
+    for kind in CallKind::ALL {
+        let u = &event["by_kind"][kind.label()];
+        if u["unavailable_ms"].as_u64().unwrap_or(0) <= LONG_OUTAGE_MS {
+            continue;
+        }
+        text.push_str(&format!(
+            "      {}: fault at unix {}, first failure {} ms after it; failed {}; {} answers to attempts sent before; primary's busy sessions over {} samples {}; the campaign's runtime late by up to {} ms\n",
+            kind.label(),
+            event["at_unix_secs"],
+            u["first_failure_after_ms"],
+            u["failures"],
+            u["answered_from_before"],
+            u["db_samples"],
+            u["db_busy"],
+            u["campaign_late_ms"]
+        ));
+    }
+}
+
 /// Each `--ha` fault with what the clients saw after it (`outages::per_fault`).
 fn ha_faults(rows: &[FaultOutage]) -> Value {
     let unavailability = |u: &Unavailability| {
@@ -378,6 +406,12 @@ fn ha_faults(rows: &[FaultOutage]) -> Value {
             "unavailable_ms": u.unavailable.as_millis() as u64,
             "failed_attempts": u.failed_attempts,
             "attempts": u.attempts,
+            "first_failure_after_ms": u.first_failure_after.as_millis() as u64,
+            "failures": u.failures,
+            "answered_from_before": u.answered_from_before,
+            "db_busy": u.db_busy,
+            "db_samples": u.db_samples,
+            "campaign_late_ms": u.own_lateness.as_millis() as u64,
         })
     };
     let rows: Vec<Value> = rows
@@ -393,6 +427,11 @@ fn ha_faults(rows: &[FaultOutage]) -> Value {
                 "fault": row.event.label,
                 "class": row.class.label(),
                 "at_secs": round1(row.at.as_secs_f64()),
+                "at_unix_secs": row
+                    .event
+                    .at_wall
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0.0, |d| round1(d.as_secs_f64())),
                 "healed_after_secs": round1((row.event.healed - row.event.at).as_secs_f64()),
                 "clients_unavailable_ms": row.outage.all.unavailable.as_millis() as u64,
                 "failed_attempts": row.outage.all.failed_attempts,

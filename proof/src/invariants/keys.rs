@@ -36,7 +36,11 @@ impl Checks<'_> {
                         *abandoned_resolution.entry(resolution).or_default() += 1;
                     }
                     if let Seen::GaveUp(why) = &r.seen {
-                        eprintln!("proof: note: key {} client gave up ({why})", r.key);
+                        eprintln!(
+                            "proof: note: key {} (key_id {}) client gave up ({why})",
+                            r.key,
+                            row.map_or_else(|| "-".to_owned(), |k| k.id.to_string())
+                        );
                     }
                 }
                 Seen::Unexpected(label) if is_payment_refunded(label) && refunded(row) => {}
