@@ -245,9 +245,16 @@ async fn run_client(ctx: ClientCtx, seed: u64) -> Vec<KeyRecord> {
             Ok(created) => created.attempts(),
             Err(call) => call.attempts(),
         };
+        // Only for a retrying call that ended without a final answer: a key given up.
         let history = match &result {
-            Err(call) => attempt_history(sent_at, &call.log),
-            Ok(_) => String::new(),
+            Err(call)
+                if !drop_mid
+                    && !no_retry
+                    && call.log.last().is_some_and(|a| !is_final(&a.outcome)) =>
+            {
+                attempt_history(sent_at, &call.log)
+            }
+            _ => String::new(),
         };
         let seen = match classify(result) {
             Answer::Final(seen) => seen,
@@ -284,6 +291,11 @@ async fn run_client(ctx: ClientCtx, seed: u64) -> Vec<KeyRecord> {
         }
     }
     records
+}
+
+/// Whether an attempt's outcome is a final answer: a ride, or a stored decline.
+fn is_final(outcome: &str) -> bool {
+    outcome == "OK" || outcome.ends_with("/CARD_DECLINED")
 }
 
 /// A call's attempts in order, runs of the same answer from the same api-server folded, with
@@ -403,8 +415,7 @@ fn observer(ctx: &ClientCtx, drop_mid: bool, kind: CallKind) -> AttemptObserver 
             let sent = Instant::now()
                 .checked_sub(attempt.elapsed)
                 .unwrap_or_else(Instant::now);
-            let final_answer =
-                attempt.outcome == "OK" || attempt.outcome.ends_with("/CARD_DECLINED");
+            let final_answer = is_final(&attempt.outcome);
             timeline.attempt(
                 sent,
                 kind,

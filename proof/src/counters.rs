@@ -80,15 +80,6 @@ pub(crate) struct Timeline {
 /// The busy sessions of the primary at one moment, by state and wait event.
 type DbSample = (Instant, BTreeMap<String, u64>);
 
-/// How an attempt was answered, as far as an outage is concerned.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Attempted {
-    /// A final answer (OK or a stored decline).
-    Answered,
-    /// A retryable failure: UNAVAILABLE, ABORTED, INTERNAL, a cut connection or a timeout.
-    Failed,
-}
-
 /// What a call was, as far as an outage is concerned: the same fault can stop new charges and
 /// leave the stored answers readable, or the other way round.
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Debug)]
@@ -117,11 +108,17 @@ impl CallKind {
 struct TimedAttempt {
     sent: Instant,
     answered: Instant,
-    how: Attempted,
     kind: CallKind,
-    /// A failed attempt's outcome (`UNAVAILABLE/DATABASE_UNAVAILABLE`, `CLIENT/TIMEOUT`, ...): what
+    /// `None` for a final answer (OK or a stored decline); for a retryable failure (UNAVAILABLE,
+    /// ABORTED, INTERNAL, a cut connection or a timeout) its outcome, `CLIENT/TIMEOUT`, ...: what
     /// a long outage is explained from.
     failure: Option<String>,
+}
+
+impl TimedAttempt {
+    fn failed(&self) -> bool {
+        self.failure.is_some()
+    }
 }
 
 /// One injected `--ha` fault: when, and when the topology was whole again.
@@ -175,11 +172,6 @@ impl Timeline {
             attempts.push(TimedAttempt {
                 sent,
                 answered: Instant::now(),
-                how: if failure.is_some() {
-                    Attempted::Failed
-                } else {
-                    Attempted::Answered
-                },
                 kind,
                 failure: failure.map(str::to_owned),
             });
@@ -228,41 +220,26 @@ impl Timeline {
             })
             .unwrap_or_default();
         window.sort_by_key(|a| a.answered);
-        let db: Vec<DbSample> = self
-            .db_samples
-            .lock()
-            .map(|samples| {
-                samples
-                    .iter()
-                    .filter(|(at, _)| *at >= event.at && *at < until)
-                    .cloned()
-                    .collect()
-            })
-            .unwrap_or_default();
-        let lateness: Vec<(Instant, Duration)> = self
-            .lateness
-            .lock()
-            .map(|l| {
-                l.iter()
-                    .filter(|(at, _)| *at >= event.at && *at < until)
-                    .copied()
-                    .collect()
-            })
-            .unwrap_or_default();
         // The outage of some attempts, with what the primary and the campaign were doing
-        // meanwhile.
+        // meanwhile (the samples of its span, which lies in the window).
         let measured = |attempts: &[TimedAttempt]| {
             let mut u = unavailability(attempts, event.at, until);
-            if let Some((began, ended)) = u.span {
-                for (_, busy) in db.iter().filter(|(at, _)| *at >= began && *at <= ended) {
+            let Some((began, ended)) = u.span else {
+                return u;
+            };
+            let during = |at: &Instant| *at >= began && *at <= ended;
+            if let Ok(samples) = self.db_samples.lock() {
+                for (_, busy) in samples.iter().filter(|(at, _)| during(at)) {
                     u.db_samples += 1;
                     for (label, n) in busy {
                         *u.db_busy.entry(label.clone()).or_default() += n;
                     }
                 }
+            }
+            if let Ok(lateness) = self.lateness.lock() {
                 u.own_lateness = lateness
                     .iter()
-                    .filter(|(at, _)| *at >= began && *at <= ended)
+                    .filter(|(at, _)| during(at))
                     .map(|(_, late)| *late)
                     .max()
                     .unwrap_or_default();
@@ -297,11 +274,7 @@ impl Timeline {
 /// The unavailability seen in `window` (attempts in the order they were answered) after a fault
 /// `at`.
 fn unavailability(window: &[TimedAttempt], at: Instant, until: Instant) -> Unavailability {
-    let Some(failed_at) = window
-        .iter()
-        .find(|a| a.how == Attempted::Failed)
-        .map(|a| a.answered)
-    else {
+    let Some(failed_at) = window.iter().find(|a| a.failed()).map(|a| a.answered) else {
         return Unavailability {
             attempts: window.len(),
             ..Unavailability::default()
@@ -311,7 +284,7 @@ fn unavailability(window: &[TimedAttempt], at: Instant, until: Instant) -> Unava
     // it may have been answered from before the fault).
     let recovered = window
         .iter()
-        .find(|a| a.sent >= failed_at && a.how == Attempted::Answered)
+        .find(|a| a.sent >= failed_at && !a.failed())
         .map_or(until, |a| a.answered);
     let during = || {
         window
@@ -329,7 +302,7 @@ fn unavailability(window: &[TimedAttempt], at: Instant, until: Instant) -> Unava
         first_failure_after: failed_at.saturating_duration_since(at),
         failures,
         answered_from_before: during()
-            .filter(|a| a.how == Attempted::Answered && a.sent < failed_at)
+            .filter(|a| !a.failed() && a.sent < failed_at)
             .count(),
         span: Some((failed_at, recovered)),
         ..Unavailability::default()
@@ -340,13 +313,18 @@ fn unavailability(window: &[TimedAttempt], at: Instant, until: Instant) -> Unava
 mod tests {
     use super::*;
 
+    #[derive(Clone, Copy, PartialEq)]
+    enum Attempted {
+        Answered,
+        Failed,
+    }
+
     impl Timeline {
         fn answered_at(&self, sent: Instant, answered: Instant, how: Attempted, kind: CallKind) {
             if let Ok(mut attempts) = self.attempts.lock() {
                 attempts.push(TimedAttempt {
                     sent,
                     answered,
-                    how,
                     kind,
                     failure: (how == Attempted::Failed).then(|| "UNAVAILABLE/-".to_owned()),
                 });

@@ -111,3 +111,23 @@ backend api_servers
         b = args.grpc_port_b,
     )
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_readiness_check_runs_the_probe_on_the_port_haproxy_gives_with_the_servers_environment() {
+        let env = [
+            ("DATABASE_URL".to_owned(), "postgres://x/it's".to_owned()),
+            ("GRPC_LISTEN_ADDR".to_owned(), "127.0.0.1:1".to_owned()),
+        ];
+        let script = readiness_check(Path::new("/bin dir/api-server"), &env);
+        assert_eq!(
+            script,
+            "#!/bin/sh\nexec /usr/bin/env -i DATABASE_URL='postgres://x/it'\\''s' \
+             GRPC_LISTEN_ADDR=\"$3:$4\" '/bin dir/api-server' health-check --service \
+             rides.v1.RideService\n"
+        );
+    }
+}

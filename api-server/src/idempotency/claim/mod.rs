@@ -224,7 +224,7 @@ impl ClaimContext<'_> {
             count_statement("lock");
             conn.build_transaction()
                 .read_committed()
-                .run(async |conn| lock_existing(conn, user_id, self, self.lock_timeout).await)
+                .run(async |conn| lock_existing(conn, user_id, self).await)
                 .await
         })
         .await
@@ -431,7 +431,6 @@ async fn lock_existing(
     conn: &mut AsyncPgConnection,
     user_id: i64,
     claim: &ClaimContext<'_>,
-    lock_timeout: Duration,
 ) -> Result<Option<Claimed>, StoreError> {
     let (key, request, token) = (claim.key, claim.request, claim.token);
     let existing = idempotency_keys::table
@@ -455,7 +454,7 @@ async fn lock_existing(
     } else if row.lock_token != Some(token)
         && row
             .locked_at
-            .is_some_and(|locked_at| lock_is_live(locked_at, now, lock_timeout))
+            .is_some_and(|locked_at| lock_is_live(locked_at, now, claim.lock_timeout))
     {
         Decision::InUse
     } else {
