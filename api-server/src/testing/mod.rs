@@ -73,9 +73,21 @@ impl TestApp {
         overrides: &[(&str, &str)],
     ) -> TestApp {
         let db = TestDatabase::new().await;
+        let url = db.url().to_owned();
+        TestApp::spawn_on(db, &url, stripe_config, overrides).await
+    }
+
+    /// [`TestApp::spawn_with`] on `db`, which the server reaches at `server_database_url` (a
+    /// proxy in front of it, say) while the test's own pool connects to it directly.
+    pub async fn spawn_on(
+        db: TestDatabase,
+        server_database_url: &str,
+        stripe_config: fake_stripe::Config,
+        overrides: &[(&str, &str)],
+    ) -> TestApp {
         let stripe = FakeStripe::spawn(stripe_config).await.unwrap();
         let mut vars: HashMap<String, String> = HashMap::from([
-            ("DATABASE_URL".to_owned(), db.url().to_owned()),
+            ("DATABASE_URL".to_owned(), server_database_url.to_owned()),
             ("STRIPE_API_BASE".to_owned(), stripe.base_url()),
             ("STRIPE_SECRET_KEY".to_owned(), "sk_test_harness".to_owned()),
             ("STRIPE_TIMEOUT_MS".to_owned(), "2000".to_owned()),
