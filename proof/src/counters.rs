@@ -272,20 +272,18 @@ impl Timeline {
 }
 
 /// The unavailability seen in `window` (attempts in the order they were answered) after a fault
-/// `at`.
+/// `at`: its longest episode. An episode runs from a failed attempt to the first final answer to
+/// an attempt sent after that failure; the next begins at the next failure answered after it.
+/// The longest, not the first, because a window also holds failures the fault did not cause (a
+/// crash point, a client's own timeout): a short one of those before the fault took hold would
+/// otherwise stand for the outage and hide it.
 fn unavailability(window: &[TimedAttempt], at: Instant, until: Instant) -> Unavailability {
-    let Some(failed_at) = window.iter().find(|a| a.failed()).map(|a| a.answered) else {
+    let Some((failed_at, recovered)) = longest_episode(window, until) else {
         return Unavailability {
             attempts: window.len(),
             ..Unavailability::default()
         };
     };
-    // Recovered: an attempt sent after the failure was seen got a final answer (one sent before
-    // it may have been answered from before the fault).
-    let recovered = window
-        .iter()
-        .find(|a| a.sent >= failed_at && !a.failed())
-        .map_or(until, |a| a.answered);
     let during = || {
         window
             .iter()
@@ -307,6 +305,28 @@ fn unavailability(window: &[TimedAttempt], at: Instant, until: Instant) -> Unava
         span: Some((failed_at, recovered)),
         ..Unavailability::default()
     }
+}
+
+/// The longest episode of `window` (see [`unavailability`]) as (first failure, recovery); the
+/// first of equals. An episode still open at the window's end lasts until `until`.
+fn longest_episode(window: &[TimedAttempt], until: Instant) -> Option<(Instant, Instant)> {
+    let mut longest: Option<(Instant, Instant)> = None;
+    let mut from = 0;
+    while let Some(offset) = window[from..].iter().position(TimedAttempt::failed) {
+        let start = from + offset;
+        let failed_at = window[start].answered;
+        // Recovered: an attempt sent after the failure was seen got a final answer (one sent
+        // before it may have been answered from before the fault).
+        let recovered = window[start..]
+            .iter()
+            .find(|a| a.sent >= failed_at && !a.failed())
+            .map_or(until, |a| a.answered);
+        if longest.is_none_or(|(began, ended)| recovered - failed_at > ended - began) {
+            longest = Some((failed_at, recovered));
+        }
+        from = start + window[start..].partition_point(|a| a.answered <= recovered);
+    }
+    longest
 }
 
 #[cfg(test)]
@@ -338,17 +358,23 @@ mod tests {
         }
     }
 
-    #[test]
-    fn the_outage_is_measured_per_kind_of_call() {
-        let t0 = Instant::now();
-        let at = |ms: u64| t0 + Duration::from_millis(ms);
-        let timeline = Timeline::default();
-        let event = FaultEvent {
+    fn ms_after(t0: Instant) -> impl Fn(u64) -> Instant {
+        move |ms| t0 + Duration::from_millis(ms)
+    }
+
+    fn primary_kill_at_1s(at: &impl Fn(u64) -> Instant) -> FaultEvent {
+        FaultEvent {
             label: "failover/postgresql primary SIGKILL".to_owned(),
             at: at(1000),
             at_wall: SystemTime::now(),
             healed: at(5000),
-        };
+        }
+    }
+
+    #[test]
+    fn the_outage_is_measured_per_kind_of_call() {
+        let (timeline, at) = (Timeline::default(), ms_after(Instant::now()));
+        let event = primary_kill_at_1s(&at);
         use Attempted::{Answered, Failed};
         // Fresh: answered before the fault, fails from 1.2 s, a retry sent at 1.1 s (before the
         // failure was seen) answered at 2 s does not end it, one sent at 3 s answered at 3.5 s
@@ -411,16 +437,41 @@ mod tests {
         assert_eq!(kind(CallKind::Replay).failed_attempts, 1);
         assert_eq!(kind(CallKind::Refusal).unavailable, Duration::ZERO);
         assert_eq!(kind(CallKind::Refusal).attempts, 1);
-        // All calls: from the first failure (1.2 s) to the first final answer to an attempt
-        // sent after it, the refusal at 1.45 s, which hides the fresh calls' 2.3 s: what the
-        // split by kind is for.
-        assert_eq!(outage.all.unavailable, Duration::from_millis(250));
-        assert_eq!(outage.all.failed_attempts, 2);
+        // All calls: two episodes. From the first failure (1.2 s) to the first final answer to
+        // an attempt sent after it, the refusal at 1.45 s; then from the fresh failure at 2.6 s
+        // to 3.5 s, the longer. Either hides the fresh calls' 2.3 s: what the split by kind is
+        // for.
+        assert_eq!(outage.all.unavailable, Duration::from_millis(900));
+        assert_eq!(outage.all.failed_attempts, 1);
+        assert_eq!(outage.all.first_failure_after, Duration::from_millis(1600));
         // A window that ends before the fresh calls recover: unavailable until its end.
         let cut = timeline.outage(&event, at(3000));
         assert_eq!(
             cut.by_kind[&CallKind::Fresh].unavailable,
             Duration::from_millis(1800)
         );
+    }
+
+    #[test]
+    fn a_short_failure_before_the_outage_does_not_stand_for_it() {
+        let (timeline, at) = (Timeline::default(), ms_after(Instant::now()));
+        let event = primary_kill_at_1s(&at);
+        use Attempted::{Answered, Failed};
+        // A crash point fails one call at 1.1 s, its retry answered at 1.15 s; the failover then
+        // fails every call from 1.5 s until 3.5 s.
+        timeline.answered_at(at(1050), at(1100), Failed, CallKind::Fresh);
+        timeline.answered_at(at(1110), at(1150), Answered, CallKind::Fresh);
+        timeline.answered_at(at(1400), at(1500), Failed, CallKind::Fresh);
+        timeline.answered_at(at(2000), at(2300), Failed, CallKind::Fresh);
+        timeline.answered_at(at(3000), at(3500), Answered, CallKind::Fresh);
+        // Another short one after it, shorter than the outage.
+        timeline.answered_at(at(4000), at(4100), Failed, CallKind::Fresh);
+        timeline.answered_at(at(4200), at(4300), Answered, CallKind::Fresh);
+
+        let fresh = timeline.outage(&event, at(10_000)).by_kind[&CallKind::Fresh].clone();
+        assert_eq!(fresh.unavailable, Duration::from_millis(2000));
+        assert_eq!(fresh.first_failure_after, Duration::from_millis(500));
+        assert_eq!(fresh.failed_attempts, 2);
+        assert_eq!(fresh.attempts, 7);
     }
 }
