@@ -223,7 +223,8 @@ impl Timeline {
         // The outage of some attempts, with what the primary and the campaign were doing
         // meanwhile (the samples of its span, which lies in the window).
         let measured = |attempts: &[TimedAttempt]| {
-            let mut u = unavailability(attempts, event.at, until);
+            let last_start = event.healed + EPISODES_START_WITHIN;
+            let mut u = unavailability(attempts, event.at, last_start, until);
             let Some((began, ended)) = u.span else {
                 return u;
             };
@@ -271,14 +272,24 @@ impl Timeline {
     }
 }
 
+/// How long after a fault healed an episode of failures may begin and still be the fault's: the
+/// clients' last retries into the old topology and their reconnections. One that begins later
+/// is another fault's (a crash point, a provider fault), however long the window.
+pub(crate) const EPISODES_START_WITHIN: Duration = Duration::from_secs(5);
+
 /// The unavailability seen in `window` (attempts in the order they were answered) after a fault
-/// `at`: its longest episode. An episode runs from a failed attempt to the first final answer to
-/// an attempt sent after that failure; the next begins at the next failure answered after it.
-/// The longest, not the first, because a window also holds failures the fault did not cause (a
-/// crash point, a client's own timeout): a short one of those before the fault took hold would
-/// otherwise stand for the outage and hide it.
-fn unavailability(window: &[TimedAttempt], at: Instant, until: Instant) -> Unavailability {
-    let Some((failed_at, recovered)) = longest_episode(window, until) else {
+/// `at`: its longest episode among those that began by `last_start`. An episode runs from a
+/// failed attempt to the first final answer to an attempt sent after that failure; the next
+/// begins at the next failure answered after it. The longest, not the first, because a window
+/// also holds failures the fault did not cause (a crash point, a client's own timeout): a short
+/// one of those before the fault took hold would otherwise stand for the outage and hide it.
+fn unavailability(
+    window: &[TimedAttempt],
+    at: Instant,
+    last_start: Instant,
+    until: Instant,
+) -> Unavailability {
+    let Some((failed_at, recovered)) = longest_episode(window, last_start, until) else {
         return Unavailability {
             attempts: window.len(),
             ..Unavailability::default()
@@ -307,14 +318,22 @@ fn unavailability(window: &[TimedAttempt], at: Instant, until: Instant) -> Unava
     }
 }
 
-/// The longest episode of `window` (see [`unavailability`]) as (first failure, recovery); the
-/// first of equals. An episode still open at the window's end lasts until `until`.
-fn longest_episode(window: &[TimedAttempt], until: Instant) -> Option<(Instant, Instant)> {
+/// The longest episode of `window` that began by `last_start` (see [`unavailability`]) as
+/// (first failure, recovery); the first of equals. An episode still open at the window's end
+/// lasts until `until`.
+fn longest_episode(
+    window: &[TimedAttempt],
+    last_start: Instant,
+    until: Instant,
+) -> Option<(Instant, Instant)> {
     let mut longest: Option<(Instant, Instant)> = None;
     let mut from = 0;
     while let Some(offset) = window[from..].iter().position(TimedAttempt::failed) {
         let start = from + offset;
         let failed_at = window[start].answered;
+        if failed_at > last_start {
+            break;
+        }
         // Recovered: an attempt sent after the failure was seen got a final answer (one sent
         // before it may have been answered from before the fault).
         let recovered = window[start..]
@@ -453,7 +472,7 @@ mod tests {
     }
 
     #[test]
-    fn a_short_failure_before_the_outage_does_not_stand_for_it() {
+    fn the_outage_is_the_longest_episode_that_began_while_the_fault_lasted() {
         let (timeline, at) = (Timeline::default(), ms_after(Instant::now()));
         let event = primary_kill_at_1s(&at);
         use Attempted::{Answered, Failed};
@@ -467,11 +486,22 @@ mod tests {
         // Another short one after it, shorter than the outage.
         timeline.answered_at(at(4000), at(4100), Failed, CallKind::Fresh);
         timeline.answered_at(at(4200), at(4300), Answered, CallKind::Fresh);
+        // The fault healed at 5 s; a longer one that begins more than 5 s later is another
+        // fault's.
+        timeline.answered_at(at(10_100), at(10_200), Failed, CallKind::Fresh);
+        timeline.answered_at(at(16_000), at(16_100), Answered, CallKind::Fresh);
 
-        let fresh = timeline.outage(&event, at(10_000)).by_kind[&CallKind::Fresh].clone();
+        let fresh = timeline.outage(&event, at(30_000)).by_kind[&CallKind::Fresh].clone();
         assert_eq!(fresh.unavailable, Duration::from_millis(2000));
         assert_eq!(fresh.first_failure_after, Duration::from_millis(500));
         assert_eq!(fresh.failed_attempts, 2);
-        assert_eq!(fresh.attempts, 7);
+        assert_eq!(fresh.attempts, 9);
+        // Healed later, it is the fault's.
+        let slow_to_heal = FaultEvent {
+            healed: at(6000),
+            ..primary_kill_at_1s(&at)
+        };
+        let fresh = timeline.outage(&slow_to_heal, at(30_000)).by_kind[&CallKind::Fresh].clone();
+        assert_eq!(fresh.unavailable, Duration::from_millis(5900));
     }
 }
