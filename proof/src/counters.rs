@@ -143,13 +143,15 @@ pub(crate) struct Outage {
 /// How long some calls could not get an answer after a fault.
 #[derive(Clone, Default)]
 pub(crate) struct Unavailability {
-    /// From the first failed attempt after the fault to the first final answer to an attempt
-    /// sent after that failure (zero when no attempt failed).
+    /// The outage's length: its longest episode (see `unavailability`), from a failed attempt
+    /// to the first final answer to an attempt sent after that failure (zero when no attempt
+    /// failed).
     pub(crate) unavailable: Duration,
+    /// The failed attempts of that episode.
     pub(crate) failed_attempts: usize,
     /// Attempts answered (finally or not) in the window: how well the figure is sampled.
     pub(crate) attempts: usize,
-    /// From the fault to the first failed attempt.
+    /// From the fault to that episode's first failed attempt.
     pub(crate) first_failure_after: Duration,
     /// The failed attempts of the outage by outcome, and the final answers in it to attempts
     /// sent before it began: together they tell a refusing server from a silent one.

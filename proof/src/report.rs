@@ -328,9 +328,10 @@ fn section<K: std::fmt::Display, N: std::fmt::Display>(
 /// Each `--ha` fault: when it healed, and what the clients saw after it, in all and per kind of
 /// call; then the spread per class of fault.
 fn text_ha_faults(text: &mut String, report: &Value) {
-    text.push_str(
-        "-- HA faults: healed after / clients unavailable (longest stretch, begun by 5 s after the fault healed, from a failed attempt to the first final answer after it): all, fresh, replay, refusal / failed attempts / keys left to the completer\n",
-    );
+    text.push_str(&format!(
+        "-- HA faults: healed after / clients unavailable (longest stretch, begun by {} s after the fault healed, from a failed attempt to the first final answer after it): all, fresh, replay, refusal / failed attempts / keys left to the completer\n",
+        crate::counters::EPISODES_START_WITHIN.as_secs()
+    ));
     for event in report["ha_faults"].as_array().into_iter().flatten() {
         let by_kind = |kind: CallKind| event["by_kind"][kind.label()]["unavailable_ms"].clone();
         line(

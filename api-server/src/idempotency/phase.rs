@@ -127,6 +127,19 @@ pub async fn finish(
     .map(|_| ())
 }
 
+type Unlocked = (
+    diesel::dsl::Eq<idempotency_keys::locked_at, Option<DateTime<Utc>>>,
+    diesel::dsl::Eq<idempotency_keys::lock_token, Option<Uuid>>,
+);
+
+/// The assignment that unlocks a key: every unlock, fenced by its token, sets this.
+pub(super) fn unlocked() -> Unlocked {
+    (
+        idempotency_keys::locked_at.eq(None),
+        idempotency_keys::lock_token.eq(None),
+    )
+}
+
 /// Unlocks a key this attempt still owns so that a retry may continue at once, without waiting
 /// for the lock to expire. Releasing a lease that was taken over changes nothing.
 pub async fn release(
@@ -140,10 +153,7 @@ pub async fn release(
             .filter(idempotency_keys::id.eq(lease.key_id))
             .filter(idempotency_keys::user_id.eq(lease.user_id))
             .filter(idempotency_keys::lock_token.eq(lease.token))
-            .set((
-                idempotency_keys::locked_at.eq(None::<DateTime<Utc>>),
-                idempotency_keys::lock_token.eq(None::<Uuid>),
-            ))
+            .set(unlocked())
             .execute(&mut conn)
             .await?;
         Ok(updated == 1)

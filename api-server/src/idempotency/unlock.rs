@@ -19,15 +19,16 @@ use std::{
     time::{Duration, Instant},
 };
 
-use diesel::sql_types::{BigInt, Bytea, Text};
+use diesel::{ExpressionMethods, QueryDsl};
 use diesel_async::RunQueryDsl;
 use schema::{
     Pool,
+    schema::{idempotency_keys, users},
     store::{ConflictRetry, StoreError, retry_transient},
 };
 use uuid::Uuid;
 
-use super::{IdempotencyKey, Lease, release};
+use super::{IdempotencyKey, Lease, phase::unlocked, release};
 use crate::auth::Caller;
 
 /// What to unlock.
@@ -115,6 +116,14 @@ impl Unlock {
         }
     }
 
+    /// What is unlocked, for the metric's `kind`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Unlock::Lease(_) => "lease",
+            Unlock::Claim { .. } => "claim",
+        }
+    }
+
     /// For the logs: the key id of a lease; a failed claim's key is a caller's and not logged.
     fn label(&self) -> String {
         match self {
@@ -135,26 +144,26 @@ async fn release_claim(
 ) -> Result<bool, StoreError> {
     retry_transient(policy, || async {
         let mut conn = pool.get().await.map_err(StoreError::Unavailable)?;
-        let query = match caller {
-            Caller::OnBehalfOf(user_id) => diesel::sql_query(
-                "UPDATE idempotency_keys SET locked_at = NULL, lock_token = NULL \
-                 WHERE user_id = $1 AND idempotency_key = $2 AND lock_token = $3",
-            )
-            .into_boxed()
-            .bind::<BigInt, _>(user_id),
-            Caller::Token(digest) => diesel::sql_query(
-                "UPDATE idempotency_keys SET locked_at = NULL, lock_token = NULL \
-                 WHERE user_id = (SELECT id FROM users WHERE api_token_digest = $1) \
-                 AND idempotency_key = $2 AND lock_token = $3",
-            )
-            .into_boxed()
-            .bind::<Bytea, _>(digest.to_vec()),
+        let locked_by_token = idempotency_keys::table
+            .filter(idempotency_keys::idempotency_key.eq(key.as_str()))
+            .filter(idempotency_keys::lock_token.eq(token));
+        let updated = match caller {
+            Caller::OnBehalfOf(user_id) => {
+                diesel::update(locked_by_token.filter(idempotency_keys::user_id.eq(user_id)))
+                    .set(unlocked())
+                    .execute(&mut conn)
+                    .await?
+            }
+            Caller::Token(digest) => {
+                let user = users::table
+                    .filter(users::api_token_digest.eq(digest.to_vec()))
+                    .select(users::id);
+                diesel::update(locked_by_token.filter(idempotency_keys::user_id.eq_any(user)))
+                    .set(unlocked())
+                    .execute(&mut conn)
+                    .await?
+            }
         };
-        let updated = query
-            .bind::<Text, _>(key.as_str())
-            .bind::<diesel::sql_types::Uuid, _>(token)
-            .execute(&mut conn)
-            .await?;
         Ok(updated == 1)
     })
     .await

@@ -336,10 +336,7 @@ impl Rides {
 
     /// [`idempotency::Unlock::retry_in_background`], counted.
     fn unlock_in_background(&self, unlock: idempotency::Unlock, expires: Instant) {
-        let kind = match unlock {
-            idempotency::Unlock::Lease(_) => "lease",
-            idempotency::Unlock::Claim { .. } => "claim",
-        };
+        let kind = unlock.kind();
         if unlock.retry_in_background(self.pool.clone(), self.retry, expires) {
             metrics().unlock_retries.add(1, &[attr("kind", kind)]);
         }
