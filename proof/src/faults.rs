@@ -20,7 +20,7 @@ use crate::{
     args::Args,
     counters::{Counters, FaultEvent, Tallies, Timeline},
     ha_samples,
-    processes::{Children, Proc, Terminated, kill_and_restart, signal},
+    processes::{Children, Proc, TERMINATION_GRACE, Terminated, kill_and_restart, signal},
     services::{ServerKind, Services},
     setup::{Plan, Wiring},
 };
@@ -173,10 +173,6 @@ impl Faults {
     }
 }
 
-/// How long a replaced process may take to drain and exit after SIGTERM: the api-server's
-/// in-flight CreateRides end within the provider's timeout, the workers' within a batch or a mail.
-const ROLLOUT_GRACE: Duration = Duration::from_secs(45);
-
 /// What `--rolling` replaces, with what, and when.
 struct Rollouts {
     procs: Vec<Arc<Mutex<Proc>>>,
@@ -197,7 +193,7 @@ struct Rollouts {
 /// rollout of `--rolling-from` is the upgrade) and its port waited for, then a second for the
 /// clients to reconnect before the next. The process's lock is held throughout, so the supervisor
 /// never sees it dead. Counted as `rollout/<name>`, and `rollout_killed/<name>` for a process that
-/// had to be killed after [`ROLLOUT_GRACE`]. With `--rolling-from`, this build's migrations are
+/// had to be killed after [`TERMINATION_GRACE`]. With `--rolling-from`, this build's migrations are
 /// applied first, while the older build serves (the expand step of an expand/contract release:
 /// the release's migrate Job runs before its rollout), counted as `migration/applied`.
 async fn rolling_deploys(plan: Rollouts) -> anyhow::Result<()> {
@@ -235,7 +231,7 @@ async fn rolling_deploys(plan: Rollouts) -> anyhow::Result<()> {
         for proc in &procs {
             let mut proc = proc.lock().await;
             let name = proc.name;
-            match proc.terminate(ROLLOUT_GRACE).await {
+            match proc.terminate(TERMINATION_GRACE).await {
                 Terminated::Exited(status) => println!("proof: rollout: {name} exited ({status})"),
                 Terminated::Killed => faults.add(format!("rollout_killed/{name}"), 1),
                 Terminated::NotRunning => println!("proof: rollout: {name} was not running"),

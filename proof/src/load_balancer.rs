@@ -79,9 +79,15 @@ fn config(args: &Args, pid_file: &Path, readiness_check: &Path) -> String {
     # The readiness check is a process of its own, as the kubelet's exec probe is.
     external-check
     insecure-fork-wanted
+    log stdout format raw local0
 
 defaults
     mode http
+    # One line per call that was not plain: retried, redispatched, cut or timed out (the
+    # evidence for a key a client found in use after a rollout).
+    log global
+    option httplog
+    option dontlog-normal
     timeout connect 1s
     timeout client 120s
     timeout server 60s

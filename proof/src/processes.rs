@@ -256,6 +256,11 @@ async fn supervise(procs: &[Arc<Mutex<Proc>>], faults: &Counters) {
     }
 }
 
+/// How long a process stopped as a pod is (a rollout's, or the disarming at the end of traffic)
+/// may take to drain and exit after SIGTERM: the api-server's in-flight CreateRides end within
+/// the provider's timeout, the workers' within a batch or a mail.
+pub(crate) const TERMINATION_GRACE: Duration = Duration::from_secs(45);
+
 /// How [`Proc::terminate`] ended a process.
 #[derive(Debug)]
 pub(crate) enum Terminated {
@@ -455,19 +460,30 @@ impl Children {
         [Arc::clone(&self.api), Arc::clone(&self.api_b)]
     }
 
-    /// Disarm: restart both api-servers without crash points for the drain and the replays.
+    /// Disarm for the drain and the replays: an api-server that was started with a crash point
+    /// is replaced by one without, as a rollout replaces it (SIGTERM, its drain, a new start), so
+    /// that the calls in flight as traffic ends are answered. A SIGKILL here would leave every key
+    /// those calls had claimed locked for the lock timeout (90 s at the production defaults),
+    /// longer than their clients retry (CI run 61f081a1: two keys given up under `--rolling`).
+    /// A server never armed (`--no-crash-points`, `--rolling`) is left serving.
     pub(crate) async fn disarm(&self, faults: &Counters) -> anyhow::Result<()> {
-        self.arming.armed.store(false, Ordering::SeqCst);
+        let was_armed = self.arming.armed.swap(false, Ordering::SeqCst);
         for proc in &self.apis() {
             let mut p = proc.lock().await;
             if let Some(pid) = p.pid() {
                 // A stalled server must not stay stopped (SIGCONT is harmless otherwise).
                 signal(pid, "-CONT").await;
             }
-            if p.exited().is_some() {
+            let exited = p.exited().is_some();
+            if exited {
                 faults.add(format!("self_exit/{}", p.name), 1);
             }
-            p.kill().await;
+            if !was_armed && !exited {
+                continue;
+            }
+            if let Terminated::Killed = p.terminate(TERMINATION_GRACE).await {
+                faults.add(format!("disarm_killed/{}", p.name), 1);
+            }
             p.start().await?;
         }
         Ok(())
