@@ -464,8 +464,8 @@ impl Children {
     /// is replaced by one without, as a rollout replaces it (SIGTERM, its drain, a new start), so
     /// that the calls in flight as traffic ends are answered. A SIGKILL here would leave every key
     /// those calls had claimed locked for the lock timeout (90 s at the production defaults),
-    /// longer than their clients retry (CI run 61f081a1: two keys given up under `--rolling`).
-    /// A server never armed (`--no-crash-points`, `--rolling`) is left serving.
+    /// longer than their clients retry. A server never armed (`--no-crash-points`, `--rolling`)
+    /// is left serving.
     pub(crate) async fn disarm(&self, faults: &Counters) -> anyhow::Result<()> {
         let was_armed = self.arming.armed.swap(false, Ordering::SeqCst);
         for proc in &self.apis() {

@@ -127,6 +127,7 @@ pub async fn finish(
     .map(|_| ())
 }
 
+/// The columns [`unlocked`] sets.
 type Unlocked = (
     diesel::dsl::Eq<idempotency_keys::locked_at, Option<DateTime<Utc>>>,
     diesel::dsl::Eq<idempotency_keys::lock_token, Option<Uuid>>,
