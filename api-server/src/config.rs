@@ -97,6 +97,10 @@ pub struct ServingConfig {
 pub struct DatabaseConfig {
     /// May carry a password, hence secret.
     pub url: Secret,
+    /// Where the liveness session connects (`DATABASE_LIVENESS_URL`, default `url`): it holds a
+    /// session-level advisory lock, so it must reach PostgreSQL directly or through a
+    /// session-mode pool, never a transaction-mode pooler (`schema::liveness`).
+    pub liveness_url: Secret,
     pub pool_size: u32,
     /// How long a request waits for a pooled connection before it fails with UNAVAILABLE.
     pub pool_timeout: Duration,
@@ -144,9 +148,11 @@ impl Config {
         let vars = Vars::new(&lookup);
         let price = price(&vars)?;
         let stripe = StripeConfig::from_lookup(&lookup)?;
+        let database_url = vars.string("DATABASE_URL", DEFAULT_DATABASE_URL);
         let config = Config {
             database: DatabaseConfig {
-                url: Secret::new(vars.string("DATABASE_URL", DEFAULT_DATABASE_URL)),
+                liveness_url: Secret::new(vars.string("DATABASE_LIVENESS_URL", &database_url)),
+                url: Secret::new(database_url),
                 pool_size: vars.parse("DATABASE_POOL_SIZE", 16_u32)?,
                 pool_timeout: Duration::from_millis(vars.parse("DATABASE_POOL_TIMEOUT_MS", 5000)?),
             },

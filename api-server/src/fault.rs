@@ -14,7 +14,7 @@
 //! | --- | --- |
 //! | `FAULT_CRASH_POINT` | the one armed point, the [`CrashPoint::name`] of one of [`CrashPoint::ALL`] |
 //! | `FAULT_CRASH_AFTER` | crash on this hit of the point (default 1) |
-//! | `FAULT_CRASH_LOG` | file the point's name is appended to just before the crash |
+//! | `FAULT_CRASH_LOG` | file a line `<point name> <unix time in ms>` is appended to just before the crash |
 
 use schema::RecoveryPoint;
 
@@ -149,7 +149,11 @@ mod armed {
                 .append(true)
                 .open(path)
         {
-            let _ = writeln!(file, "{point}");
+            // When, so that a campaign can time what the crash cost the keys it held.
+            let unix_ms = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |since| since.as_millis());
+            let _ = writeln!(file, "{point} {unix_ms}");
             let _ = file.sync_all();
         }
         // SIGKILL, like the campaign's random kills: no destructor, no flush, no graceful close

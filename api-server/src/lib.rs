@@ -47,6 +47,7 @@ use config::{Config, Secret, ServingConfig, TlsConfig, TransportConfig};
 use limits::LimitsConfig;
 use provider::StripeClient;
 use rides::Rides;
+use schema::liveness::Liveness;
 
 /// Everything a serving process shares between requests.
 #[derive(Clone)]
@@ -64,7 +65,8 @@ pub struct App {
 }
 
 impl App {
-    /// Builds the service from configuration. No connection is opened yet.
+    /// Builds the service from configuration. No pooled connection is opened yet; the liveness
+    /// session (`schema::liveness`) starts connecting in the background.
     pub fn from_config(config: &Config) -> Result<App, reqwest::Error> {
         let pool = schema::build_pool(
             config.database.url.expose(),
@@ -77,7 +79,13 @@ impl App {
         let pool_gauges = metrics::observe_pool(&pool, config.database.pool_size);
         Ok(App {
             _pool_gauges: pool_gauges,
-            rides: Rides::new(pool, stripe, config.price.clone(), config.idempotency),
+            rides: Rides::new(
+                pool,
+                stripe,
+                config.price.clone(),
+                config.idempotency,
+                Liveness::start(config.database.liveness_url.expose().to_owned()),
+            ),
             internal_api_token: config.internal_api_token.clone(),
             serving: config.serving,
             limits: config.limits,

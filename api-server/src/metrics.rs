@@ -22,6 +22,14 @@ pub struct Metrics {
     pub foreign_charges: Counter<u64>,
     /// Attempts refused because another attempt held the key, or fenced off after a takeover.
     pub lock_conflicts: Counter<u64>,
+    /// Locks of other attempts taken over by a claim, by `reason`: `holder_gone` (the holder's
+    /// liveness session ended: a killed or cut-off api-server), `lock_expired` (the lock
+    /// timeout passed: a paused holder, or one that named no holder).
+    pub takeovers: Counter<u64>,
+    /// Attempts that stopped before the provider call, or did not record its result, because
+    /// this process's liveness session was not confirmed or was lost (their keys may be taken
+    /// over), by `step` (`charge`, `record`).
+    pub liveness_fenced: Counter<u64>,
     /// Failed attempts whose unlock failed too (the database unreachable) and is retried in the
     /// background until it succeeds or the lock expires.
     pub unlock_retries: Counter<u64>,
@@ -92,6 +100,17 @@ static METRICS: LazyLock<Metrics> = LazyLock::new(|| {
         lock_conflicts: meter
             .u64_counter("rides.idempotency.lock_conflicts")
             .with_description("Attempts refused or fenced off because another attempt held the key")
+            .build(),
+        takeovers: meter
+            .u64_counter("rides.idempotency.takeovers")
+            .with_description("Locks taken over by a claim, by reason (holder_gone, lock_expired)")
+            .build(),
+        liveness_fenced: meter
+            .u64_counter("rides.idempotency.liveness_fenced")
+            .with_description(
+                "Attempts stopped before the charge or its record because this process's \
+                 liveness session was not confirmed, by step",
+            )
             .build(),
         unlock_retries: meter
             .u64_counter("rides.idempotency.unlock_retries")

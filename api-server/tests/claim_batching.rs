@@ -4,6 +4,9 @@
 //! ride, which is inserted with its key only if the claim inserts the key.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+use api_server::idempotency::Locking;
+use contract::key::LockRule;
+use schema::liveness::Liveness;
 use std::{sync::Arc, time::Duration};
 
 use api_server::{
@@ -20,7 +23,13 @@ use schema::RecoveryPoint;
 use tonic::Code;
 use uuid::Uuid;
 
-const LOCK_TIMEOUT: Duration = Duration::from_secs(90);
+/// No liveness session, the default lock timeout and provider key window.
+fn locking() -> Locking {
+    Locking {
+        liveness: Liveness::absent(),
+        rule: LockRule::new(Duration::from_secs(90), Duration::from_secs(86_400)),
+    }
+}
 
 fn params(request: CreateRideRequest) -> RideParams {
     RideParams::try_from(request).unwrap()
@@ -132,7 +141,7 @@ async fn claims_queued_together_share_a_statement_and_each_get_their_own_answer(
                 &key,
                 &signature,
                 &first_ride,
-                LOCK_TIMEOUT,
+                &locking(),
                 Uuid::new_v4(),
             )
             .await
@@ -303,7 +312,7 @@ async fn a_claim_whose_answer_was_lost_owns_its_key_by_its_token_and_undoes_it_b
                 &key,
                 &request.signature(),
                 &first_ride,
-                LOCK_TIMEOUT,
+                &locking(),
                 token,
             )
             .await

@@ -27,9 +27,8 @@
 
 use std::{collections::HashSet, time::Duration};
 
-use chrono::{DateTime, Utc};
 use diesel::{QueryableByName, sql_types::BigInt};
-use schema::prepared::Statement;
+use schema::{prepared::Statement, schema::idempotency_keys};
 use telemetry::settings::ConfigError;
 
 /// The idempotency key presented to the provider for the charge of idempotency key row
@@ -88,30 +87,134 @@ pub fn key_ttl(vars: &telemetry::settings::Vars<'_>) -> Result<Duration, ConfigE
     }
 }
 
-/// Whether a key locked at `locked_at` is still held at `now`: a lock older than the lock timeout
-/// may be taken over (its holder is presumed dead). The api-server's claim and `workers admin`
-/// both decide by it; the completer and the reaper, which pick keys in SQL, by its SQL form
-/// [`lock_is_free_sql!`](crate::lock_is_free_sql), which is exactly its negation (at exact
-/// equality with the cut-off a lock is free in both).
-pub fn lock_is_live(locked_at: DateTime<Utc>, now: DateTime<Utc>, lock_timeout: Duration) -> bool {
-    // A timeout beyond chrono's range puts the cut-off before all time: every lock is live.
-    now.checked_sub_signed(chrono_duration(lock_timeout))
-        .is_none_or(|cutoff| locked_at > cutoff)
+/// How a process judges whether a key's lock may be taken over: the arguments of the SQL
+/// function `idempotency_lock_state` (migration `2026-11-28-100000_lock_holders`), the one home of
+/// the rule, which every process that judges a lock calls (the claim, a waiting duplicate, the
+/// completer, the reaper, `workers admin`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LockRule {
+    /// `IDEMPOTENCY_LOCK_TIMEOUT_SECS`: a lock this old is taken over whoever holds it.
+    pub lock_timeout: Duration,
+    /// A lock whose holder's session has ended is taken over at once on a key created less than
+    /// this long ago ([`provider_key_margin`] of the provider's idempotency window): every charge
+    /// attempt at such a key presents the provider the same idempotency key, which the provider
+    /// still remembers, so two attempts get one PaymentIntent. An older key may be charged after
+    /// a search instead, which is safe only when no other attempt can be charging: it waits for
+    /// the lock timeout.
+    pub holder_takeover: Duration,
 }
 
-/// The SQL form of "no live lock" (the negation of [`lock_is_live`]), on a row whose columns
-/// are in scope unqualified: `$n`, given as a string literal such as `"$4"`, binds the lock
-/// timeout in whole seconds. A macro so that the statements that use it stay `const` strings:
-/// `concat!("... AND ", contract::lock_is_free_sql!("$4"), " ...")`.
+impl LockRule {
+    /// The rule for a provider that remembers idempotency keys for `provider_window`.
+    pub fn new(lock_timeout: Duration, provider_window: Duration) -> LockRule {
+        LockRule {
+            lock_timeout,
+            holder_takeover: provider_key_margin(provider_window),
+        }
+    }
+
+    /// The function's last two arguments, in seconds.
+    pub fn secs(&self) -> (f64, f64) {
+        (
+            self.lock_timeout.as_secs_f64(),
+            self.holder_takeover.as_secs_f64(),
+        )
+    }
+}
+
+/// How long after a ride's creation every charge attempt at it can rely on the provider's
+/// idempotency key: the provider's window less a tenth, for clock skew between the database and
+/// the provider. Every attempt happened after the ride was created, so a younger ride proves the
+/// provider still remembers the key; an older one is looked up before it is charged.
+pub fn provider_key_margin(provider_window: Duration) -> Duration {
+    provider_window.saturating_sub(provider_window / 10)
+}
+
+/// The SQL call of the lock rule on a row of `idempotency_keys` whose columns are in scope
+/// unqualified; `$timeout` and `$takeover` are the placeholders (string literals such as `"$4"`)
+/// binding [`LockRule::secs`]. A macro so that the statements that use it stay `const` strings.
 #[macro_export]
-macro_rules! lock_is_free_sql {
-    ($timeout_secs_param:literal) => {
+macro_rules! lock_state_sql {
+    ($timeout:literal, $takeover:literal) => {
         concat!(
-            "(locked_at IS NULL OR locked_at <= now() - make_interval(secs => ",
-            $timeout_secs_param,
-            "))"
+            "idempotency_lock_state(locked_at, lock_holder, created_at, ",
+            $timeout,
+            ", ",
+            $takeover,
+            ")"
         )
     };
+}
+
+diesel::define_sql_function! {
+    /// The lock rule for the diesel DSL: see [`LockRule`].
+    fn idempotency_lock_state(
+        locked_at: diesel::sql_types::Nullable<diesel::sql_types::Timestamptz>,
+        lock_holder: diesel::sql_types::Nullable<diesel::sql_types::BigInt>,
+        key_created_at: diesel::sql_types::Timestamptz,
+        lock_timeout_secs: diesel::sql_types::Double,
+        holder_takeover_secs: diesel::sql_types::Double,
+    ) -> diesel::sql_types::Text;
+}
+
+/// The lock rule on the row of `idempotency_keys` in scope, for the diesel DSL.
+pub fn lock_state_of_key(
+    rule: LockRule,
+) -> idempotency_lock_state<
+    idempotency_keys::locked_at,
+    idempotency_keys::lock_holder,
+    idempotency_keys::created_at,
+    f64,
+    f64,
+> {
+    let (timeout_secs, takeover_secs) = rule.secs();
+    idempotency_lock_state(
+        idempotency_keys::locked_at,
+        idempotency_keys::lock_holder,
+        idempotency_keys::created_at,
+        timeout_secs,
+        takeover_secs,
+    )
+}
+
+/// What `idempotency_lock_state` says of a key's lock.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LockState {
+    /// Not locked.
+    Free,
+    /// Locked for at least the lock timeout: taken over whoever holds it.
+    Expired,
+    /// Locked by a holder whose liveness session has ended, on a key young enough to be taken
+    /// over at once.
+    HolderGone,
+    /// Held: leave it to its holder.
+    Live,
+}
+
+impl LockState {
+    /// The function's answer; anything it does not say is taken as `Live` (leave the key alone).
+    pub fn parse(state: &str) -> LockState {
+        match state {
+            "free" => LockState::Free,
+            "expired" => LockState::Expired,
+            "holder_gone" => LockState::HolderGone,
+            _ => LockState::Live,
+        }
+    }
+
+    pub fn is_live(self) -> bool {
+        self == LockState::Live
+    }
+
+    /// Why a lock in this state is taken over (the `reason` of the takeover metric); `None` for
+    /// a key that was not locked, or is held.
+    pub fn takeover_reason(self) -> Option<&'static str> {
+        match self {
+            LockState::Expired => Some("lock_expired"),
+            LockState::HolderGone => Some("holder_gone"),
+            LockState::Free | LockState::Live => None,
+        }
+    }
 }
 
 /// A configured duration (the lock timeout, the key TTL) as timestamp arithmetic wants it; one
@@ -190,7 +293,7 @@ macro_rules! finish_key {
             $code,
             ", response_body = ",
             $body,
-            ", locked_at = NULL, lock_token = NULL"
+            ", locked_at = NULL, lock_token = NULL, lock_holder = NULL"
         )
     };
 }
@@ -257,21 +360,21 @@ mod tests {
     }
 
     #[test]
-    fn a_lock_is_live_until_the_timeout_has_passed() {
-        let locked_at = DateTime::from_timestamp(1_800_000_000, 0).unwrap();
-        let timeout = Duration::from_secs(90);
-        assert!(lock_is_live(locked_at, locked_at, timeout));
-        assert!(lock_is_live(
-            locked_at,
-            locked_at + chrono::Duration::seconds(89),
-            timeout
-        ));
-        assert!(!lock_is_live(
-            locked_at,
-            locked_at + chrono::Duration::seconds(90),
-            timeout
-        ));
-        assert!(lock_is_live(locked_at, locked_at, Duration::MAX));
+    fn a_holder_is_taken_over_at_once_only_inside_the_provider_key_margin() {
+        let rule = LockRule::new(Duration::from_secs(90), Duration::from_secs(86_400));
+        assert_eq!(rule.holder_takeover, Duration::from_secs(77_760));
+        assert_eq!(rule.secs(), (90.0, 77_760.0));
+        assert_eq!(
+            LockState::parse("holder_gone").takeover_reason(),
+            Some("holder_gone")
+        );
+        assert_eq!(
+            LockState::parse("expired").takeover_reason(),
+            Some("lock_expired")
+        );
+        assert!(LockState::parse("live").is_live());
+        assert!(LockState::parse("something new").is_live());
+        assert!(!LockState::parse("free").is_live());
     }
 
     #[test]

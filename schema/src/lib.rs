@@ -17,10 +17,13 @@
 //! - [`store`]: [`StoreError`](store::StoreError), what every statement fails with, and the one
 //!   retry policy for serialization failures and deadlocks.
 //! - [`tls`]: [`connect`], the one way to open a connection, with TLS as `sslmode` asks.
+//! - [`liveness`]: this process's presence in PostgreSQL, which names the holder of the key
+//!   locks it takes and lets another process see at once that the holder is gone.
 //! - [`migrations`]: `migrations/` embedded in the binary and applied over an async connection.
 //! - `testing` (feature `testing`): one database per test, cloned from a migrated template.
 
 mod finding_kind;
+pub mod liveness;
 pub mod migrations;
 pub mod models;
 pub mod pool;

@@ -40,6 +40,8 @@ pub struct IdempotencyKeyRow {
     pub last_run_at: DateTime<Utc>,
     pub locked_at: Option<DateTime<Utc>>,
     pub lock_token: Option<Uuid>,
+    /// The liveness session of the lock's holder (`crate::liveness`), if it named one.
+    pub lock_holder: Option<i64>,
     pub request_method: String,
     pub request_path: String,
     pub request_params: serde_json::Value,

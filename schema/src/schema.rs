@@ -32,6 +32,7 @@ diesel::table! {
         completer_attempts -> Int4,
         completer_next_attempt_at -> Nullable<Timestamptz>,
         completer_gave_up_at -> Nullable<Timestamptz>,
+        lock_holder -> Nullable<Int8>,
     }
 }
 

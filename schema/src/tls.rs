@@ -124,8 +124,11 @@ pub async fn connect(url: &str) -> ConnectionResult<AsyncPgConnection> {
 
 /// What every connection of this version declares: it knows deployment ids, so the migration
 /// `2026-11-26-100000_fence_older_servers` lets it take the lock of a key whose ride carries one
-/// (a server from before deployment ids would charge that ride under another provider key).
-pub const SESSION_DECLARATIONS: &str = "SET rocket_rides.provider_keys = 'deployment'";
+/// (a server from before deployment ids would charge that ride under another provider key); and
+/// it names the holder of every lock it takes, so the migration `2026-11-28-100000_lock_holders`
+/// keeps the holder it writes (a server from before holder ids has the holder forgotten).
+pub const SESSION_DECLARATIONS: &str =
+    "SET rocket_rides.provider_keys = 'deployment'; SET rocket_rides.lock_holders = 'named'";
 
 async fn open(url: &str) -> ConnectionResult<AsyncPgConnection> {
     let (url, tls) = parse(url).map_err(ConnectionError::BadConnection)?;

@@ -3,8 +3,9 @@
 //! idempotency key and parameters. It knows nothing of the phases: the api-server resumes from
 //! the key's recovery point, so a key at `charge_created` is never charged again.
 //!
-//! A key is a candidate when it is unfinished, not given up on, not locked (or its lock has
-//! expired), older than `min_age`, not run for `idle`, and due (`completer_next_attempt_at`).
+//! A key is a candidate when it is unfinished, not given up on, due (`completer_next_attempt_at`),
+//! and either locked by a holder that is gone (`contract::key::LockRule`: taken at once), or
+//! unlocked (or its lock expired), older than `min_age` and not run for `idle`.
 //! A batch is claimed atomically: `UPDATE … SET completer_next_attempt_at = now() + lease WHERE
 //! id IN (SELECT … FOR UPDATE SKIP LOCKED LIMIT n) RETURNING …`, so concurrent completers never
 //! work the same key. Failed attempts back off exponentially per key; after `max_attempts` the
@@ -97,6 +98,8 @@ pub struct ClaimedKey {
     pub created_at: DateTime<Utc>,
 }
 
+/// A key whose lock's holder is gone (`contract::key::LockRule`) is taken at once, whatever its
+/// age and idle time: its holder died mid-request and nobody else is bound to finish it.
 const CLAIM_BATCH: &str = concat!(
     "
 UPDATE idempotency_keys AS k
@@ -105,12 +108,15 @@ WHERE k.id IN (
     SELECT id FROM idempotency_keys
     WHERE recovery_point <> 'finished'
       AND completer_gave_up_at IS NULL
-      AND created_at < now() - make_interval(secs => $2)
-      AND last_run_at < now() - make_interval(secs => $3)
-      AND ",
-    contract::lock_is_free_sql!("$4"),
-    "
       AND (completer_next_attempt_at IS NULL OR completer_next_attempt_at <= now())
+      AND CASE ",
+    contract::lock_state_sql!("$4", "$6"),
+    "
+          WHEN 'holder_gone' THEN true
+          WHEN 'live' THEN false
+          ELSE created_at < now() - make_interval(secs => $2)
+               AND last_run_at < now() - make_interval(secs => $3)
+          END
     ORDER BY created_at, id
     LIMIT $5
     FOR UPDATE SKIP LOCKED
@@ -226,8 +232,9 @@ impl Completer {
             .bind::<Double, _>(self.config.lease.as_secs_f64())
             .bind::<Double, _>(self.config.min_age.as_secs_f64())
             .bind::<Double, _>(self.config.idle.as_secs_f64())
-            .bind::<Double, _>(self.config.lock_timeout.as_secs_f64())
+            .bind::<Double, _>(self.config.lock_rule.secs().0)
             .bind::<BigInt, _>(self.config.batch_size)
+            .bind::<Double, _>(self.config.lock_rule.secs().1)
             .load(&mut conn)
             .await?;
         drop(conn);

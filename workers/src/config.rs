@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use proto::client::ClientTls;
 
-use contract::key::DEFAULT_LOCK_TIMEOUT_SECS;
+use contract::key::{DEFAULT_LOCK_TIMEOUT_SECS, LockRule};
 pub use telemetry::Secret;
 use telemetry::settings::Vars;
 
@@ -74,9 +74,13 @@ pub struct CompleterConfig {
     /// `API_SERVER_CLIENT_KEY`).
     pub api_server_tls: ClientTls,
     pub internal_api_token: Option<Secret>,
+    /// A key is a candidate once this old and idle this long, unless its lock's holder is gone
+    /// (then at once: nobody else will finish it).
     pub min_age: Duration,
     pub idle: Duration,
-    pub lock_timeout: Duration,
+    /// `IDEMPOTENCY_LOCK_TIMEOUT_SECS` and the provider's key window: which locked keys are
+    /// free to complete.
+    pub lock_rule: LockRule,
     pub batch_size: i64,
     pub backoff_base: Duration,
     pub backoff_max: Duration,
@@ -91,7 +95,7 @@ pub struct CompleterConfig {
 #[derive(Clone, Debug)]
 pub struct ReaperConfig {
     pub key_ttl: Duration,
-    pub lock_timeout: Duration,
+    pub lock_rule: LockRule,
     pub batch_size: i64,
     pub interval: Duration,
 }
@@ -134,7 +138,11 @@ impl Config {
     /// Reads configuration through `lookup`, so tests never touch the process environment.
     pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Config, ConfigError> {
         let vars = Vars::new(&lookup);
-        let lock_timeout = vars.secs("IDEMPOTENCY_LOCK_TIMEOUT_SECS", DEFAULT_LOCK_TIMEOUT_SECS)?;
+        let stripe = provider::StripeConfig::from_lookup(&lookup)?;
+        let lock_rule = LockRule::new(
+            vars.secs("IDEMPOTENCY_LOCK_TIMEOUT_SECS", DEFAULT_LOCK_TIMEOUT_SECS)?,
+            stripe.idempotency_window,
+        );
         Ok(Config {
             database_url: Secret::new(vars.string("DATABASE_URL", DEFAULT_DATABASE_URL)),
             database_pool_size: vars.positive("DATABASE_POOL_SIZE", 20)?,
@@ -143,14 +151,14 @@ impl Config {
             receipt_delivery_limit: vars.positive("RECEIPTS_DELIVERY_LIMIT", 10)?,
             enqueuer: enqueuer(&vars)?,
             receipts: receipts(&vars)?,
-            completer: completer(&vars, lock_timeout)?,
+            completer: completer(&vars, lock_rule)?,
             reaper: ReaperConfig {
                 key_ttl: contract::key::key_ttl(&vars)?,
-                lock_timeout,
+                lock_rule,
                 batch_size: vars.positive("REAPER_BATCH_SIZE", 1000)?,
                 interval: vars.secs("REAPER_INTERVAL_SECS", 600)?,
             },
-            reconciler: reconciler(&vars, &lookup)?,
+            reconciler: reconciler(&vars, stripe)?,
         })
     }
 }
@@ -190,7 +198,7 @@ fn receipts(vars: &Vars<'_>) -> Result<ReceiptsConfig, ConfigError> {
     })
 }
 
-fn completer(vars: &Vars<'_>, lock_timeout: Duration) -> Result<CompleterConfig, ConfigError> {
+fn completer(vars: &Vars<'_>, lock_rule: LockRule) -> Result<CompleterConfig, ConfigError> {
     Ok(CompleterConfig {
         api_server_url: vars.string("API_SERVER_URL", DEFAULT_API_SERVER_URL),
         api_server_tls: ClientTls {
@@ -201,7 +209,7 @@ fn completer(vars: &Vars<'_>, lock_timeout: Duration) -> Result<CompleterConfig,
         internal_api_token: vars.raw("INTERNAL_API_TOKEN").map(Secret::new),
         min_age: vars.secs("COMPLETER_MIN_AGE_SECS", 300)?,
         idle: vars.secs("COMPLETER_IDLE_SECS", 60)?,
-        lock_timeout,
+        lock_rule,
         batch_size: vars.positive("COMPLETER_BATCH_SIZE", 100)?,
         backoff_base: vars.secs("COMPLETER_BACKOFF_BASE_SECS", 60)?,
         backoff_max: vars.secs("COMPLETER_BACKOFF_MAX_SECS", 3600)?,
@@ -214,10 +222,10 @@ fn completer(vars: &Vars<'_>, lock_timeout: Duration) -> Result<CompleterConfig,
 
 fn reconciler(
     vars: &Vars<'_>,
-    lookup: &dyn Fn(&str) -> Option<String>,
+    stripe: provider::StripeConfig,
 ) -> Result<ReconcilerConfig, ConfigError> {
     Ok(ReconcilerConfig {
-        stripe: provider::StripeConfig::from_lookup(lookup)?,
+        stripe,
         settle_delay: vars.secs("RECONCILER_SETTLE_SECS", 900)?,
         overlap: vars.secs("RECONCILER_OVERLAP_SECS", 3600)?,
         initial_lookback: Duration::from_secs(

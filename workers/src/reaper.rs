@@ -64,8 +64,8 @@ WITH doomed AS (
     FROM idempotency_keys
     WHERE created_at < now() - make_interval(secs => $1)
       AND ",
-    contract::lock_is_free_sql!("$2"),
-    "
+    contract::lock_state_sql!("$2", "$4"),
+    " <> 'live'
     ORDER BY created_at, id
     LIMIT $3
     FOR UPDATE SKIP LOCKED
@@ -103,8 +103,9 @@ impl Reaper {
         loop {
             let counts: BatchCounts = diesel::sql_query(REAP_BATCH)
                 .bind::<diesel::sql_types::Double, _>(self.config.key_ttl.as_secs_f64())
-                .bind::<diesel::sql_types::Double, _>(self.config.lock_timeout.as_secs_f64())
+                .bind::<diesel::sql_types::Double, _>(self.config.lock_rule.secs().0)
                 .bind::<BigInt, _>(self.config.batch_size)
+                .bind::<diesel::sql_types::Double, _>(self.config.lock_rule.secs().1)
                 .get_result(&mut conn)
                 .await?;
             summary.batches += 1;

@@ -201,6 +201,9 @@ pub fn create_ride_error(error: CreateRideError) -> Status {
             tracing::error!(error = %error_chain(&error), "database unavailable");
             database_unavailable()
         }
+        // Logged where it happened (`rides::ride_created`); a retry is served by a server whose
+        // session stands, this one's own once its session is open again.
+        CreateRideError::LivenessLost => database_unavailable(),
         CreateRideError::ProviderUnavailable(error) => {
             tracing::warn!(error = %error_chain(&error), "payment provider unavailable");
             retryable(

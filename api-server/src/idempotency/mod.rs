@@ -41,11 +41,11 @@ pub mod phase;
 mod unlock;
 pub mod wait;
 
-use schema::RecoveryPoint;
+use schema::{RecoveryPoint, liveness::HolderId};
 use uuid::Uuid;
 
 pub use batch::{BatchCounts, BatchStatement, Batcher, Batching};
-pub use claim::{Claimed, Claims, Decision, FirstRide, claim, key_exists};
+pub use claim::{Claimed, Claims, Decision, FirstRide, LockedBy, Locking, claim, key_exists};
 pub use key::{IdempotencyKey, InvalidKey, MAX_LEN, MIN_LEN};
 pub use phase::{atomic_phase, batched_phase, finish, release};
 pub use unlock::Unlock;
@@ -66,6 +66,10 @@ pub struct Lease {
     pub key_id: i64,
     pub user_id: i64,
     pub token: Uuid,
+    /// The liveness session the lock names (`schema::liveness`), if it named one: the attempt
+    /// starts no provider call unless that session is confirmed, and records nothing once it
+    /// knows the session is gone.
+    pub holder: Option<HolderId>,
     pub recovery_point: RecoveryPoint,
 }
 

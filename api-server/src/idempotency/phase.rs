@@ -131,6 +131,7 @@ pub async fn finish(
 type Unlocked = (
     diesel::dsl::Eq<idempotency_keys::locked_at, Option<DateTime<Utc>>>,
     diesel::dsl::Eq<idempotency_keys::lock_token, Option<Uuid>>,
+    diesel::dsl::Eq<idempotency_keys::lock_holder, Option<i64>>,
 );
 
 /// The assignment that unlocks a key: every unlock, fenced by its token, sets this.
@@ -138,6 +139,7 @@ pub(super) fn unlocked() -> Unlocked {
     (
         idempotency_keys::locked_at.eq(None),
         idempotency_keys::lock_token.eq(None),
+        idempotency_keys::lock_holder.eq(None),
     )
 }
 

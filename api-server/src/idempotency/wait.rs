@@ -22,8 +22,10 @@ use std::{
     time::{Duration, Instant},
 };
 
-use chrono::{DateTime, Utc};
-use contract::{StoredResponse, key::lock_is_live};
+use contract::{
+    StoredResponse,
+    key::{LockRule, LockState, lock_state_of_key},
+};
 use diesel::{ExpressionMethods, OptionalExtension, QueryDsl};
 use diesel_async::RunQueryDsl;
 use schema::{Pool, RecoveryPoint, schema::idempotency_keys, store::StoreError};
@@ -149,7 +151,7 @@ impl Waits {
         pool: &Pool,
         user_id: i64,
         key: &IdempotencyKey,
-        lock_timeout: Duration,
+        rule: LockRule,
         budget: &WaitBudget,
     ) -> WaitEnd {
         let Some(until) = budget.until else {
@@ -185,7 +187,7 @@ impl Waits {
                     if self.take_poll(&waiter.id) {
                         let polled = tokio::time::timeout_at(
                             until.into(),
-                            poll(pool, user_id, key, lock_timeout),
+                            poll(pool, user_id, key, rule),
                         );
                         match polled.await {
                             Ok(Ok(news)) => self.tell(&waiter.id, news),
@@ -346,20 +348,20 @@ impl Drop for Waiter<'_> {
 }
 
 /// The key as a waiter needs it: finished (with its outcome), still locked by a live attempt, or
-/// free. A plain indexed read, no lock taken; a key that vanished (reaped) is free: the claim
-/// that follows decides it.
+/// free (let go, or its lock may be taken over: expired, or its holder gone, as `rule` says). A
+/// plain indexed read, no row lock taken; a key that vanished (reaped) is free: the claim that
+/// follows decides it.
 async fn poll(
     pool: &Pool,
     user_id: i64,
     key: &IdempotencyKey,
-    lock_timeout: Duration,
+    rule: LockRule,
 ) -> Result<News, StoreError> {
     type Row = (
         RecoveryPoint,
         Option<i32>,
         Option<serde_json::Value>,
-        Option<DateTime<Utc>>,
-        DateTime<Utc>,
+        String,
     );
     let mut conn = pool.get().await.map_err(StoreError::Unavailable)?;
     let row: Option<Row> = idempotency_keys::table
@@ -369,19 +371,18 @@ async fn poll(
             idempotency_keys::recovery_point,
             idempotency_keys::response_code,
             idempotency_keys::response_body,
-            idempotency_keys::locked_at,
-            diesel::dsl::sql::<diesel::sql_types::Timestamptz>("now()"),
+            lock_state_of_key(rule),
         ))
         .first(&mut conn)
         .await
         .optional()?;
     metrics().wait_polls.add(1, &[]);
-    let Some((point, code, body, locked_at, now)) = row else {
+    let Some((point, code, body, state)) = row else {
         return Ok(News::Free);
     };
     Ok(if point == RecoveryPoint::Finished {
         News::Finished(stored_response(code, body)?)
-    } else if locked_at.is_some_and(|at| lock_is_live(at, now, lock_timeout)) {
+    } else if LockState::parse(&state).is_live() {
         News::Running
     } else {
         News::Free

@@ -19,6 +19,10 @@ pub enum CreateRideError {
     Contended(#[source] StoreError),
     #[error("the database is unavailable")]
     DatabaseUnavailable(#[source] StoreError),
+    /// This process's liveness session was not confirmed before the charge, or was lost before
+    /// its result was recorded: the key may be another attempt's by now, so this one stopped.
+    #[error("this server's liveness session in the database was lost")]
+    LivenessLost,
     #[error("the payment provider is unavailable")]
     ProviderUnavailable(#[source] ChargeError),
     /// The key is at a recovery point only a server from before run 24 of

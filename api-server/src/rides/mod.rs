@@ -36,12 +36,16 @@ mod started;
 use std::{net::IpAddr, sync::Arc, time::Instant};
 
 use chrono::{DateTime, Utc};
-use contract::{Outcome, RideView, key::chrono_duration};
+use contract::{
+    Outcome, RideView,
+    key::{LockRule, chrono_duration},
+};
 use diesel::{ExpressionMethods, OptionalExtension, QueryDsl, SelectableHelper};
 use diesel_async::RunQueryDsl;
 use provider::StripeClient;
 use schema::{
     Pool, RecoveryPoint,
+    liveness::Liveness,
     models::{Ride, User},
     schema::rides,
     store::{ConflictRetry, StoreError},
@@ -93,6 +97,8 @@ pub struct Rides {
     stripe: StripeClient,
     price: Price,
     idempotency: IdempotencyConfig,
+    /// The holder this process's locks name, and when another attempt's lock may be taken over.
+    locking: idempotency::Locking,
     retry: ConflictRetry,
     /// The keys this process's attempts hold and the duplicates waiting for them.
     waits: Waits,
@@ -104,9 +110,14 @@ impl Rides {
         stripe: StripeClient,
         price: Price,
         idempotency: IdempotencyConfig,
+        liveness: Liveness,
     ) -> Arc<Rides> {
         let retry = ConflictRetry::default();
         Arc::new(Rides {
+            locking: idempotency::Locking {
+                liveness,
+                rule: LockRule::new(idempotency.lock_timeout, stripe.idempotency_window()),
+            },
             claims: Batcher::for_claims(pool.clone(), retry, idempotency.claim_batching),
             charges: Batcher::new(
                 RecordCharges,
@@ -130,6 +141,11 @@ impl Rides {
     #[cfg(feature = "testing")]
     pub(crate) fn stripe(&self) -> &StripeClient {
         &self.stripe
+    }
+
+    /// The holder this process's locks name, and when another attempt's lock may be taken over.
+    pub fn locking(&self) -> &idempotency::Locking {
+        &self.locking
     }
 
     /// How long, and how many, duplicates may wait for the attempt in flight on their key.
@@ -178,7 +194,7 @@ impl Rides {
                 key,
                 &signature,
                 &first_ride,
-                self.idempotency.lock_timeout,
+                &self.locking,
                 token,
             )
             .await
@@ -190,10 +206,9 @@ impl Rides {
         while let Ok(Some((user, found))) = &mut claimed
             && matches!(found.decision, Decision::InUse)
         {
-            let lock_timeout = self.idempotency.lock_timeout;
             match self
                 .waits
-                .wait(&self.pool, user.id, key, lock_timeout, wait)
+                .wait(&self.pool, user.id, key, self.locking.rule, wait)
                 .await
             {
                 WaitEnd::Finished(stored) => found.decision = Decision::Replay(stored),

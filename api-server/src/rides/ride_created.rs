@@ -140,6 +140,7 @@ impl Rides {
             ));
         }
         let charge = charge_request(lease, request, &ride);
+        self.fence_by_liveness(lease, LivenessStep::Charge).await?;
         // No transaction is open and no connection is held here: the call may take seconds.
         let started = Instant::now();
         crate::fault::crash_point(CrashPoint::ChargeBeforeCall);
@@ -174,6 +175,9 @@ impl Rides {
         metrics()
             .provider_duration
             .record(started.elapsed().as_secs_f64(), &[attr("outcome", outcome)]);
+        if matches!(charged, Ok(_) | Err(ChargeError::Declined { .. })) {
+            self.fence_by_liveness(lease, LivenessStep::Record).await?;
+        }
         match charged {
             Ok(intent) => {
                 crate::fault::crash_point(CrashPoint::ChargeAfterSuccess);
@@ -248,16 +252,65 @@ impl Rides {
         Ok(outcome)
     }
 
-    /// Whether an attempt at charging `ride` may be older than the provider's idempotency window.
-    /// Every attempt happened after the ride was created, so a ride younger than the window (less
-    /// a tenth, for clock skew) proves the provider still remembers the key.
+    /// Whether an attempt at charging `ride` may be older than the provider's idempotency window
+    /// (`contract::key::provider_key_margin`: the rule a takeover of a dead holder's key obeys
+    /// too).
     fn beyond_provider_key_window(&self, ride: &Ride) -> bool {
-        let window = self.stripe.idempotency_window();
-        let safe = window.saturating_sub(window / 10);
+        let safe = contract::key::provider_key_margin(self.stripe.idempotency_window());
         let age = (chrono::Utc::now() - ride.created_at)
             .to_std()
             .unwrap_or(Duration::ZERO);
         age >= safe
+    }
+
+    /// The holder's own fence (`schema::liveness`): a lease whose lock named a holder goes on
+    /// only while that liveness session stands, since once it is gone another attempt may take
+    /// the key over at once. A lease that named no holder is judged by the lock timeout alone,
+    /// which outlasts the provider call.
+    async fn fence_by_liveness(
+        &self,
+        lease: &Lease,
+        step: LivenessStep,
+    ) -> Result<(), CreateRideError> {
+        let Some(holder) = lease.holder else {
+            return Ok(());
+        };
+        let standing = match step {
+            LivenessStep::Charge => self.locking.liveness.confirm(holder).await,
+            LivenessStep::Record => self.locking.liveness.still_holds(holder),
+        };
+        if standing {
+            return Ok(());
+        }
+        let step = step.name();
+        metrics().liveness_fenced.add(1, &[attr("step", step)]);
+        tracing::warn!(
+            key_id = lease.key_id,
+            step,
+            "this process's liveness session is gone; leaving the key to another attempt"
+        );
+        Err(CreateRideError::LivenessLost)
+    }
+}
+
+/// Where the holder checks its liveness session.
+#[derive(Clone, Copy, Debug)]
+enum LivenessStep {
+    /// Before the provider call: the session must be confirmed by a recent heartbeat (after a
+    /// pause, the next one is waited for).
+    Charge,
+    /// Before recording the call's result: the session must not be known lost. A paused holder
+    /// whose session survived records what it charged; one whose key was taken over meanwhile
+    /// is refused by the fence.
+    Record,
+}
+
+impl LivenessStep {
+    fn name(self) -> &'static str {
+        match self {
+            LivenessStep::Charge => "charge",
+            LivenessStep::Record => "record",
+        }
     }
 }
 

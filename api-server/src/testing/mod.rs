@@ -305,7 +305,7 @@ impl TestApp {
             &IdempotencyKey::parse(key).unwrap(),
             &params.signature(),
             &first_ride,
-            self.config.idempotency.lock_timeout,
+            self.rides.locking(),
             uuid::Uuid::new_v4(),
         )
         .await

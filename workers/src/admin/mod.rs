@@ -58,8 +58,8 @@ pub(crate) use self::{
 /// `IDEMPOTENCY_LOCK_TIMEOUT_SECS`, `IDEMPOTENCY_KEY_TTL_HOURS` or `_SECS`).
 #[derive(Clone, Debug)]
 pub struct AdminSettings {
-    /// A lock younger than this may belong to an attempt that is still running.
-    pub lock_timeout: Duration,
+    /// When a lock may belong to an attempt that is still running.
+    pub lock_rule: contract::key::LockRule,
     /// Key lifetime: `expires_at = created_at + key_ttl`.
     pub key_ttl: Duration,
     pub topology: Topology,
@@ -68,7 +68,7 @@ pub struct AdminSettings {
 impl AdminSettings {
     pub fn from_config(config: &Config) -> AdminSettings {
         AdminSettings {
-            lock_timeout: config.reaper.lock_timeout,
+            lock_rule: config.reaper.lock_rule,
             key_ttl: config.reaper.key_ttl,
             topology: Topology::from_prefix(&config.topology_prefix, config.receipt_delivery_limit),
         }

@@ -34,7 +34,10 @@ use crate::common::{self, TestBroker};
 
 fn settings(topology: Topology) -> AdminSettings {
     AdminSettings {
-        lock_timeout: Duration::from_secs(90),
+        lock_rule: contract::key::LockRule::new(
+            Duration::from_secs(90),
+            Duration::from_secs(86_400),
+        ),
         key_ttl: Duration::from_secs(72 * 3600),
         topology,
     }
@@ -229,6 +232,10 @@ async fn show_reports_a_key_at_every_state() {
         key.created_at + chrono::Duration::hours(72)
     );
     assert_eq!((key.lock.state, key.lock.live), ("held", true));
+    assert_eq!(
+        key.lock.holder, "alive",
+        "the claiming server's session stands"
+    );
     assert!(key.stored_outcome.is_none());
     assert_eq!(
         key.provider_idempotency_key, None,
@@ -247,6 +254,7 @@ async fn show_reports_a_key_at_every_state() {
         );
     }
     assert!(text.contains("LIVE"), "{text}");
+    assert!(text.contains("holder alive"), "{text}");
     // The same key by user and key string.
     let by_string = keys::show(
         &app.pool,

@@ -14,7 +14,10 @@ use workers::{config::ReaperConfig, reaper::Reaper};
 fn config(batch_size: i64) -> ReaperConfig {
     ReaperConfig {
         key_ttl: Duration::from_secs(72 * 3600),
-        lock_timeout: Duration::from_secs(90),
+        lock_rule: contract::key::LockRule::new(
+            Duration::from_secs(90),
+            Duration::from_secs(86_400),
+        ),
         batch_size,
         interval: Duration::from_secs(1),
     }

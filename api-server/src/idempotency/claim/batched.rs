@@ -18,18 +18,21 @@ use std::{collections::HashMap, sync::Arc};
 use diesel::{
     QueryableByName,
     result::Error as DieselError,
-    sql_types::{Array, BigInt, Bytea, Cidr, Double, Jsonb, Text},
+    sql_types::{Array, BigInt, Bytea, Cidr, Double, Jsonb, Nullable, Text},
 };
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use schema::{
     Pool,
+    liveness::HolderId,
     models::User,
     prepared::{Statement, prepared},
     store::{ConflictRetry, StoreError},
 };
 use uuid::Uuid;
 
-use super::{CallerAndKey, FirstRide, KeyFound, claim_alone, first_ride_writes, key_columns};
+use super::{
+    CallerAndKey, FirstRide, KeyFound, LockedBy, claim_alone, first_ride_writes, key_columns,
+};
 use crate::{
     auth::Caller,
     idempotency::{BatchStatement, Batcher, Batching, IdempotencyKey, RequestSignature},
@@ -45,6 +48,8 @@ pub struct ClaimRequest {
     key: String,
     /// The lock token the key gets if this claim inserts it; also how the claim finds its row.
     lock_token: Uuid,
+    /// The holder id the key's lock names if this claim inserts it.
+    holder: Option<HolderId>,
     request: RequestSignature,
     first_ride: FirstRide,
 }
@@ -66,13 +71,15 @@ impl Batcher<Claims> {
         key: &IdempotencyKey,
         request: &RequestSignature,
         first_ride: &FirstRide,
-        lock_token: Uuid,
+        lock: LockedBy,
     ) -> Result<Option<(User, KeyFound)>, StoreError> {
+        let lock_token = lock.token;
         if self.enabled() {
             let claim = ClaimRequest {
                 token_digest: *token_digest,
                 key: key.as_str().to_owned(),
                 lock_token,
+                holder: lock.holder,
                 request: request.clone(),
                 first_ride: first_ride.clone(),
             };
@@ -87,7 +94,7 @@ impl Batcher<Claims> {
             key,
             request,
             first_ride,
-            lock_token,
+            lock,
         )
         .await
     }
@@ -112,6 +119,7 @@ impl BatchStatement for Claims {
         let digests: Vec<&[u8]> = batch.iter().map(|c| c.token_digest.as_slice()).collect();
         let keys: Vec<&str> = batch.iter().map(|c| c.key.as_str()).collect();
         let lock_tokens: Vec<Uuid> = batch.iter().map(|c| c.lock_token).collect();
+        let holders: Vec<Option<HolderId>> = batch.iter().map(|c| c.holder).collect();
         let methods: Vec<&str> = batch.iter().map(|c| c.request.method).collect();
         let paths: Vec<&str> = batch.iter().map(|c| c.request.path).collect();
         let params: Vec<&serde_json::Value> = batch.iter().map(|c| &c.request.params).collect();
@@ -132,6 +140,7 @@ impl BatchStatement for Claims {
                 .bind::<Array<Jsonb>, _>(&rides.audit_data)
                 .bind::<Array<Cidr>, _>(&rides.origin_ips)
                 .bind::<Array<Text>, _>(&rides.deployment_ids)
+                .bind::<Array<Nullable<BigInt>>, _>(&holders)
         })
         .load::<BatchRow>(conn)
         .await?;
@@ -187,7 +196,8 @@ struct BatchRow {
 }
 
 /// The claim statement (`ClaimByToken`) for arrays of claims, one element each: token
-/// digest, key, lock token, method, path, parameters. A claim is identified by its lock token
+/// digest, key, lock token, method, path, parameters, and (`$16`) the holder id an inserted
+/// key's lock names. A claim is identified by its lock token
 /// (`req`), which is fresh per claim. Rows come back only for claims whose token matched a user,
 /// and for a new key only to the claim whose lock token the inserted row carries. The lookups
 /// are `LATERAL … LIMIT 1` so that the plan, which is generic once prepared and cannot know how
@@ -201,9 +211,10 @@ impl Statement for ClaimBatchByToken {
     const SQL: &'static str = concat!(
         "WITH input AS (SELECT * FROM unnest($1::bytea[], $2::text[], $3::uuid[], $4::text[], \
          $5::text[], $6::jsonb[], $7::float8[], $8::float8[], $9::float8[], \
-         $10::float8[], $11::int8[], $12::text[], $13::jsonb[], $14::cidr[], $15::text[]) \
+         $10::float8[], $11::int8[], $12::text[], $13::jsonb[], $14::cidr[], $15::text[], \
+         $16::int8[]) \
          AS i(digest, key, token, method, path, params, origin_lat, origin_lon, \
-         target_lat, target_lon, amount, currency, data, origin_ip, deployment_id)), \
+         target_lat, target_lon, amount, currency, data, origin_ip, deployment_id, holder)), \
          caller AS (SELECT input.token AS req, input.key AS req_key, u.* FROM input \
          CROSS JOIN LATERAL (SELECT id, created_at, email, stripe_customer_id, \
          stripe_payment_method_id, api_token_digest FROM users \
@@ -214,9 +225,9 @@ impl Statement for ClaimBatchByToken {
         " FROM idempotency_keys WHERE user_id = caller.id \
          AND idempotency_key = caller.req_key LIMIT 1) k), \
          inserted AS (INSERT INTO idempotency_keys (user_id, idempotency_key, lock_token, \
-         request_method, request_path, request_params, recovery_point, locked_at) \
-         SELECT caller.id, input.key, input.token, input.method, input.path, input.params, \
-         'ride_created', now() FROM caller JOIN input ON input.token = caller.req \
+         lock_holder, request_method, request_path, request_params, recovery_point, locked_at) \
+         SELECT caller.id, input.key, input.token, input.holder, input.method, input.path, \
+         input.params, 'ride_created', now() FROM caller JOIN input ON input.token = caller.req \
          WHERE NOT EXISTS (SELECT FROM existing WHERE existing.found_req = caller.req) \
          ORDER BY caller.id, input.key \
          ON CONFLICT (user_id, idempotency_key) DO NOTHING RETURNING ",

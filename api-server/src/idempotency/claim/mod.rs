@@ -10,10 +10,13 @@ mod batched;
 mod first_ride;
 mod statements;
 
-use std::{sync::Arc, time::Duration};
+use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
-use contract::{StoredResponse, key::lock_is_live};
+use contract::{
+    StoredResponse,
+    key::{LockRule, LockState, lock_state_of_key},
+};
 use diesel::{
     ExpressionMethods, OptionalExtension, QueryDsl, QueryableByName, SelectableHelper,
     sql_types::{self, BigInt, Bool, Bytea, Cidr, Double, Jsonb, Nullable, Text, Timestamptz},
@@ -21,6 +24,7 @@ use diesel::{
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use schema::{
     Pool, RecoveryPoint,
+    liveness::{HolderId, Liveness},
     models::{IdempotencyKeyRow as KeyRow, Ride, User},
     prepared::prepared,
     schema::idempotency_keys,
@@ -64,7 +68,9 @@ pub struct Claimed {
 /// Claims `key` for `caller`: authenticates the caller and decides the key in the claim's
 /// statement, sent with other callers' claims through `claims` (for a token; a claim on a user's
 /// behalf goes alone). `None` if the caller is no user (nothing is written then). If the claim
-/// inserts the key, it inserts `first_ride` with it ([`FirstRide`]).
+/// inserts the key, it inserts `first_ride` with it ([`FirstRide`]). Every lock the claim takes
+/// names this process's liveness session as its holder (`liveness`), and a key locked by another
+/// attempt is taken over as `rule` says.
 #[tracing::instrument(
     name = "claim",
     skip_all,
@@ -81,19 +87,23 @@ pub async fn claim(
     key: &IdempotencyKey,
     request: &RequestSignature,
     first_ride: &FirstRide,
-    lock_timeout: Duration,
+    locking: &Locking,
     token: Uuid,
 ) -> Result<Option<(User, Claimed)>, StoreError> {
     let (pool, policy) = (claims.pool(), claims.policy());
+    let lock = LockedBy {
+        token,
+        holder: locking.liveness.current(),
+    };
     count_statement("insert_or_read");
     let found = match caller {
         Caller::Token(digest) => {
             claims
-                .claim(&digest, key, request, first_ride, token)
+                .claim(&digest, key, request, first_ride, lock)
                 .await?
         }
         Caller::OnBehalfOf(_) => {
-            claim_alone(pool, policy, caller, key, request, first_ride, token).await?
+            claim_alone(pool, policy, caller, key, request, first_ride, lock).await?
         }
     };
     let context = ClaimContext {
@@ -102,8 +112,8 @@ pub async fn claim(
         key,
         request,
         first_ride,
-        lock_timeout,
-        token,
+        rule: locking.rule,
+        lock,
     };
     let (user, decided) = match found {
         Some((user, found)) => {
@@ -175,10 +185,26 @@ struct ClaimContext<'a> {
     key: &'a IdempotencyKey,
     request: &'a RequestSignature,
     first_ride: &'a FirstRide,
-    lock_timeout: Duration,
-    /// The lock token of every statement of this claim: one that finds the key locked by it
+    rule: LockRule,
+    /// The lock of every statement of this claim: one that finds the key locked by its token
     /// finds its own earlier statement's lock, committed though its answer was lost.
-    token: Uuid,
+    lock: LockedBy,
+}
+
+/// How this process takes key locks: the holder its locks name (its liveness session), and when
+/// another attempt's lock may be taken over.
+#[derive(Clone, Debug)]
+pub struct Locking {
+    pub liveness: Liveness,
+    pub rule: LockRule,
+}
+
+/// The lock one claim takes: its fencing token, and the holder id it names (`None` while this
+/// process has no liveness session: the lock is then judged by the timeout alone).
+#[derive(Clone, Copy, Debug)]
+pub struct LockedBy {
+    pub token: Uuid,
+    pub holder: Option<HolderId>,
 }
 
 impl ClaimContext<'_> {
@@ -198,7 +224,7 @@ impl ClaimContext<'_> {
                 self.key,
                 self.request,
                 self.first_ride,
-                self.token,
+                self.lock,
             )
             .await?;
             let Some((_, found)) = found else { continue };
@@ -282,11 +308,11 @@ async fn claim_alone(
     key: &IdempotencyKey,
     request: &RequestSignature,
     first_ride: &FirstRide,
-    token: Uuid,
+    lock: LockedBy,
 ) -> Result<Option<(User, KeyFound)>, StoreError> {
     retry_transient(policy, || async {
         let mut conn = pool.get().await.map_err(StoreError::Unavailable)?;
-        insert_or_read(&mut conn, caller, key, request, first_ride, token).await
+        insert_or_read(&mut conn, caller, key, request, first_ride, lock).await
     })
     .await
 }
@@ -299,14 +325,14 @@ async fn insert_or_read(
     key: &IdempotencyKey,
     request: &RequestSignature,
     first_ride: &FirstRide,
-    token: Uuid,
+    lock: LockedBy,
 ) -> Result<Option<(User, KeyFound)>, StoreError> {
     macro_rules! run {
         ($statement:ty, $caller_type:ty, $caller:expr) => {
             prepared::<$statement, _>(|q| {
                 q.bind::<$caller_type, _>($caller)
                     .bind::<Text, _>(key.as_str())
-                    .bind::<sql_types::Uuid, _>(token)
+                    .bind::<sql_types::Uuid, _>(lock.token)
                     .bind::<Text, _>(request.method)
                     .bind::<Text, _>(request.path)
                     .bind::<Jsonb, _>(&request.params)
@@ -319,6 +345,7 @@ async fn insert_or_read(
                     .bind::<Jsonb, _>(&first_ride.audit_data)
                     .bind::<Cidr, _>(first_ride.origin_ip)
                     .bind::<Text, _>(first_ride.deployment_id.as_str())
+                    .bind::<Nullable<BigInt>, _>(lock.holder)
             })
             .get_result::<CallerAndKey>(conn)
             .await
@@ -329,7 +356,7 @@ async fn insert_or_read(
         Caller::OnBehalfOf(user_id) => run!(ClaimById, BigInt, user_id),
         Caller::Token(digest) => run!(ClaimByToken, Bytea, digest.as_slice()),
     };
-    Ok(row.map(|row| row.into_found(token, first_ride)))
+    Ok(row.map(|row| row.into_found(lock.token, first_ride)))
 }
 
 impl CallerAndKey {
@@ -357,6 +384,7 @@ impl CallerAndKey {
                     key_id: self.key.id,
                     user_id: user.id,
                     token,
+                    holder: self.key.lock_holder,
                     // `ride_created`: the ride came with the key (an attempt that finds no ride
                     // here reads it back before its next phase).
                     recovery_point: self.key.recovery_point,
@@ -426,36 +454,33 @@ impl Decision {
 /// `SELECT … FOR UPDATE` serialises it with every other attempt on the key. `None` if the key was
 /// deleted (reaped) since it was seen. A key locked by this claim's own token is this claim's:
 /// an earlier statement of it committed and its answer was lost (a failover), and no other
-/// attempt has taken it over since, or the token would have changed.
+/// attempt has taken it over since, or the token would have changed. A key locked by another
+/// attempt is taken over when the lock rule says its lock is not live (expired, or its holder's
+/// liveness session is gone on a key young enough), and counted by why.
 async fn lock_existing(
     conn: &mut AsyncPgConnection,
     user_id: i64,
     claim: &ClaimContext<'_>,
 ) -> Result<Option<Claimed>, StoreError> {
-    let (key, request, token) = (claim.key, claim.request, claim.token);
+    let (key, request, token) = (claim.key, claim.request, claim.lock.token);
     let existing = idempotency_keys::table
         .filter(idempotency_keys::user_id.eq(user_id))
         .filter(idempotency_keys::idempotency_key.eq(key.as_str()))
         .for_update()
-        .select((
-            KeyRow::as_select(),
-            diesel::dsl::sql::<diesel::sql_types::Timestamptz>("now()"),
-        ))
-        .first::<(KeyRow, DateTime<Utc>)>(conn)
+        .select((KeyRow::as_select(), lock_state_of_key(claim.rule)))
+        .first::<(KeyRow, String)>(conn)
         .await
         .optional()?;
-    let Some((row, now)) = existing else {
+    let Some((row, state)) = existing else {
         return Ok(None);
     };
+    let state = LockState::parse(&state);
+    let someone_elses = row.lock_token.is_some() && row.lock_token != Some(token);
     let decision = if !binds(&row, request) {
         Decision::Mismatch
     } else if row.recovery_point == RecoveryPoint::Finished {
         Decision::Replay(stored_response(row.response_code, row.response_body)?)
-    } else if row.lock_token != Some(token)
-        && row
-            .locked_at
-            .is_some_and(|locked_at| lock_is_live(locked_at, now, claim.lock_timeout))
-    {
+    } else if someone_elses && state.is_live() {
         Decision::InUse
     } else {
         diesel::update(idempotency_keys::table.find(row.id))
@@ -463,14 +488,22 @@ async fn lock_existing(
             .set((
                 idempotency_keys::locked_at.eq(diesel::dsl::now),
                 idempotency_keys::lock_token.eq(token),
+                idempotency_keys::lock_holder.eq(claim.lock.holder),
                 idempotency_keys::last_run_at.eq(diesel::dsl::now),
             ))
             .execute(conn)
             .await?;
+        if let Some(reason) = state.takeover_reason().filter(|_| someone_elses) {
+            crate::metrics::metrics()
+                .takeovers
+                .add(1, &[telemetry::attr("reason", reason)]);
+            tracing::info!(key_id = row.id, reason, "took over a key's lock");
+        }
         Decision::Execute(Lease {
             key_id: row.id,
             user_id,
             token,
+            holder: claim.lock.holder,
             recovery_point: row.recovery_point,
         })
     };

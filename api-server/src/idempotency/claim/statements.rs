@@ -26,6 +26,8 @@ macro_rules! key_columns {
             $p,
             "lock_token, ",
             $p,
+            "lock_holder, ",
+            $p,
             "request_method, ",
             $p,
             "request_path, ",
@@ -52,7 +54,7 @@ pub(crate) use key_columns;
 /// writes nothing and burns no sequence value; no user, no row and nothing written. An inserted
 /// key's first ride is inserted with it (`$7`–`$15`, [`FirstRide`]) and the key is born at
 /// `ride_created`; that commit waits for the WAL flush, as `ride_created` must be durable before
-/// the charge.
+/// the charge. `$16` is the holder id its lock names (`schema::liveness`), or NULL.
 macro_rules! claim_sql {
     ($caller:literal) => {
         concat!(
@@ -64,8 +66,9 @@ macro_rules! claim_sql {
             " FROM idempotency_keys WHERE user_id = (SELECT id FROM caller) \
              AND idempotency_key = $2), \
              inserted AS (INSERT INTO idempotency_keys (user_id, idempotency_key, lock_token, \
-             request_method, request_path, request_params, recovery_point, locked_at) \
-             SELECT caller.id, $2, $3, $4, $5, $6, 'ride_created', now() FROM caller WHERE NOT EXISTS (SELECT FROM existing) \
+             lock_holder, request_method, request_path, request_params, recovery_point, locked_at) \
+             SELECT caller.id, $2, $3, $16::int8, $4, $5, $6, 'ride_created', now() FROM caller \
+             WHERE NOT EXISTS (SELECT FROM existing) \
              ON CONFLICT (user_id, idempotency_key) DO NOTHING RETURNING ",
             key_columns!(),
             "), first_ride AS (SELECT inserted.id AS key_id, inserted.user_id, \

@@ -104,7 +104,7 @@ pub async fn finish(
     let report = crate::admin::change_transaction(&mut conn, mode)
         .run(async |conn| {
             bound_waits(conn).await?;
-            let (key, now) = load_key(conn, key_id, mode).await?;
+            let (key, now, verdict) = load_key(conn, key_id, mode, settings.lock_rule).await?;
             if key.recovery_point == RecoveryPoint::Finished {
                 return Err(AdminError::Refused(format!(
                     "key {key_id} is already finished (response code {}); its stored outcome is \
@@ -113,7 +113,9 @@ pub async fn finish(
                 )));
             }
             let mut report = ChangeReport::new("key finish", mode, key_id);
-            if let Some(warning) = check_lock(&key, now, settings, request.force, "finish it")? {
+            if let Some(warning) =
+                check_lock(&key, verdict, now, settings, request.force, "finish it")?
+            {
                 report.warnings.push(warning);
             }
             let ride = ride_for_key(conn, &key, mode.applies()).await?;
@@ -381,6 +383,8 @@ async fn finish_as_the_api_server_does(
         .set((
             idempotency_keys::locked_at.eq(diesel::dsl::now),
             idempotency_keys::lock_token.eq(token),
+            // An operator has no liveness session: this lock is judged by the timeout alone.
+            idempotency_keys::lock_holder.eq(None::<i64>),
         ))
         .execute(conn)
         .await?;

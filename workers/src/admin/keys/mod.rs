@@ -13,12 +13,12 @@
 use chrono::{DateTime, Utc};
 use contract::{
     BackgroundJob, ReceiptJob,
-    key::{chrono_duration, lock_is_live},
+    key::{self, LockRule, chrono_duration},
 };
 use diesel::{
     ExpressionMethods, OptionalExtension, QueryDsl, Queryable, QueryableByName, Selectable,
     SelectableHelper,
-    sql_types::{BigInt, Text},
+    sql_types::{BigInt, Bool, Double, Nullable, Text},
 };
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use schema::{
@@ -92,13 +92,54 @@ fn now_sql() -> diesel::expression::SqlLiteral<diesel::sql_types::Timestamptz> {
     diesel::dsl::sql::<diesel::sql_types::Timestamptz>("now()")
 }
 
-/// Loads the key, locking its row when the command is going to change it. A dry run takes no
-/// lock: it never delays an api-server phase.
+/// What the lock rule (`contract::key::LockRule`) says of a key's lock, and whether the holder
+/// its lock names is alive (`None`: it names none, as an operator's or an older server's lock).
+#[derive(Clone, Copy, Debug)]
+struct LockVerdict {
+    state: key::LockState,
+    holder_alive: Option<bool>,
+}
+
+/// Asks the lock rule about key `key_id` ([`LockVerdict`]).
+async fn lock_verdict(
+    conn: &mut AsyncPgConnection,
+    key_id: i64,
+    rule: LockRule,
+) -> Result<LockVerdict, AdminError> {
+    #[derive(QueryableByName)]
+    struct Row {
+        #[diesel(sql_type = Text)]
+        state: String,
+        #[diesel(sql_type = Nullable<Bool>)]
+        holder_alive: Option<bool>,
+    }
+    let (timeout_secs, takeover_secs) = rule.secs();
+    let row: Row = diesel::sql_query(concat!(
+        "SELECT ",
+        contract::lock_state_sql!("$2", "$3"),
+        " AS state, CASE WHEN lock_holder IS NULL THEN NULL \
+         ELSE NOT lock_holder_is_gone(lock_holder) END AS holder_alive \
+         FROM idempotency_keys WHERE id = $1"
+    ))
+    .bind::<BigInt, _>(key_id)
+    .bind::<Double, _>(timeout_secs)
+    .bind::<Double, _>(takeover_secs)
+    .get_result(conn)
+    .await?;
+    Ok(LockVerdict {
+        state: key::LockState::parse(&row.state),
+        holder_alive: row.holder_alive,
+    })
+}
+
+/// Loads the key and what the lock rule says of its lock, locking its row when the command is
+/// going to change it. A dry run takes no lock: it never delays an api-server phase.
 async fn load_key(
     conn: &mut AsyncPgConnection,
     key_id: i64,
     mode: Mode,
-) -> Result<(KeyState, DateTime<Utc>), AdminError> {
+    rule: LockRule,
+) -> Result<(KeyState, DateTime<Utc>, LockVerdict), AdminError> {
     let query = idempotency_keys::table
         .find(key_id)
         .select((KeyState::as_select(), now_sql()));
@@ -107,39 +148,49 @@ async fn load_key(
     } else {
         query.first(conn).await.optional()?
     };
-    found.ok_or_else(|| {
+    let (key, now) = found.ok_or_else(|| {
         AdminError::NotFound(format!(
             "no idempotency key with id {key_id} (reaped keys are listed by \
              `workers admin keys needing-attention --all`)"
         ))
-    })
+    })?;
+    let verdict = lock_verdict(conn, key_id, rule).await?;
+    Ok((key, now, verdict))
 }
 
 /// Refuses a live lock unless forced; returns the warning to print when forced.
 fn check_lock(
     key: &KeyState,
+    verdict: LockVerdict,
     now: DateTime<Utc>,
     settings: &AdminSettings,
     force: bool,
     action: &str,
 ) -> Result<Option<String>, AdminError> {
-    let lock_timeout = chrono_duration(settings.lock_timeout);
+    let lock_timeout = chrono_duration(settings.lock_rule.lock_timeout);
     let Some(locked_at) = key.locked_at else {
         return Ok(None);
     };
-    if !lock_is_live(locked_at, now, settings.lock_timeout) {
+    if !verdict.state.is_live() {
         return Ok(None);
     }
     let age = render::duration(now - locked_at);
     let expires = render::time(locked_at + lock_timeout);
+    let holder = match verdict.holder_alive {
+        Some(true) => "its holder's liveness session is alive",
+        Some(false) => {
+            "its holder's liveness session is gone, but the key is too old to take over before the lock expires"
+        }
+        None => "its lock names no holder",
+    };
     let risk = format!(
-        "key {} is locked by an attempt that may still be running: the lock was taken {age} ago \
-         and IDEMPOTENCY_LOCK_TIMEOUT_SECS is {}s. Its holder (an api-server request or the \
-         completer) may be in the middle of the provider charge; to {action} now would let its \
-         result and yours race (its next phase is fenced out and commits nothing, but a charge \
-         it has already sent still happens)",
+        "key {} is locked by an attempt that may still be running: the lock was taken {age} ago, \
+         {holder}, and IDEMPOTENCY_LOCK_TIMEOUT_SECS is {}s. Its holder (an api-server request or \
+         the completer) may be in the middle of the provider charge; to {action} now would let \
+         its result and yours race (its next phase is fenced out and commits nothing, but a \
+         charge it has already sent still happens)",
         key.id,
-        settings.lock_timeout.as_secs()
+        settings.lock_rule.lock_timeout.as_secs()
     );
     if force {
         Ok(Some(format!("{risk}. Proceeding because of --force.")))

@@ -5,7 +5,7 @@ use std::fmt::Write as _;
 use chrono::{DateTime, Utc};
 use contract::{
     Outcome,
-    key::{chrono_duration, lock_is_live, provider_idempotency_key},
+    key::{chrono_duration, provider_idempotency_key},
 };
 use diesel::{ExpressionMethods, OptionalExtension, QueryDsl, SelectableHelper};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
@@ -21,7 +21,7 @@ use crate::admin::render::{optional_time, outcome, relative};
 use crate::admin::{AdminError, AdminSettings, attention::AttentionRow, bound_waits};
 use crate::redact;
 
-use super::{KeyState, now_sql, ride_for_key, staged_receipt_jobs};
+use super::{KeyState, LockVerdict, lock_verdict, now_sql, ride_for_key, staged_receipt_jobs};
 
 /// How to find a key.
 #[derive(Clone, Debug)]
@@ -72,8 +72,14 @@ pub struct LockState {
     /// `held` or `none`. The token itself is never read.
     pub state: &'static str,
     pub locked_at: Option<DateTime<Utc>>,
-    /// Younger than IDEMPOTENCY_LOCK_TIMEOUT_SECS: its holder may still be running.
+    /// Not to be taken over: younger than IDEMPOTENCY_LOCK_TIMEOUT_SECS, and its holder alive
+    /// or the key too old to take over at once.
     pub live: bool,
+    /// The liveness session of the holder the lock names: `alive`, `gone`, or `none` (no holder
+    /// named: an operator's or an older server's lock, judged by the timeout alone).
+    pub holder: &'static str,
+    /// Why a lock that is not live may be taken over: `lock_expired` or `holder_gone`.
+    pub takeover: Option<&'static str>,
     /// When a held lock expires (may be in the past).
     pub expires_at: Option<DateTime<Utc>>,
 }
@@ -164,7 +170,8 @@ pub async fn show(
                 Some(ride) => Some(ride_details(conn, ride).await?),
                 None => None,
             };
-            let mut details = key_details(&key, user_email, now, settings);
+            let verdict = lock_verdict(conn, key.id, settings.lock_rule).await?;
+            let mut details = key_details(&key, verdict, user_email, settings);
             details.provider_idempotency_key = provider_key;
             Ok(KeyReport {
                 now,
@@ -188,11 +195,11 @@ fn not_found(selector: &KeySelector) -> AdminError {
 
 fn key_details(
     key: &KeyState,
+    verdict: LockVerdict,
     user_email: Option<String>,
-    now: DateTime<Utc>,
     settings: &AdminSettings,
 ) -> KeyDetails {
-    let lock_timeout = chrono_duration(settings.lock_timeout);
+    let lock_timeout = chrono_duration(settings.lock_rule.lock_timeout);
     let key_ttl = chrono_duration(settings.key_ttl);
     KeyDetails {
         id: key.id,
@@ -214,9 +221,13 @@ fn key_details(
                 "none"
             },
             locked_at: key.locked_at,
-            live: key
-                .locked_at
-                .is_some_and(|locked_at| lock_is_live(locked_at, now, settings.lock_timeout)),
+            live: verdict.state.is_live(),
+            takeover: verdict.state.takeover_reason(),
+            holder: match verdict.holder_alive {
+                Some(true) => "alive",
+                Some(false) => "gone",
+                None => "none",
+            },
             expires_at: key
                 .locked_at
                 .and_then(|locked_at| locked_at.checked_add_signed(lock_timeout)),
@@ -397,12 +408,13 @@ impl LockState {
         match self.locked_at {
             None => "none".to_owned(),
             Some(locked_at) => format!(
-                "held since {}, {} (expires {})",
+                "held since {}, holder {}, {} (expires {})",
                 relative(locked_at, now),
-                if self.live {
-                    "LIVE: its holder may still be running"
-                } else {
-                    "expired: abandoned, may be taken over"
+                self.holder,
+                match self.takeover {
+                    _ if self.live => "LIVE: its holder may still be running",
+                    Some("holder_gone") => "holder gone: abandoned, may be taken over",
+                    _ => "expired: abandoned, may be taken over",
                 },
                 optional_time(self.expires_at, now, "?")
             ),

@@ -23,7 +23,7 @@ pub async fn unlock(
     let report = crate::admin::change_transaction(&mut conn, mode)
         .run(async |conn| {
             bound_waits(conn).await?;
-            let (key, now) = load_key(conn, key_id, mode).await?;
+            let (key, now, verdict) = load_key(conn, key_id, mode, settings.lock_rule).await?;
             if key.recovery_point == RecoveryPoint::Finished {
                 return Err(AdminError::Refused(format!(
                     "key {key_id} is finished: its outcome is stored and replayed, and a \
@@ -38,7 +38,7 @@ pub async fn unlock(
                 )));
             }
             let mut report = ChangeReport::new("key unlock", mode, key_id);
-            if let Some(warning) = check_lock(&key, now, settings, force, "unlock it")? {
+            if let Some(warning) = check_lock(&key, verdict, now, settings, force, "unlock it")? {
                 report.warnings.push(warning);
             }
             lock_changes(&mut report, &key);
@@ -62,6 +62,7 @@ pub async fn unlock(
                     .set((
                         idempotency_keys::locked_at.eq(None::<DateTime<Utc>>),
                         idempotency_keys::lock_token.eq(None::<Uuid>),
+                        idempotency_keys::lock_holder.eq(None::<i64>),
                     ))
                     .execute(conn)
                     .await?;

@@ -156,14 +156,14 @@ async fn retire(
     crate::admin::change_transaction(&mut conn, mode)
         .run(async |conn| {
             bound_waits(conn).await?;
-            let (key, now) = load_key(conn, key_id, mode).await?;
+            let (key, now, verdict) = load_key(conn, key_id, mode, settings.lock_rule).await?;
             if key.recovery_point != RecoveryPoint::Started {
                 return Err(AdminError::Refused(format!(
                     "key {key_id} moved on to {} meanwhile; run the step again",
                     key.recovery_point
                 )));
             }
-            check_lock(&key, now, settings, false, "retire it")?;
+            check_lock(&key, verdict, now, settings, false, "retire it")?;
             if let Some(ride) = ride_for_key(conn, &key, mode.applies()).await? {
                 return Err(AdminError::Refused(format!(
                     "key {key_id} is at started but has ride {}, which no server writes without \
