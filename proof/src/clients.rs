@@ -238,7 +238,7 @@ async fn run_client(ctx: ClientCtx, seed: u64) -> Vec<KeyRecord> {
             .client
             .clone()
             .with_policy(policy)
-            .on_attempt(observer(&ctx, drop_mid, kind))
+            .on_attempt(observer(&ctx, &key, drop_mid, kind))
             .create_ride_with_key(key.as_str(), params)
             .await;
         let attempts = match &result {
@@ -355,7 +355,7 @@ async fn replay_loop(ctx: ClientCtx, seed: u64) {
             .client
             .clone()
             .with_policy(retrying(&ctx.args, ctx.hard_end, false))
-            .on_attempt(observer(&ctx, false, CallKind::Replay))
+            .on_attempt(observer(&ctx, &key, false, CallKind::Replay))
             .create_ride_with_key(key.as_str(), params)
             .await;
         judge_live_replay(&ctx.live_replays, &key, &first, result);
@@ -396,9 +396,10 @@ fn judge_live_replay(
 /// The client's label of an attempt that got no answer in time.
 const TIMEOUT: &str = "CLIENT/TIMEOUT";
 
-/// Counts every attempt as it ends, so the progress lines and the report's tallies are live:
-/// requests, retries, each answer by `Code/REASON`, and api-b's pool running dry.
-fn observer(ctx: &ClientCtx, drop_mid: bool, kind: CallKind) -> AttemptObserver {
+/// Counts every attempt at `key` as it ends, so the progress lines and the report's tallies are
+/// live: requests, retries, each answer by `Code/REASON`, and api-b's pool running dry.
+fn observer(ctx: &ClientCtx, key: &str, drop_mid: bool, kind: CallKind) -> AttemptObserver {
+    let key: Arc<str> = Arc::from(key);
     let (requests, retries) = (Arc::clone(&ctx.requests), Arc::clone(&ctx.retries));
     let (attempts, faults) = (Arc::clone(&ctx.attempts), Arc::clone(&ctx.faults));
     let timeline = Arc::clone(&ctx.timeline);
@@ -417,6 +418,7 @@ fn observer(ctx: &ClientCtx, drop_mid: bool, kind: CallKind) -> AttemptObserver 
                 .unwrap_or_else(Instant::now);
             let final_answer = is_final(&attempt.outcome);
             timeline.attempt(
+                &key,
                 sent,
                 kind,
                 (!final_answer).then_some(attempt.outcome.as_str()),

@@ -71,6 +71,8 @@ pub(crate) struct Timeline {
     left: std::sync::Mutex<Vec<Instant>>,
     /// The `--ha` faults, in the order they were injected.
     events: std::sync::Mutex<Vec<FaultEvent>>,
+    /// When an api-server died or stopped, and how ([`crate::holder_deaths`]).
+    deaths: std::sync::Mutex<Vec<(Instant, String)>>,
     /// With `--ha`, the primary's busy sessions by state and wait event, and how late the
     /// campaign's runtime woke ([`crate::ha_samples`]).
     db_samples: std::sync::Mutex<Vec<DbSample>>,
@@ -105,9 +107,11 @@ impl CallKind {
 }
 
 #[derive(Clone)]
-struct TimedAttempt {
-    sent: Instant,
-    answered: Instant,
+pub(crate) struct TimedAttempt {
+    /// The idempotency key the attempt was for.
+    pub(crate) key: Arc<str>,
+    pub(crate) sent: Instant,
+    pub(crate) answered: Instant,
     kind: CallKind,
     /// `None` for a final answer (OK or a stored decline); for a retryable failure (UNAVAILABLE,
     /// ABORTED, INTERNAL, a cut connection or a timeout) its outcome, `CLIENT/TIMEOUT`, ...: what
@@ -116,7 +120,19 @@ struct TimedAttempt {
 }
 
 impl TimedAttempt {
-    fn failed(&self) -> bool {
+    /// An attempt at `key` sent and answered at `times`, failed or a final answer.
+    #[cfg(test)]
+    pub(crate) fn at(key: &str, times: (Instant, Instant), kind: CallKind, failed: bool) -> Self {
+        TimedAttempt {
+            key: Arc::from(key),
+            sent: times.0,
+            answered: times.1,
+            kind,
+            failure: failed.then(|| "UNAVAILABLE/-".to_owned()),
+        }
+    }
+
+    pub(crate) fn failed(&self) -> bool {
         self.failure.is_some()
     }
 }
@@ -168,10 +184,17 @@ pub(crate) struct Unavailability {
 }
 
 impl Timeline {
-    /// `failure` is the outcome of an attempt that is not a final answer.
-    pub(crate) fn attempt(&self, sent: Instant, kind: CallKind, failure: Option<&str>) {
+    /// An attempt at `key`; `failure` is the outcome of an attempt that is not a final answer.
+    pub(crate) fn attempt(
+        &self,
+        key: &Arc<str>,
+        sent: Instant,
+        kind: CallKind,
+        failure: Option<&str>,
+    ) {
         if let Ok(mut attempts) = self.attempts.lock() {
             attempts.push(TimedAttempt {
+                key: Arc::clone(key),
                 sent,
                 answered: Instant::now(),
                 kind,
@@ -202,6 +225,33 @@ impl Timeline {
         if let Ok(mut lateness) = self.lateness.lock() {
             lateness.push((Instant::now(), late));
         }
+    }
+
+    /// An api-server died (or stopped) now, by `cause`.
+    pub(crate) fn death(&self, cause: impl Into<String>) {
+        self.death_at(Instant::now(), cause);
+    }
+
+    pub(crate) fn death_at(&self, at: Instant, cause: impl Into<String>) {
+        if let Ok(mut deaths) = self.deaths.lock() {
+            deaths.push((at, cause.into()));
+        }
+    }
+
+    pub(crate) fn deaths(&self) -> Vec<(Instant, String)> {
+        self.deaths.lock().map(|d| d.clone()).unwrap_or_default()
+    }
+
+    #[cfg(test)]
+    pub(crate) fn push_attempt(&self, attempt: TimedAttempt) {
+        if let Ok(mut attempts) = self.attempts.lock() {
+            attempts.push(attempt);
+        }
+    }
+
+    /// Every attempt so far.
+    pub(crate) fn attempts(&self) -> Vec<TimedAttempt> {
+        self.attempts.lock().map(|a| a.clone()).unwrap_or_default()
     }
 
     pub(crate) fn events(&self) -> Vec<FaultEvent> {
@@ -363,12 +413,12 @@ mod tests {
     impl Timeline {
         fn answered_at(&self, sent: Instant, answered: Instant, how: Attempted, kind: CallKind) {
             if let Ok(mut attempts) = self.attempts.lock() {
-                attempts.push(TimedAttempt {
-                    sent,
-                    answered,
+                attempts.push(TimedAttempt::at(
+                    "k",
+                    (sent, answered),
                     kind,
-                    failure: (how == Attempted::Failed).then(|| "UNAVAILABLE/-".to_owned()),
-                });
+                    how == Attempted::Failed,
+                ));
             }
         }
 

@@ -98,6 +98,7 @@ impl Faults {
         let apis = children.apis();
         let api_killer = kill_at_random(
             Arc::clone(faults),
+            Some(Arc::clone(&tallies.timeline)),
             Arc::clone(&stop),
             args.api_kill_every_secs,
             rng(1),
@@ -110,7 +111,7 @@ impl Faults {
         let staller = stall_apis(
             args.lock_timeout_secs(),
             children.apis(),
-            Arc::clone(faults),
+            tallies,
             Arc::clone(&stop),
             (!args.no_stalls).then_some(args.stall_every_secs),
             plan.duration,
@@ -125,6 +126,7 @@ impl Faults {
         );
         let worker_killer = kill_at_random(
             Arc::clone(faults),
+            None,
             Arc::clone(&stop),
             args.worker_kill_every_secs,
             rng(2),
@@ -293,9 +295,10 @@ fn server_faults(
 }
 
 /// SIGKILLs the child `pick` draws at random moments, and restarts it after a pause of up to
-/// `max_pause_ms`.
+/// `max_pause_ms`; each kill is a holder's death on `deaths` when given (the api-servers).
 fn kill_at_random(
     faults: Arc<Counters>,
+    deaths: Option<Arc<Timeline>>,
     stop: Arc<AtomicBool>,
     mean: f64,
     mut rng: StdRng,
@@ -306,6 +309,9 @@ fn kill_at_random(
         while sleep_unless_stopped(&stop, exp_delay(&mut rng, mean)).await {
             let pause = Duration::from_millis(rng.random_range(0..max_pause_ms));
             let (which, label) = pick(&mut rng);
+            if let Some(deaths) = &deaths {
+                deaths.death(label);
+            }
             kill_and_restart(&which, pause, &faults, label).await?;
         }
         anyhow::Ok(())
@@ -318,7 +324,7 @@ fn kill_at_random(
 fn stall_apis(
     lock_timeout_secs: u64,
     apis: [Arc<Mutex<Proc>>; 2],
-    faults: Arc<Counters>,
+    tallies: &Tallies,
     stop: Arc<AtomicBool>,
     mean: Option<f64>,
     traffic: Duration,
@@ -327,6 +333,7 @@ fn stall_apis(
     let Some(mean) = mean else {
         return tokio::spawn(async { anyhow::Ok(()) });
     };
+    let (faults, deaths) = (Arc::clone(&tallies.faults), Arc::clone(&tallies.timeline));
     let mut first = true;
     let lock_timeout = Duration::from_secs(lock_timeout_secs).as_secs_f64();
     tokio::spawn(async move {
@@ -338,7 +345,8 @@ fn stall_apis(
                 continue;
             };
             if signal(pid, "-STOP").await {
-                faults.add("stall/api-server SIGSTOP past the lock timeout", 1);
+                faults.add(STALL, 1);
+                deaths.death(STALL);
                 let stall = lock_timeout + rng.random_range(0.5..2.5);
                 tokio::time::sleep(Duration::from_secs_f64(stall)).await;
                 signal(pid, "-CONT").await;
@@ -347,6 +355,9 @@ fn stall_apis(
         anyhow::Ok(())
     })
 }
+
+/// The label of an api-server's stall, as a fault and as a holder's death.
+pub(crate) const STALL: &str = "stall/api-server SIGSTOP past the lock timeout";
 
 /// Stops and starts `kind` at random moments until traffic stops; counts it as skipped when the
 /// campaign runs on the shared server.

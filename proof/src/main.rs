@@ -30,6 +30,7 @@
 //! - [`evidence`]: the database rows, the ledger and the mail, read once drained.
 //! - [`reconciliation`]: a reconciler pass over the whole run, and the findings it recorded.
 //! - [`invariants`]: what the clients saw, checked against the evidence.
+//! - [`holder_deaths`]: what each api-server's death cost the keys it held.
 //! - [`report`]: the progress line and the report.
 //! - [`counters`]: the tallies the steps keep while they run, for the report.
 //! - [`ha_samples`]: with `--ha`, what the primary's sessions wait on and how late the
@@ -45,6 +46,7 @@ mod counters;
 mod evidence;
 mod faults;
 mod ha_samples;
+mod holder_deaths;
 mod invariants;
 mod load_balancer;
 mod maintenance;
@@ -344,6 +346,7 @@ impl Gathering<'_> {
             &mut verdict.violations,
         );
         report::write_keys(&self.plan.out_dir, records)?;
+        let holder_deaths = holder_deaths::measure(&tallies.timeline, &children.arming);
         Report {
             args,
             plan: self.plan,
@@ -353,6 +356,7 @@ impl Gathering<'_> {
             facts: &facts,
             verdict: &verdict,
             money,
+            holder_deaths: &holder_deaths,
         }
         .write()
     }

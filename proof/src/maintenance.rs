@@ -179,7 +179,11 @@ async fn drain_completer(
     maintenance: &Counters,
 ) -> anyhow::Result<i64> {
     let workers_bin = plan.bin_dir.join("workers");
-    let completer_deadline = Instant::now() + Duration::from_secs(if args.long { 120 } else { 45 });
+    // A key a stalled api-server held waits for the lock timeout (a paused holder's lock is
+    // live); the drain outlasts it, whatever the lock timeout in force.
+    let base = Duration::from_secs(if args.long { 120 } else { 45 });
+    let completer_deadline =
+        Instant::now() + base.max(Duration::from_secs(args.lock_timeout_secs() + 30));
     let mut unfinished = -1;
     while Instant::now() < completer_deadline {
         unfinished = count(

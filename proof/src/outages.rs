@@ -91,7 +91,7 @@ pub(crate) struct Spread {
 }
 
 impl Spread {
-    fn of(mut durations: Vec<Duration>, failed_attempts: usize) -> Spread {
+    pub(crate) fn of(mut durations: Vec<Duration>, failed_attempts: usize) -> Spread {
         durations.sort();
         let rank = |q: f64| {
             let n = durations.len();

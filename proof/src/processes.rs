@@ -79,13 +79,28 @@ impl Arming {
 
     /// How often each point fired, from the log the api-servers append to as they crash.
     pub(crate) fn fired(&self) -> BTreeMap<String, u64> {
-        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
-        text.lines()
-            .filter(|l| !l.is_empty())
-            .fold(BTreeMap::new(), |mut m, l| {
-                *m.entry(l.to_owned()).or_default() += 1;
+        self.crashes()
+            .into_iter()
+            .fold(BTreeMap::new(), |mut m, (point, _)| {
+                *m.entry(point).or_default() += 1;
                 m
             })
+    }
+
+    /// Every crash in the log: the point, and when (the wall clock, as the api-server wrote it).
+    pub(crate) fn crashes(&self) -> Vec<(String, Option<std::time::SystemTime>)> {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        text.lines()
+            .filter_map(|line| {
+                let mut fields = line.split_whitespace();
+                let point = fields.next()?.to_owned();
+                let at = fields
+                    .next()
+                    .and_then(|ms| ms.parse::<u64>().ok())
+                    .map(|ms| std::time::UNIX_EPOCH + Duration::from_millis(ms));
+                Some((point, at))
+            })
+            .collect()
     }
 }
 

@@ -21,6 +21,7 @@ use crate::{
     clients::KeyRecord,
     counters::{CallKind, Counters, Tallies, Unavailability},
     faults::sleep_unless_stopped,
+    holder_deaths::{CauseCost, HolderDeaths, KILL_GOAL},
     invariants::{Facts, INVARIANTS, Verdict},
     maintenance::Drain,
     outages::{self, FaultOutage},
@@ -72,6 +73,7 @@ pub(crate) struct Report<'a> {
     pub(crate) verdict: &'a Verdict,
     /// The money campaign's figures (`None` without `--money`).
     pub(crate) money: Option<Value>,
+    pub(crate) holder_deaths: &'a HolderDeaths,
 }
 
 impl Report<'_> {
@@ -156,6 +158,12 @@ impl Report<'_> {
             "money": self.money,
             "ha_faults": ha_faults(&fault_rows),
             "ha_outage_spread": ha_outage_spread(&fault_rows),
+            "holder_deaths": {
+                "by_cause": self.holder_deaths.by_cause.iter().map(CauseCost::json).collect::<Vec<_>>(),
+                "kills": self.holder_deaths.kills.json(),
+                "kill_goal_p99_secs": KILL_GOAL.as_secs_f64(),
+                "kill_goal_met": self.holder_deaths.kills.answered.p99 <= KILL_GOAL,
+            },
             "replays_during_traffic": tallies.live_replays.outcomes.snapshot(),
             "invariant_violations": invariant_json,
             "violations": v.list.iter().take(200).collect::<Vec<_>>(),
@@ -170,6 +178,7 @@ impl Report<'_> {
         if self.args.ha {
             text_ha_faults(&mut text, report);
         }
+        self.text_holder_deaths(&mut text);
         section(
             &mut text,
             "completer / reaper passes",
@@ -239,6 +248,25 @@ impl Report<'_> {
             self.tallies.live_replays.outcomes.snapshot(),
         );
         section(text, "faults injected", self.tallies.faults.snapshot());
+    }
+
+    /// From each api-server's death to the next final answer of the keys it held.
+    fn text_holder_deaths(&self, text: &mut String) {
+        let deaths = self.holder_deaths;
+        text.push_str("-- holder deaths: from the death to each hurt key's next final answer\n");
+        for cost in &deaths.by_cause {
+            text.push_str(&format!("  {}\n", cost.line()));
+        }
+        text.push_str(&format!("  {}\n", deaths.kills.line()));
+        let goal = if deaths.kills.answered.p99 <= KILL_GOAL {
+            "met"
+        } else {
+            "MISSED"
+        };
+        text.push_str(&format!(
+            "  goal: a killed holder's keys answered within {} s at p99: {goal}\n",
+            KILL_GOAL.as_secs()
+        ));
     }
 
     /// The evidence, the drain, the replays, the reconciler and the money campaign.
