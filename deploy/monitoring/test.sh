@@ -10,8 +10,9 @@
 #   4. the generated copies (plain rule files for Prometheus, Kubernetes PrometheusRules, with
 #      absolute runbook URLs) equal what the rule files render to (render-prometheusrule.sh --check)
 #   5. deploy/monitoring/live-check.sh: the metric and label names of the rules and of the Grafana
-#      dashboard (deploy/monitoring/dashboards) against the real processes,
-#      scraped by a real Prometheus (builds the binaries, uses the local PostgreSQL and RabbitMQ;
+#      dashboard (deploy/monitoring/dashboards) against the real processes, scraped by a real
+#      Prometheus with compose's configuration; the scrape alerts quiet, then seeing a stopped
+#      process (builds the binaries, uses the local PostgreSQL and RabbitMQ;
 #      about a minute after the build). MONITORING_LIVE=0 skips it (steps 1-4 are offline).
 #
 # promtool comes from Debian's `prometheus` package, installed here when absent (its service is
