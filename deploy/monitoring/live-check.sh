@@ -200,7 +200,8 @@ fi
 # The scrape alerts, the other way round: with the receipt worker stopped, both expressions of
 # RidesTargetDown (its target down; every target of its job down) return its series.
 log "stopping the receipt worker: the scrape alert's expressions must see it"
-kill -TERM "$receipts_pid" && wait "$receipts_pid" 2>/dev/null || true
+kill -TERM "$receipts_pid"
+wait "$receipts_pid" 2>/dev/null || true
 "$PYTHON" deploy/monitoring/live_check.py --prometheus "http://$PROM_ADDR" --deadline-secs 60 \
   --expect-firing RidesTargetDown --job receipts "$RULES"
 echo "deploy/monitoring/live-check.sh: RidesTargetDown sees a stopped process" >&2

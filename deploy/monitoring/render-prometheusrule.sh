@@ -14,6 +14,8 @@
 # with the base URL of deploy/monitoring/runbook-base-url (the one setting; see that file).
 #
 # Usage: deploy/monitoring/render-prometheusrule.sh [--check]
+# The rendering functions run through emit's "$@", which shellcheck does not follow.
+# shellcheck disable=SC2317
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
