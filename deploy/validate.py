@@ -3,7 +3,7 @@
 
 Subcommands:
   render DIR                 kustomize build of DIR, for the subset of kustomize deploy/k8s uses
-                             (resources, namespace, labels, images, configMapGenerator and
+                             (resources, components, namespace, labels, images, configMapGenerator and
                              secretGenerator with content-hash suffixes, patches: strategic merge
                              and JSON 6902). Anything else is refused, never silently ignored.
   same A B                   two rendered streams hold the same objects (order-insensitive).
@@ -54,7 +54,7 @@ def load_all(path: Path) -> list[dict]:
 KUSTOMIZATION_NAMES = ("kustomization.yaml", "kustomization.yml", "Kustomization")
 SUPPORTED_KEYS = {
     "apiVersion", "kind", "resources", "namespace", "labels", "images",
-    "configMapGenerator", "secretGenerator", "generatorOptions", "patches",
+    "configMapGenerator", "secretGenerator", "generatorOptions", "patches", "components",
 }
 CLUSTER_SCOPED = {
     "Namespace", "ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition",
@@ -243,7 +243,10 @@ def identity(obj: dict) -> tuple:
     return obj.get("kind"), meta.get("namespace", ""), obj.get(GENERATED) or meta.get("name")
 
 
-def build(directory: Path) -> list[dict]:
+def build(directory: Path, accumulated: list[dict] | None = None) -> list[dict]:
+    """A Kustomization's objects; with `accumulated`, DIR is a Component (kind Component) applied
+    to the objects of the Kustomization that lists it: its resources are added to them, then its
+    generators and transformers run over all of them, as kustomize does."""
     path = next((directory / name for name in KUSTOMIZATION_NAMES
                  if (directory / name).is_file()), None)
     if path is None:
@@ -252,8 +255,11 @@ def build(directory: Path) -> list[dict]:
     unknown = set(kustomization) - SUPPORTED_KEYS
     if unknown:
         raise Problem(f"{path}: unsupported fields {sorted(unknown)}: extend deploy/validate.py")
+    if (kustomization.get("kind") == "Component") != (accumulated is not None):
+        raise Problem(f"{path}: a Component is used only under `components:`, and only a "
+                      "Component there")
 
-    objects: list[dict] = []
+    objects: list[dict] = accumulated if accumulated is not None else []
     for entry in kustomization.get("resources") or []:
         target = directory / entry
         if "://" in entry or entry.startswith("github.com/"):
@@ -264,6 +270,11 @@ def build(directory: Path) -> list[dict]:
             objects.extend(load_all(target))
         else:
             raise Problem(f"{path}: resource {entry} does not exist")
+    for entry in kustomization.get("components") or []:
+        target = directory / entry
+        if "://" in entry or not target.is_dir():
+            raise Problem(f"{path}: component {entry} is not a local directory")
+        objects = build(target, objects)
 
     global_options = kustomization.get("generatorOptions") or {}
     for field, kind in (("configMapGenerator", "ConfigMap"), ("secretGenerator", "Secret")):
@@ -521,7 +532,68 @@ def k8s_policy(paths: list[Path]) -> list[str]:
                             problems.append(f"{obj['kind']}/{obj['metadata']['name']}: "
                                             f"{ref_kind} {ref['name']} has no key {ref['key']}")
     problems.extend(tls_policy(objects, by_kind))
+    problems.extend(monitoring_policy(objects))
     return list(dict.fromkeys(problems))  # once each, in order
+
+
+def monitoring_policy(objects: list[dict]) -> list[str]:
+    """Every pod template with a container port named `metrics` is scraped: a PodMonitor selects
+    its pods, or a ServiceMonitor selects a Service that selects them and exposes that port; each
+    monitor's port exists on what it selects. Every monitoring.coreos.com object (rules and
+    monitors) carries one and the same `release` label, the one a Prometheus selects them by."""
+    problems: list[str] = []
+
+    def matches(selector: dict, labels: dict) -> bool:
+        if set(selector) - {"matchLabels"}:
+            raise Problem(f"selector {selector}: only matchLabels is checked")
+        wanted = selector.get("matchLabels") or {}
+        return bool(wanted) and all(labels.get(k) == v for k, v in wanted.items())
+
+    pods = [(f"{obj['kind']}/{obj['metadata']['name']}", meta.get("labels") or {}, spec)
+            for obj in objects for meta, spec in pod_specs(obj)]
+    services = [obj for obj in objects if obj["kind"] == "Service"]
+    scraped: set[str] = set()
+    for monitor in objects:
+        if monitor["kind"] not in ("PodMonitor", "ServiceMonitor"):
+            continue
+        where = f"{monitor['kind']}/{monitor['metadata']['name']}"
+        spec = monitor["spec"]
+        if monitor["kind"] == "PodMonitor":
+            ports = [ep.get("port") for ep in spec.get("podMetricsEndpoints") or []]
+            selected = [pod for pod in pods if matches(spec["selector"], pod[1])]
+            for name, _, pod_spec in selected:
+                names = {port.get("name") for c in containers(pod_spec) for port in c.get("ports") or []}
+                if set(ports) <= names:
+                    scraped.add(name)
+                else:
+                    problems.append(f"{where}: {name} has no container port {sorted(set(ports) - names)}")
+            # The operators' pods (CloudNativePG, RabbitMQ) are not in the rendering.
+            if not selected and not any(k.startswith("cnpg.io/") or k == "app.kubernetes.io/component"
+                                        and v == "rabbitmq"
+                                        for k, v in (spec["selector"].get("matchLabels") or {}).items()):
+                problems.append(f"{where}: selects no pod of the rendering")
+        else:
+            ports = {ep.get("port") for ep in spec.get("endpoints") or []}
+            selected = [svc for svc in services if matches(spec["selector"], svc["metadata"].get("labels") or {})
+                        and ports & {port.get("name") for port in svc["spec"].get("ports") or []}]
+            if not selected:
+                problems.append(f"{where}: no Service it selects has port {sorted(ports)}")
+            for svc in selected:
+                for name, labels, _ in pods:
+                    if matches({"matchLabels": svc["spec"].get("selector") or {}}, labels):
+                        scraped.add(name)
+    for name, _, pod_spec in pods:
+        if any(port.get("name") == "metrics" for c in containers(pod_spec) for port in c.get("ports") or []) \
+                and name not in scraped:
+            problems.append(f"{name}: serves a `metrics` port that no ServiceMonitor or PodMonitor scrapes")
+    releases = {}
+    for obj in objects:
+        if obj.get("apiVersion", "").startswith("monitoring.coreos.com/"):
+            releases[f"{obj['kind']}/{obj['metadata']['name']}"] = (obj["metadata"].get("labels") or {}).get("release")
+    if releases and (None in releases.values() or len(set(releases.values())) > 1):
+        problems.append("monitoring.coreos.com objects without one common `release` label "
+                        f"(deploy/k8s/components/prometheus-release): {releases}")
+    return problems
 
 
 # ------------------------------------------------------------------------------------------------

@@ -24,7 +24,8 @@
 #      Certificate of the rendering (or an operator it runs) makes, no CA key is mounted, every
 #      Certificate's issuer is in the rendering, server certificates name their Services, the
 #      completer uses https:// with a client certificate, and every peer the rendering runs is
-#      reached over verified TLS
+#      reached over verified TLS; every `metrics` port is scraped by a ServiceMonitor or PodMonitor,
+#      and every monitoring.coreos.com object carries the same `release` label
 #
 # Python tools live in .run/venv (git-ignored), installed from PyPI on the first run only.
 # Usage: deploy/validate.sh        (from anywhere; no arguments)
@@ -150,7 +151,7 @@ run_check "custom resources against deploy/schemas (minimal schemas: deploy/sche
   "$PY" deploy/validate.py custom-resources deploy/schemas "${RENDERED[@]}"
 for overlay in "${OVERLAYS[@]}"; do
   [ -f "$overlay" ] || continue
-  run_check "policy on $(basename "$overlay" .yaml): non-root, read-only, no caps, resources, probes, TLS" \
+  run_check "policy on $(basename "$overlay" .yaml): non-root, read-only, no caps, resources, probes, TLS, scraping" \
     "$PY" deploy/validate.py k8s-policy "$overlay"
 done
 

@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
-# Lints the rides.v1 contract (proto/) with `buf lint` and the repository's buf.yaml (STANDARD
-# rules; the one waived rule and why are in buf.yaml). Fails on any finding. buf comes from npm
+# Lints the rides.v1 contract (proto/) with `buf lint` and the repository's buf.yaml (STANDARD and
+# COMMENTS rules; the one waived rule and why are in buf.yaml), then `buf breaking` against the last
+# released contract, proto-released/ (FILE rules: nothing a client's generated code relies on may
+# change). proto-released/ must be a version of proto/ that git's history holds (checked here, so
+# the baseline cannot be edited by hand to let a break through); on a release, copy proto/ there
+# (README.md, "The API contract"). Fails on any finding. buf comes from npm
 # (@bufbuild/buf, whose platform package carries the binary), pinned to BUF_VERSION and installed
 # once into target/buf/ (git-ignored); npm itself from Debian's packages when it is missing.
 # BUF=/path/to/buf uses another buf instead.
@@ -22,3 +26,17 @@ fi
 
 log "buf lint (proto/, buf.yaml)"
 "$buf" lint
+
+# The baseline is a committed version of the contract: its bytes equal proto/'s at some commit.
+released=proto-released/rides/v1/rides.proto
+if [ "$(git rev-parse --is-shallow-repository 2>/dev/null || echo true)" = true ]; then
+  log "skipping the check that $released is in git's history (no full history here)"
+else
+  want=$(git hash-object "$released") found=
+  for commit in $(git log --format=%H -- proto/rides/v1/rides.proto); do
+    if [ "$(git rev-parse "$commit:proto/rides/v1/rides.proto" 2>/dev/null)" = "$want" ]; then found=$commit; break; fi
+  done
+  [ -n "$found" ] || die "$released is no version of proto/rides/v1/rides.proto in git's history"
+fi
+log "buf breaking (proto/ against the released contract, proto-released/)"
+"$buf" breaking --against proto-released

@@ -25,6 +25,30 @@ wait_for_port() { # host port what seconds
   done
 }
 
+# Fails before anything starts when a port that the caller's own processes bind is taken, naming
+# each such port, what needs it and what holds it (the listening process, from `ss`). Arguments:
+# "PORT what needs it". Never pass PostgreSQL's 5432 or RabbitMQ's 5672: those are reused when
+# they answer (ensure_postgres, ensure_rabbitmq).
+require_free_ports() { # "port what"...
+  local entry port what holder taken=()
+  for entry in "$@"; do
+    port=${entry%% *} what=${entry#* }
+    if command -v ss >/dev/null; then
+      holder=$(ss -Hltnp "sport = :$port" 2>/dev/null | head -n1)
+      [ -n "$holder" ] || continue
+      holder=$(grep -o 'users:(([^)]*))' <<<"$holder" | sed -E 's/users:\(\("([^"]*)",pid=([0-9]+).*/\1 (pid \2)/')
+    else
+      port_open 127.0.0.1 "$port" || continue
+      holder=
+    fi
+    taken+=("  port $port, needed by $what: held by ${holder:-a process ss cannot name (run as root to see it)}")
+  done
+  [ ${#taken[@]} -eq 0 ] && return
+  printf '\033[1;31merror:\033[0m %s\n' "ports this run needs are taken (stop what holds them, or wait for the other run to end):" >&2
+  printf '%s\n' "${taken[@]}" >&2
+  exit 1
+}
+
 docker_engine() { command -v docker >/dev/null && docker info >/dev/null 2>&1 && docker compose version >/dev/null 2>&1; }
 
 compose_up() { docker compose -f "$REPO_ROOT/deploy/local/compose.yaml" up -d "$@"; }

@@ -14,6 +14,28 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 cd "$REPO_ROOT"
 
+# The fixed ports of the processes this run starts, checked before anything starts. PostgreSQL's
+# 5432 and RabbitMQ's 5672 are not here: a server answering there is reused.
+ports=()
+if [[ "${MONITORING_LIVE:-1}" != 0 ]]; then # deploy/monitoring/live-check.sh
+  ports+=("19090 live-check's Prometheus" "19051 live-check's api-server" "19111 live-check's fake-stripe"
+    "19025 live-check's mail sink" "19026 live-check's mail search")
+  for port in 19464 19465 19466 19467 19468 19469; do ports+=("$port live-check's metrics"); done
+fi
+if [[ "${PROOF:-1}" != 0 ]]; then
+  ports+=("25351 the soak's api-server" "25353 the soak's metrics" "12411 the soak's fake-stripe"
+    "2825 the soak's mail sink" "8825 the soak's mail search" "25533 the soak's PostgreSQL") # bench/soak.sh
+  ports+=("25251 proof's api-server" "25252 proof's second api-server" "25250 proof's HAProxy"
+    "12311 proof's fake-stripe" "2625 proof's mail sink" "8626 proof's mail search"
+    "25433 proof's PostgreSQL" "5683 proof's RabbitMQ" "25683 proof's RabbitMQ distribution") # proof/src/args.rs
+  if [[ "${HA:-1}" != 0 ]]; then # proof --ha: deploy/local/ha.sh with HA_PORT_BASE=27000
+    for port in 27379 27380 27432 27433 27008 27009 27672 27673 27674 27682 27683 27684; do
+      ports+=("$port the HA topology (etcd, Patroni, PostgreSQL, RabbitMQ)")
+    done
+  fi
+fi
+require_free_ports "${ports[@]}"
+
 ensure_cargo
 ensure_postgres
 ensure_rabbitmq

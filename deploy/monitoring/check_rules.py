@@ -1,6 +1,8 @@
 """Checks on deploy/monitoring that promtool does not make (run by deploy/monitoring/test.sh):
 
-  - every alert's runbook_url points to a heading that exists in docs/runbooks.md;
+  - every alert's runbook_url points to a heading that exists in docs/runbooks.md, and is absolute
+    in the generated copies (deploy/monitoring/prometheus/rules);
+  - every alert's severity is warning or critical;
   - every alert, at each of its severities, fires in some promtool test (exp_alerts), and every
     alert has a test where it is expected quiet (`exp_alerts: []`);
   - the numbers the rules copy from the manifests (the PostgreSQL
@@ -44,8 +46,9 @@ def main() -> int:
                     continue
                 name = rule["alert"]
                 severity = (rule.get("labels") or {}).get("severity")
-                if severity not in ("warning", "page"):
-                    problems.append(f"{path.name}: {name}: severity {severity!r} is not warning or page")
+                if severity not in ("warning", "critical"):
+                    problems.append(f"{path.name}: {name}: severity {severity!r} is not warning or "
+                                    "critical (the mixins' names)")
                 alerts.setdefault(name, set()).add(severity)
                 for key in ("summary", "description", "runbook_url"):
                     if not (rule.get("annotations") or {}).get(key):
@@ -55,6 +58,16 @@ def main() -> int:
                 if target != "docs/runbooks.md" or anchor not in anchors:
                     problems.append(f"{path.name}: {name}: runbook_url {url!r} names no heading of "
                                     "docs/runbooks.md")
+
+    # The generated copies Prometheus loads carry absolute runbook URLs (render-prometheusrule.sh).
+    for path in sorted((MONITORING / "prometheus/rules").glob("*.yaml")):
+        for group in yaml.safe_load(path.read_text(encoding="utf-8"))["groups"]:
+            for rule in group["rules"]:
+                url = (rule.get("annotations") or {}).get("runbook_url", "")
+                if "alert" in rule and not re.fullmatch(r"https?://[^\s#]+/docs/runbooks\.md#"
+                                                        + re.escape(rule["alert"].lower()), url):
+                    problems.append(f"prometheus/rules/{path.name}: {rule['alert']}: runbook_url "
+                                    f"{url!r} is not <base URL>docs/runbooks.md#<alert in lower case>")
 
     fired: set[tuple[str, str]] = set()
     quiet: set[str] = set()

@@ -2,13 +2,15 @@
 # Checks the rules against the real exporters: starts the api-server, the five workers,
 # fake-stripe and the mail sink on loopback against the local PostgreSQL and RabbitMQ (a database
 # and a topology prefix of its own), and a real Prometheus (Debian's package, 127.0.0.1:19090, its
-# own data directory) that scrapes them every 2 s and loads deploy/monitoring/rules/rocket-rides.rules.yaml.
+# own data directory) run with compose's configuration (deploy/monitoring/prometheus/prometheus.yml:
+# its jobs, labels and rule file, the targets moved to loopback, every 2 s).
 # Then drives traffic through every path the rules read (CreateRide with replays, charges refused
 # by the provider and left to the completer, expired keys for the reaper, a connection that is not
 # HTTP/2, receipts mailed) and asserts through Prometheus's HTTP API (deploy/monitoring/live_check.py)
 # that every metric and label the rules name exists and that every recording rule returns data,
-# and that every query of the Grafana dashboard (deploy/monitoring/dashboards/rocket-rides.json) names only
-# metrics and labels that exist and returns data.
+# that every job of that configuration is up, and that every query of the Grafana dashboard
+# (deploy/monitoring/dashboards/rocket-rides.json) names only metrics and labels that exist and
+# returns data with a finite value.
 # Exits non-zero otherwise; a renamed metric fails it. Stops everything it started.
 #
 # The rules on other exporters (rocket-rides-kubernetes and rocket-rides-ha: kube-state-metrics,
@@ -21,8 +23,9 @@
 #   LIVE_CHECK_CHARTS=DIR  after the checks pass, run a minute of load (8 clients, replays, three
 #                      calls with a bad token, one burst of provider errors) and draw the dashboard's panels from this
 #                      Prometheus into DIR as PNGs (deploy/monitoring/charts.py; deploy/monitoring/charts.sh)
-#   RULES=FILE         check another rule file (path from the repository root), e.g. a copy with a
-#                      metric renamed, which must fail
+#   RULES=FILE         check another rule file (path from the repository root; default the one
+#                      compose loads, deploy/monitoring/prometheus/rules/rocket-rides.rules.yaml),
+#                      e.g. a copy with a metric renamed, which must fail
 #   DASHBOARD=FILE     check another dashboard (default deploy/monitoring/dashboards/rocket-rides.json)
 set -euo pipefail
 # shellcheck source=deploy/local/lib.sh
@@ -41,7 +44,7 @@ WORKERS=(enqueuer receipts completer reaper reconciler)
 WORKER_PORTS=(19465 19466 19467 19468 19469)
 DATABASE=monitoring_live_check
 ADMIN_URL="postgres://postgres:postgres@127.0.0.1:5432/postgres"
-RULES="$(realpath "${RULES:-deploy/monitoring/rules/rocket-rides.rules.yaml}")"
+RULES="$(realpath "${RULES:-deploy/monitoring/prometheus/rules/rocket-rides.rules.yaml}")"
 DASHBOARD="$(realpath "${DASHBOARD:-deploy/monitoring/dashboards/rocket-rides.json}")"
 
 ensure_postgres
@@ -110,22 +113,29 @@ wait_for_port "${SMTP_ADDR%:*}" "${SMTP_ADDR##*:}" mail-sink 30
 METRICS_LISTEN_ADDR="$API_METRICS" start api-server "$bin/api-server" serve
 wait_for_port "${GRPC_ADDR%:*}" "${GRPC_ADDR##*:}" api-server 60
 
-# `namespace` stands in for what a Kubernetes scrape configuration attaches (the rules group by it).
-targets="\"$API_METRICS\""
-for port in "${WORKER_PORTS[@]}"; do targets+=", \"127.0.0.1:$port\""; done
-cat >"$WORK/prometheus.yml" <<EOF
-global:
-  scrape_interval: 2s
-  evaluation_interval: 2s
-rule_files:
-  - $RULES
-scrape_configs:
-  - job_name: rocket-rides
-    static_configs:
-      - targets: [$targets]
-        labels:
-          namespace: live-check
-EOF
+# Compose's Prometheus configuration, each `<service>:9464` target moved to that process's port
+# here; a job this script does not run fails (the two must keep the same processes).
+ports="api-server=$API_METRICS"
+for i in "${!WORKERS[@]}"; do ports+=" ${WORKERS[$i]}=127.0.0.1:${WORKER_PORTS[$i]}"; done
+"$PYTHON" - deploy/monitoring/prometheus/prometheus.yml "$RULES" "$ports" >"$WORK/prometheus.yml" <<'PY'
+import sys, yaml
+config = yaml.safe_load(open(sys.argv[1], encoding="utf-8"))
+ports = dict(pair.split("=", 1) for pair in sys.argv[3].split())
+config["global"].update(scrape_interval="2s", evaluation_interval="2s")
+config["rule_files"] = [sys.argv[2]]
+for job in config["scrape_configs"]:
+    for static in job["static_configs"]:
+        moved = []
+        for target in static["targets"]:
+            service = target.rsplit(":", 1)[0]
+            if service not in ports:
+                sys.exit(f"live-check.sh: compose's Prometheus scrapes {target}, which it does not run")
+            moved.append(ports.pop(service))
+        static["targets"] = moved
+if ports:
+    sys.exit(f"live-check.sh: compose's Prometheus does not scrape {sorted(ports)}")
+yaml.safe_dump(config, sys.stdout, sort_keys=False)
+PY
 start prometheus prometheus --config.file="$WORK/prometheus.yml" --storage.tsdb.path="$WORK/prometheus" \
   --web.listen-address="$PROM_ADDR"
 wait_for_port "${PROM_ADDR%:*}" "${PROM_ADDR##*:}" prometheus 30
@@ -160,11 +170,14 @@ psql "$DATABASE_URL" -Xq -c "UPDATE idempotency_keys SET created_at = now() - in
 # which a running enqueuer would already have moved. They then drain what the traffic left.
 for i in "${!WORKERS[@]}"; do
   METRICS_LISTEN_ADDR="127.0.0.1:${WORKER_PORTS[$i]}" start "${WORKERS[$i]}" "$bin/workers" "${WORKERS[$i]}"
+  [ "${WORKERS[$i]}" != receipts ] || receipts_pid=${pids[-1]}
 done
 
 log "waiting for Prometheus to scrape and evaluate (assertions: deploy/monitoring/live_check.py)"
 "$PYTHON" deploy/monitoring/live_check.py --prometheus "http://$PROM_ADDR" \
-  --deadline-secs "${LIVE_CHECK_DEADLINE_SECS:-90}" --dashboard "$DASHBOARD" "$RULES"
+  --deadline-secs "${LIVE_CHECK_DEADLINE_SECS:-90}" --dashboard "$DASHBOARD" \
+  --config "$WORK/prometheus.yml" --quiet RidesTargetDown --quiet RidesJobAbsent \
+  --quiet RidesStagedJobsMetricsAbsent "$RULES"
 echo "deploy/monitoring/live-check.sh: every metric and label the rules and the dashboard name is exported" >&2
 
 if [ -n "${LIVE_CHECK_CHARTS:-}" ]; then
@@ -183,3 +196,12 @@ if [ -n "${LIVE_CHECK_CHARTS:-}" ]; then
   "${CHARTS_PYTHON:-$PYTHON}" deploy/monitoring/charts.py --prometheus "http://$PROM_ADDR" \
     --start "$charts_start" --end "$(date +%s)" --out "$LIVE_CHECK_CHARTS" "$DASHBOARD"
 fi
+
+# The scrape alerts, the other way round: with the receipt worker stopped, both expressions of
+# RidesTargetDown (its target down; every target of its job down) return its series.
+log "stopping the receipt worker: the scrape alert's expressions must see it"
+kill -TERM "$receipts_pid"
+wait "$receipts_pid" 2>/dev/null || true
+"$PYTHON" deploy/monitoring/live_check.py --prometheus "http://$PROM_ADDR" --deadline-secs 60 \
+  --expect-firing RidesTargetDown --job receipts "$RULES"
+echo "deploy/monitoring/live-check.sh: RidesTargetDown sees a stopped process" >&2

@@ -1,22 +1,30 @@
 """The assertions of deploy/monitoring/live-check.sh, against a Prometheus that scrapes the real
-api-server and workers and loads deploy/monitoring/rules/rocket-rides.rules.yaml:
+api-server and workers with compose's configuration and loads its rule file:
 
   - every metric name the rules read exists in what Prometheus scraped;
   - every label name the rules select, group or match on exists on the series they read;
   - every recording rule returns data, and no rule reports an evaluation error;
   - with --dashboard: every query of the Grafana dashboard (each panel's `expr`, the template
-    variables' label_values) names only metrics and labels that exist and returns data, with the
-    dashboard's variables set as Grafana sets them for "All" ($namespace = .*, $__rate_interval = 1m).
+    variables' label_values) names only metrics and labels that exist and returns data, at least
+    one sample of it a finite number (a ratio of nothing is NaN, which a panel draws as no data),
+    with the dashboard's variables set as Grafana sets them for "All" ($namespace = .*,
+    $__rate_interval = 1m);
+  - with --config: every job of that Prometheus configuration has a target, and every target is up;
+  - with --quiet ALERT: every expression of that alert returns nothing (the scrape alerts, on a
+    healthy run: this proves their job names and labels match what is really scraped);
+  - with --expect-firing ALERT --job JOB (after the caller stopped JOB's process): every expression
+    of ALERT returns a series of that job, instead of the checks above.
 
 Retries until --deadline-secs (counters appear only once the traffic has reached them), then
 prints what is missing and exits 1.
 
 Usage: python3 live_check.py --prometheus http://127.0.0.1:19090 --deadline-secs 90 \
-           [--dashboard deploy/monitoring/dashboards/rocket-rides.json] RULES.yaml
+           [--dashboard deploy/monitoring/dashboards/rocket-rides.json] [--config prometheus.yml] RULES.yaml
 """
 
 import argparse
 import json
+import math
 import re
 import sys
 import time
@@ -102,8 +110,14 @@ def api(base: str, path: str, **params: str) -> object:
     return body["data"]
 
 
-def problems_now(base: str, rules: list[dict],
-                 queries: list[dict] | None = None) -> tuple[list[str], int]:
+def finite(result: list[dict]) -> bool:
+    """Some sample of an instant-query result is a finite number."""
+    return any(math.isfinite(float(series["value"][1])) for series in result)
+
+
+def problems_now(base: str, rules: list[dict], queries: list[dict] | None = None,
+                 jobs: list[str] | None = None,
+                 quiet: list[str] | None = None) -> tuple[list[str], int]:
     problems: list[str] = []
     scraped = set(api(base, "label/__name__/values"))
     recorded = {rule["record"] for rule in rules if "record" in rule}
@@ -136,8 +150,27 @@ def problems_now(base: str, rules: list[dict],
             problems.append(f"recording rule {name} returns no data")
 
     for query in queries:
-        if not api(base, "query", query=query["expr"])["result"]:
+        result = api(base, "query", query=query["expr"])["result"]
+        if not result:
             problems.append(f"dashboard panel {query['panel']!r}: {query['expr']} returns no data")
+        elif not finite(result):
+            problems.append(f"dashboard panel {query['panel']!r}: {query['expr']} returns only NaN "
+                            "or infinite values")
+
+    for rule in rules:
+        if rule.get("alert") in (quiet or []):
+            result = api(base, "query", query=rule["expr"])["result"]
+            if result:
+                problems.append(f"alert {rule['alert']} would fire on a healthy run: "
+                                f"{[series['metric'] for series in result]}")
+
+    for job in jobs or []:
+        up = api(base, "query", query=f'up{{job="{job}"}}')["result"]
+        if not up:
+            problems.append(f"job {job}: no target")
+        for series in up:
+            if series["value"][1] != "1":
+                problems.append(f"job {job}: target {series['metric'].get('instance')} is down")
 
     for group in api(base, "rules")["groups"]:
         for rule in group["rules"]:
@@ -151,12 +184,25 @@ def main() -> int:
     parser.add_argument("--prometheus", required=True)
     parser.add_argument("--deadline-secs", type=float, default=90)
     parser.add_argument("--dashboard", type=Path, action="append", default=[])
+    parser.add_argument("--config", type=Path, help="the Prometheus configuration: its jobs must be up")
+    parser.add_argument("--quiet", action="append", default=[], metavar="ALERT")
+    parser.add_argument("--expect-firing", metavar="ALERT")
+    parser.add_argument("--job")
     parser.add_argument("rules", type=Path)
     args = parser.parse_args()
     rules = [rule for group in yaml.safe_load(args.rules.read_text(encoding="utf-8"))["groups"]
              for rule in group["rules"]]
     queries = [query for path in args.dashboard
                for query in dashboard_queries(json.loads(path.read_text(encoding="utf-8")))]
+    if args.expect_firing:
+        return expect_firing(args, rules)
+    for name in args.quiet:
+        if not any(rule.get("alert") == name for rule in rules):
+            print(f"live_check: --quiet {name}: no such alert", file=sys.stderr)
+            return 1
+    jobs = ([job["job_name"] for job in
+             yaml.safe_load(args.config.read_text(encoding="utf-8"))["scrape_configs"]]
+            if args.config else [])
     deadline = time.monotonic() + args.deadline_secs
     # The check must be able to fail: a rule reading a name nothing exports is reported.
     decoy = {"record": "live_check:decoy:absent", "expr": "rides_live_check_decoy_total"}
@@ -174,18 +220,42 @@ def main() -> int:
               "broken", file=sys.stderr)
         return 1
     while True:
-        problems, checked = problems_now(args.prometheus, rules, queries)
+        problems, checked = problems_now(args.prometheus, rules, queries, jobs, args.quiet)
         if not problems:
             records = sum(1 for rule in rules if "record" in rule)
             print(f"live_check: {len(rules)} rules and {len(queries)} dashboard queries, {checked} "
                   f"series names read by them: every name and label exists, all {records} "
-                  f"recording rules and every dashboard query return data", file=sys.stderr)
+                  f"recording rules and every dashboard query return data (finite values); "
+                  f"{len(jobs)} jobs up", file=sys.stderr)
             return 0
         if time.monotonic() > deadline:
             for problem in problems:
                 print(f"live_check: {problem}", file=sys.stderr)
             return 1
         time.sleep(3)
+
+
+def expect_firing(args: argparse.Namespace, rules: list[dict]) -> int:
+    exprs = [rule["expr"] for rule in rules if rule.get("alert") == args.expect_firing]
+    if not exprs or not args.job:
+        print(f"live_check: --expect-firing {args.expect_firing}: no such alert, or no --job",
+              file=sys.stderr)
+        return 1
+    deadline = time.monotonic() + args.deadline_secs
+    while True:
+        missing = [expr for expr in exprs
+                   if not any(series["metric"].get("job") == args.job
+                              for series in api(args.prometheus, "query", query=expr)["result"])]
+        if not missing:
+            print(f"live_check: with {args.job} stopped, all {len(exprs)} expressions of "
+                  f"{args.expect_firing} return its series", file=sys.stderr)
+            return 0
+        if time.monotonic() > deadline:
+            for expr in missing:
+                print(f"live_check: {args.expect_firing}: {expr.strip()} returns no series of job "
+                      f"{args.job}", file=sys.stderr)
+            return 1
+        time.sleep(2)
 
 
 if __name__ == "__main__":

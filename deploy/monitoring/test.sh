@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # Tests the Prometheus rules of deploy/monitoring/rules, and fails on any failure:
 #
-#   1. promtool check rules: syntax, PromQL, templates
+#   1. promtool check rules: syntax, PromQL, templates (the rule files and their generated plain
+#      copies), and promtool check config on compose's Prometheus (deploy/monitoring/prometheus)
 #   2. promtool test rules deploy/monitoring/tests/*.yaml: every alert fires after its `for`,
 #      resolves, and stays quiet on normal traffic; every recording rule computes what it should
 #   3. deploy/monitoring/check_rules.py: runbook links resolve, every alert and severity is tested,
 #      the numbers copied from the manifests still match them
-#   4. the Kubernetes PrometheusRule copies equal the rule files (render-prometheusrule.sh --check)
+#   4. the generated copies (plain rule files for Prometheus, Kubernetes PrometheusRules, with
+#      absolute runbook URLs) equal what the rule files render to (render-prometheusrule.sh --check)
 #   5. deploy/monitoring/live-check.sh: the metric and label names of the rules and of the Grafana
-#      dashboard (deploy/monitoring/dashboards) against the real processes,
-#      scraped by a real Prometheus (builds the binaries, uses the local PostgreSQL and RabbitMQ;
+#      dashboard (deploy/monitoring/dashboards) against the real processes, scraped by a real
+#      Prometheus with compose's configuration; the scrape alerts quiet, then seeing a stopped
+#      process (builds the binaries, uses the local PostgreSQL and RabbitMQ;
 #      about a minute after the build). MONITORING_LIVE=0 skips it (steps 1-4 are offline).
 #
 # promtool comes from Debian's `prometheus` package, installed here when absent (its service is
@@ -45,12 +48,14 @@ if ! "$PYTHON" -c 'import yaml' 2>/dev/null; then
 fi
 
 log "promtool check rules"
-promtool check rules deploy/monitoring/rules/*.yaml
+promtool check rules deploy/monitoring/rules/*.yaml deploy/monitoring/prometheus/rules/*.yaml
+log "promtool check config (compose's Prometheus)"
+promtool check config deploy/monitoring/prometheus/prometheus.yml
 log "promtool test rules"
 promtool test rules deploy/monitoring/tests/*.yaml
 log "runbook links, test coverage, numbers copied from the manifests"
 "$PYTHON" deploy/monitoring/check_rules.py
-log "Kubernetes PrometheusRule copies equal the rule files"
+log "generated copies (Prometheus rule files, PrometheusRules) equal the rule files"
 deploy/monitoring/render-prometheusrule.sh --check
 if command -v shellcheck >/dev/null; then
   shellcheck -x deploy/monitoring/*.sh

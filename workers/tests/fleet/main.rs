@@ -12,5 +12,6 @@ mod enqueuer;
 mod reaper;
 mod receipts;
 mod reconciler;
+mod smtp_relay;
 mod smtp_tls;
 mod tls;
