@@ -38,7 +38,7 @@ use std::{net::IpAddr, sync::Arc, time::Instant};
 use chrono::{DateTime, Utc};
 use contract::{
     Outcome, RideView,
-    key::{LockRule, chrono_duration},
+    key::{LockRule, LockState, chrono_duration},
 };
 use diesel::{ExpressionMethods, OptionalExtension, QueryDsl, SelectableHelper};
 use diesel_async::RunQueryDsl;
@@ -113,6 +113,12 @@ impl Rides {
         liveness: Liveness,
     ) -> Arc<Rides> {
         let retry = ConflictRetry::default();
+        // Every reason's series exists from the start, so that an alert on its rise has a base.
+        for state in [LockState::HolderGone, LockState::Expired] {
+            if let Some(reason) = state.takeover_reason() {
+                metrics().takeovers.add(0, &[attr("reason", reason)]);
+            }
+        }
         Arc::new(Rides {
             locking: idempotency::Locking {
                 liveness,
