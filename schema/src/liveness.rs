@@ -103,6 +103,25 @@ impl Liveness {
             .filter(|_| presence.confirmed_at.elapsed() < CONFIRMED_FOR)
     }
 
+    /// The holder id to name in a lock taken now; while the session is being opened (a process
+    /// that has just started, or is replacing a lost session), waits up to [`CONFIRMED_FOR`] for
+    /// it, so that a server serving from its first moment names a holder in its first locks.
+    /// `None` if no session stands by then: the lock is judged by the lock timeout alone.
+    pub async fn holder_for_lock(&self) -> Option<HolderId> {
+        let mut presence = self.presence.clone();
+        let deadline = tokio::time::Instant::now() + CONFIRMED_FOR;
+        loop {
+            presence.borrow_and_update();
+            if let Some(holder) = self.current() {
+                return Some(holder);
+            }
+            match tokio::time::timeout_at(deadline, presence.changed()).await {
+                Ok(Ok(())) => continue,
+                Ok(Err(_)) | Err(_) => return None,
+            }
+        }
+    }
+
     /// Whether the session named `holder` still stands as far as this process knows (its last
     /// heartbeat has not failed), however long ago it was confirmed. A lease whose session is
     /// gone records nothing: its key may have been taken over.

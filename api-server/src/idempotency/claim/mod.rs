@@ -93,7 +93,7 @@ pub async fn claim(
     let (pool, policy) = (claims.pool(), claims.policy());
     let lock = LockedBy {
         token,
-        holder: locking.liveness.current(),
+        holder: locking.liveness.holder_for_lock().await,
     };
     count_statement("insert_or_read");
     let found = match caller {
