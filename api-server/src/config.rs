@@ -8,7 +8,7 @@ pub use telemetry::Secret;
 use telemetry::settings::Vars;
 
 use crate::{
-    admission::peer::TrustedProxies,
+    admission::peer::{Networks, TrustedProxies},
     idempotency::{Batching, WaitConfig},
     limits::{LimitsConfig, Rate},
 };
@@ -166,7 +166,10 @@ impl Config {
             limits: limits(&vars)?,
             transport: transport(&vars)?,
             tls: tls_config(&vars)?,
-            trusted_proxies: vars.parse("GRPC_TRUSTED_PROXIES", TrustedProxies::default())?,
+            trusted_proxies: TrustedProxies {
+                proxy_protocol: vars.parse("GRPC_TRUSTED_PROXIES", Networks::default())?,
+                http: vars.parse("GRPC_TRUSTED_HTTP_PROXIES", Networks::default())?,
+            },
             internal_api_token: lookup("INTERNAL_API_TOKEN")
                 .filter(|token| !token.is_empty())
                 .map(Secret::new),
@@ -620,6 +623,10 @@ mod tests {
             (
                 vec![("GRPC_TRUSTED_PROXIES", "10.0.0.0/8,proxy")],
                 "GRPC_TRUSTED_PROXIES",
+            ),
+            (
+                vec![("GRPC_TRUSTED_HTTP_PROXIES", "proxy")],
+                "GRPC_TRUSTED_HTTP_PROXIES",
             ),
             (
                 vec![("TOKEN_LOOKUP_QUEUE_TIMEOUT_MS", "0")],

@@ -340,8 +340,8 @@ async fn the_internal_credential_is_never_shut_out() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn a_trusted_proxy_names_its_clients_and_an_untrusted_peer_cannot() {
-    let app = spawn_with_a_budget_of_four(&[("GRPC_TRUSTED_PROXIES", "127.0.0.24/32")]).await;
+async fn a_trusted_http_proxy_names_its_clients_and_an_untrusted_peer_cannot() {
+    let app = spawn_with_a_budget_of_four(&[("GRPC_TRUSTED_HTTP_PROXIES", "127.0.0.24/32")]).await;
     let rider = app.create_user(GOOD_CARD).await;
     let mut proxy = RideServiceClient::new(channel_from(&app, "127.0.0.24").await);
     // An attacker behind the proxy spends its budget and is shut out, by its own address...
@@ -405,7 +405,10 @@ async fn a_proxy_protocol_header_names_the_client_only_from_a_trusted_proxy() {
             .await
             .unwrap(),
     );
-    ok(relayed.create_ride(create(&rider.token)).await);
+    // The client's own x-forwarded-for, relayed after the header, names nobody.
+    ok(relayed
+        .create_ride(forwarded_for(create(&rider.token), "203.0.113.9"))
+        .await);
     let v2 =
         b"\r\n\r\n\0\r\nQUIT\n\x21\x11\x00\x0c\xc6\x33\x64\x08\x7f\x00\x00\x01\x9c\x40\xc3\x53";
     let mut relayed_v2 =
