@@ -64,7 +64,7 @@ pub fn provider_refund_idempotency_key(deployment_id: &str, finding_id: i64) -> 
 pub const DEFAULT_LOCK_TIMEOUT_SECS: u64 = 90;
 /// `IDEMPOTENCY_KEY_TTL_HOURS`'s default: how long a key is kept (and replays) before the reaper
 /// retires it; the api-server tells callers when by it, the reaper acts on it.
-pub const DEFAULT_KEY_TTL_HOURS: u32 = 72;
+pub const DEFAULT_KEY_TTL_HOURS: u64 = 72;
 /// The shortest `IDEMPOTENCY_KEY_TTL_SECS` taken. A key reaped while its caller may still retry
 /// lets that retry charge a second time; five minutes outlasts a retrying client's attempts and
 /// the completer's passes, which is all a soak (the one user of seconds) needs.
@@ -83,9 +83,22 @@ pub fn key_ttl(vars: &telemetry::settings::Vars<'_>) -> Result<Duration, ConfigE
                 "{secs} s is under {MIN_KEY_TTL_SECS} s: a retry after the key is reaped would charge again"
             ),
         }),
-        Some(secs) => Ok(Duration::from_secs(secs)),
+        Some(_) => vars.secs(NAME, 0),
         None => vars.hours("IDEMPOTENCY_KEY_TTL_HOURS", DEFAULT_KEY_TTL_HOURS),
     }
+}
+
+/// The longest `IDEMPOTENCY_LOCK_TIMEOUT_SECS` taken: a lock held longer than a day is a key
+/// stuck for a day, and far beyond any provider call.
+pub const MAX_LOCK_TIMEOUT: Duration = Duration::from_secs(24 * 3600);
+
+/// `IDEMPOTENCY_LOCK_TIMEOUT_SECS`, read the same way by every process that judges a lock.
+pub fn lock_timeout(vars: &telemetry::settings::Vars<'_>) -> Result<Duration, ConfigError> {
+    vars.secs_up_to(
+        "IDEMPOTENCY_LOCK_TIMEOUT_SECS",
+        DEFAULT_LOCK_TIMEOUT_SECS,
+        MAX_LOCK_TIMEOUT,
+    )
 }
 
 /// Whether a key locked at `locked_at` is still held at `now`: a lock older than the lock timeout

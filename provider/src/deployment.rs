@@ -75,7 +75,7 @@ impl fmt::Display for DeploymentId {
 }
 
 /// Whether the configuration talks to Stripe itself (any mode) or with a live key.
-fn is_real_stripe(api_base: &str, secret_key: &str) -> bool {
+pub(crate) fn is_real_stripe(api_base: &str, secret_key: &str) -> bool {
     let host = api_base
         .split("://")
         .nth(1)
