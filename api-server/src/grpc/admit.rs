@@ -74,6 +74,7 @@ impl RideApi {
                 status.code(),
                 tonic::Code::Unauthenticated | tonic::Code::PermissionDenied
             )
+            && !status::is_counted_against_peer(status)
         {
             metrics::refused("failed_auth");
             self.admission.failed_auth(peer.key);
@@ -146,7 +147,9 @@ impl RideApi {
                         LOOKUP_RETRY,
                     )
                 }
-                Unverified::UnknownToken => status::invalid_credentials(),
+                Unverified::UnknownToken => {
+                    status::counted_against_peer(status::invalid_credentials())
+                }
                 Unverified::Lookup(LookupError::Busy) => {
                     metrics::refused("lookup_busy");
                     status::rate_limited(

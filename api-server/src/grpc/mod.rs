@@ -58,7 +58,7 @@ pub struct RideApi {
     /// The server's own deadline for a call (`GRPC_REQUEST_TIMEOUT_SECS`): a duplicate's wait
     /// ends before it, as before the call's `grpc-timeout`.
     request_timeout: Duration,
-    _admission_gauges: [opentelemetry::metrics::ObservableGauge<u64>; 4],
+    _admission_gauges: [opentelemetry::metrics::ObservableGauge<u64>; 5],
 }
 
 impl RideApi {
