@@ -376,7 +376,10 @@ async fn the_internal_credential_is_never_shut_out() {
             reason::ON_BEHALF_OF_REQUIRED,
         );
     }
-    let mut request = authed(INTERNAL_API_TOKEN, Some(&new_key()), ride_request());
+    // It resumes the rider's key.
+    let key = new_key();
+    ok(app.create_ride(&rider, &key, ride_request()).await);
+    let mut request = authed(INTERNAL_API_TOKEN, Some(&key), ride_request());
     request
         .metadata_mut()
         .insert(ON_BEHALF_OF_HEADER, rider.id.to_string().parse().unwrap());

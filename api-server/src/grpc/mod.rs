@@ -123,6 +123,9 @@ impl RideApi {
             .client_ip(peer.client)
             .unwrap_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED));
         let key = idempotency_key(request.metadata());
+        self.check_on_behalf_of_key(caller, &key)
+            .await
+            .map_err(fresh)?;
         self.check_decline_budget(caller, &key)
             .await
             .map_err(fresh)?;

@@ -80,6 +80,14 @@ pub fn on_behalf_of_required() -> Status {
     )
 }
 
+pub fn internal_credential_new_key() -> Status {
+    simple(
+        Code::PermissionDenied,
+        "the internal credential may only resume an idempotency key its user created",
+        reason::INTERNAL_CREDENTIAL_NOT_ALLOWED,
+    )
+}
+
 pub fn internal_credential_not_allowed() -> Status {
     simple(
         Code::PermissionDenied,
