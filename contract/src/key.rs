@@ -253,6 +253,42 @@ mod tests {
     use super::*;
 
     #[test]
+    fn no_deployment_id_makes_a_charge_key_equal_to_a_refund_key() {
+        // The charge keys of existing rows never change.
+        assert_eq!(
+            provider_idempotency_key(Some("prod"), 7),
+            "rocket-rides-prod-7"
+        );
+        assert_eq!(provider_idempotency_key(None, 7), "rocket-rides-7");
+        // `refund-prod`'s charge of key 7 would be `prod`'s refund of finding 7, and `refund`'s
+        // the older refund key: such ids are refused.
+        for colliding in ["refund-prod", "refund"] {
+            assert!(
+                provider::DeploymentId::parse(colliding).is_err(),
+                "{colliding}"
+            );
+        }
+        let refund_keys = [
+            provider_refund_idempotency_key("prod", 7),
+            "rocket-rides-refund-7".to_owned(),
+        ];
+        for id in [
+            "prod",
+            "refunds",
+            "re-fund",
+            "r",
+            "dev",
+            "0-refund",
+            "prod-refund-7",
+        ] {
+            let id = provider::DeploymentId::parse(id).unwrap();
+            let charge = provider_idempotency_key(Some(id.as_str()), 7);
+            assert!(!charge.starts_with("rocket-rides-refund-"), "{charge}");
+            assert!(!refund_keys.contains(&charge), "{charge}");
+        }
+    }
+
+    #[test]
     fn a_key_without_a_deployment_id_keeps_the_old_provider_key() {
         assert_eq!(provider_idempotency_key(None, 42), "rocket-rides-42");
         assert_eq!(
