@@ -865,6 +865,39 @@ async fn lose_refund_recordings(app: &TestApp) {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn a_retry_after_a_refund_whose_recording_was_lost_never_records_the_refunded_charge() {
+    let app = TestApp::spawn().await;
+    let user = app.create_user(GOOD_CARD).await;
+    let (key, pi) = unrecorded_charge(&app, &user).await;
+    pass(&app, false).await;
+    lose_refund_recordings(&app).await;
+    let summary = reconciler(&app).run_once(true).await.unwrap();
+    assert_eq!(summary.refunds_failed, 1, "{summary:?}");
+    let refunds = app.stripe.refunds();
+    assert_eq!(refunds.len(), 1);
+    assert_eq!(refunds[0].payment_intent, pi);
+    // The key's tombstone was in the lost commit: it is still resumable.
+    let row = app.key_row(&user, &key).await.unwrap();
+    assert_eq!(row.recovery_point, schema::RecoveryPoint::RideCreated);
+
+    // The rider's retry resumes it; the provider replays the refunded PaymentIntent, which is
+    // not recorded as the ride's payment: the key is finished as refunded instead.
+    for _ in 0..2 {
+        assert_retry_replays_payment_refunded(&app, &user, &key).await;
+    }
+    let row = app.key_row(&user, &key).await.unwrap();
+    assert_eq!(row.recovery_point, schema::RecoveryPoint::Finished);
+    assert_eq!(
+        row.response_body.as_ref().unwrap()["refund_id"],
+        refunds[0].id
+    );
+    assert!(app.rides().await[0].stripe_charge_id.is_none(), "not paid");
+    assert!(app.staged_jobs().await.is_empty(), "no receipt");
+    assert_eq!(app.stripe.payment_intents().len(), 1, "never charged again");
+    assert_eq!(app.stripe.refunds().len(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn a_refund_whose_recording_failed_still_counts_against_the_pass_caps() {
     let app = TestApp::spawn().await;
     let user = app.create_user(GOOD_CARD).await;
