@@ -3,12 +3,11 @@
 
 use std::{net::SocketAddr, path::PathBuf, time::Duration};
 
-use contract::key::DEFAULT_LOCK_TIMEOUT_SECS;
 pub use telemetry::Secret;
 use telemetry::settings::Vars;
 
 use crate::{
-    admission::peer::TrustedProxies,
+    admission::peer::{Networks, TrustedProxies},
     idempotency::{Batching, WaitConfig},
     limits::{LimitsConfig, Rate},
 };
@@ -154,7 +153,7 @@ impl Config {
                 liveness_url: Secret::new(vars.string("DATABASE_LIVENESS_URL", &database_url)),
                 url: Secret::new(database_url),
                 pool_size: vars.parse("DATABASE_POOL_SIZE", 16_u32)?,
-                pool_timeout: Duration::from_millis(vars.parse("DATABASE_POOL_TIMEOUT_MS", 5000)?),
+                pool_timeout: vars.millis("DATABASE_POOL_TIMEOUT_MS", 5000)?,
             },
             grpc_listen_addr: vars.parse(
                 "GRPC_LISTEN_ADDR",
@@ -164,15 +163,18 @@ impl Config {
             stripe,
             price,
             serving: ServingConfig {
-                health_check_interval: Duration::from_millis(
-                    vars.parse::<u64>("HEALTH_CHECK_INTERVAL_MS", 5000)?.max(10),
-                ),
-                drain_delay: Duration::from_millis(vars.parse("SHUTDOWN_DRAIN_DELAY_MS", 0)?),
+                health_check_interval: vars
+                    .millis("HEALTH_CHECK_INTERVAL_MS", 5000)?
+                    .max(Duration::from_millis(10)),
+                drain_delay: vars.millis("SHUTDOWN_DRAIN_DELAY_MS", 0)?,
             },
             limits: limits(&vars)?,
             transport: transport(&vars)?,
             tls: tls_config(&vars)?,
-            trusted_proxies: vars.parse("GRPC_TRUSTED_PROXIES", TrustedProxies::default())?,
+            trusted_proxies: TrustedProxies {
+                proxy_protocol: vars.parse("GRPC_TRUSTED_PROXIES", Networks::default())?,
+                http: vars.parse("GRPC_TRUSTED_HTTP_PROXIES", Networks::default())?,
+            },
             internal_api_token: lookup("INTERNAL_API_TOKEN")
                 .filter(|token| !token.is_empty())
                 .map(Secret::new),
@@ -187,6 +189,12 @@ impl Config {
                 reason: "must be at least 32 characters".into(),
             });
         }
+        config.stripe.refuse_placeholders(
+            config
+                .internal_api_token
+                .as_ref()
+                .map(|token| token.expose()),
+        )?;
         config.transport.validate(config.stripe.timeout)?;
         if config.database.pool_size == 0 {
             return Err(ConfigError::Invalid {
@@ -246,17 +254,15 @@ fn transport(vars: &Vars<'_>) -> Result<TransportConfig, ConfigError> {
                 burst: (per_sec * REFUSAL_BURST_SECS).max(1.0),
             }
         },
-        refusal_cooldown: Duration::from_secs(vars.parse("GRPC_REFUSAL_COOLDOWN_SECS", 10)?),
-        preface_timeout: Duration::from_millis(vars.parse("GRPC_PREFACE_TIMEOUT_MS", 10_000)?),
-        keepalive_interval: Duration::from_secs(vars.parse("GRPC_KEEPALIVE_INTERVAL_SECS", 60)?),
-        keepalive_timeout: Duration::from_secs(vars.parse("GRPC_KEEPALIVE_TIMEOUT_SECS", 20)?),
-        idle_timeout: Duration::from_millis(vars.parse("GRPC_IDLE_TIMEOUT_MS", 300_000)?),
-        max_connection_age: Duration::from_secs(vars.parse("GRPC_MAX_CONNECTION_AGE_SECS", 1800)?),
-        max_connection_age_grace: Duration::from_secs(
-            vars.parse("GRPC_MAX_CONNECTION_AGE_GRACE_SECS", 60)?,
-        ),
-        tcp_keepalive: Duration::from_secs(vars.parse("GRPC_TCP_KEEPALIVE_SECS", 60)?),
-        request_timeout: Duration::from_secs(vars.parse("GRPC_REQUEST_TIMEOUT_SECS", 120)?),
+        refusal_cooldown: vars.secs("GRPC_REFUSAL_COOLDOWN_SECS", 10)?,
+        preface_timeout: vars.millis("GRPC_PREFACE_TIMEOUT_MS", 10_000)?,
+        keepalive_interval: vars.secs("GRPC_KEEPALIVE_INTERVAL_SECS", 60)?,
+        keepalive_timeout: vars.secs("GRPC_KEEPALIVE_TIMEOUT_SECS", 20)?,
+        idle_timeout: vars.millis("GRPC_IDLE_TIMEOUT_MS", 300_000)?,
+        max_connection_age: vars.secs("GRPC_MAX_CONNECTION_AGE_SECS", 1800)?,
+        max_connection_age_grace: vars.secs("GRPC_MAX_CONNECTION_AGE_GRACE_SECS", 60)?,
+        tcp_keepalive: vars.secs("GRPC_TCP_KEEPALIVE_SECS", 60)?,
+        request_timeout: vars.secs("GRPC_REQUEST_TIMEOUT_SECS", 120)?,
         max_local_error_reset_streams: vars.parse("GRPC_MAX_LOCAL_ERROR_RESET_STREAMS", 1024)?,
     })
 }
@@ -277,12 +283,12 @@ fn idempotency(
     let default_wait =
         u64::try_from((stripe_timeout + WAIT_OVER_PROVIDER).as_millis()).unwrap_or(u64::MAX);
     let config = IdempotencyConfig {
-        lock_timeout: vars.secs("IDEMPOTENCY_LOCK_TIMEOUT_SECS", DEFAULT_LOCK_TIMEOUT_SECS)?,
+        lock_timeout: contract::key::lock_timeout(vars)?,
         key_ttl: contract::key::key_ttl(vars)?,
         claim_batching: batching("CLAIM_BATCH_SIZE", "CLAIM_BATCHES_IN_FLIGHT")?,
         phase_batching: batching("PHASE_BATCH_SIZE", "PHASE_BATCHES_IN_FLIGHT")?,
         wait: WaitConfig {
-            max: Duration::from_millis(vars.parse("IDEMPOTENCY_WAIT_MAX_MS", default_wait)?),
+            max: vars.millis("IDEMPOTENCY_WAIT_MAX_MS", default_wait)?,
             per_key: vars.parse("IDEMPOTENCY_WAITERS_PER_KEY", 8)?,
             per_process: vars.parse("IDEMPOTENCY_WAITERS_MAX", 1024)?,
         },
@@ -331,15 +337,13 @@ fn limits(vars: &Vars<'_>) -> Result<LimitsConfig, ConfigError> {
         max_concurrent_creates: vars.parse("MAX_CONCURRENT_CREATES_PER_USER", 16)?,
         decline_budget: vars.parse("DECLINE_BUDGET_PER_10_MIN", 20)?,
         max_tracked_callers: vars.parse("RATE_LIMIT_MAX_TRACKED_USERS", 100_000)?,
-        unknown_token_ttl: Duration::from_millis(vars.parse("UNKNOWN_TOKEN_CACHE_TTL_MS", 60_000)?),
+        unknown_token_ttl: vars.millis("UNKNOWN_TOKEN_CACHE_TTL_MS", 60_000)?,
         unknown_token_capacity: vars.parse("UNKNOWN_TOKEN_CACHE_SIZE", 10_000)?,
-        known_token_ttl: Duration::from_secs(vars.parse("KNOWN_TOKEN_CACHE_TTL_SECS", 3600)?),
+        known_token_ttl: vars.secs("KNOWN_TOKEN_CACHE_TTL_SECS", 3600)?,
         known_token_capacity: vars.parse("KNOWN_TOKEN_CACHE_SIZE", 1_000_000)?,
         max_concurrent_token_lookups: vars.optional("MAX_CONCURRENT_TOKEN_LOOKUPS")?,
         token_lookup_queue: vars.parse("TOKEN_LOOKUP_QUEUE_SIZE", 4096)?,
-        token_lookup_wait: Duration::from_millis(
-            vars.parse("TOKEN_LOOKUP_QUEUE_TIMEOUT_MS", 2000)?,
-        ),
+        token_lookup_wait: vars.millis("TOKEN_LOOKUP_QUEUE_TIMEOUT_MS", 2000)?,
         service_share_creates: vars.parse("SERVICE_SHARE_CREATES", 1024)?,
     };
     // Zero would refuse every call (or every new key) of every user: never what was meant.
@@ -449,7 +453,9 @@ impl TransportConfig {
 
 fn tls_config(vars: &Vars<'_>) -> Result<Option<TlsConfig>, ConfigError> {
     let path = |name: &str| vars.raw(name);
-    let reload_interval = Duration::from_secs(vars.parse::<u64>("GRPC_TLS_RELOAD_SECS", 5)?.max(1));
+    let reload_interval = vars
+        .secs("GRPC_TLS_RELOAD_SECS", 5)?
+        .max(Duration::from_secs(1));
     match (path("GRPC_TLS_CERT"), path("GRPC_TLS_KEY")) {
         (Some(cert), Some(key)) => Ok(Some(TlsConfig {
             cert_path: cert.into(),
@@ -587,6 +593,31 @@ mod tests {
                 vec![("IDEMPOTENCY_KEY_TTL_SECS", "299")],
                 "IDEMPOTENCY_KEY_TTL_SECS",
             ),
+            // A duration this large would overflow `Instant` arithmetic at run time.
+            (
+                vec![("IDEMPOTENCY_LOCK_TIMEOUT_SECS", "18446744073709551615")],
+                "IDEMPOTENCY_LOCK_TIMEOUT_SECS",
+            ),
+            (
+                vec![("IDEMPOTENCY_LOCK_TIMEOUT_SECS", "86401")],
+                "IDEMPOTENCY_LOCK_TIMEOUT_SECS",
+            ),
+            (
+                vec![("GRPC_REFUSAL_COOLDOWN_SECS", "18446744073709551615")],
+                "GRPC_REFUSAL_COOLDOWN_SECS",
+            ),
+            (
+                vec![("GRPC_MAX_CONNECTION_AGE_SECS", "18446744073709551615")],
+                "GRPC_MAX_CONNECTION_AGE_SECS",
+            ),
+            (
+                vec![("STRIPE_TIMEOUT_MS", "18446744073709551615")],
+                "STRIPE_TIMEOUT_MS",
+            ),
+            (
+                vec![("IDEMPOTENCY_KEY_TTL_HOURS", "5124095576030431")],
+                "IDEMPOTENCY_KEY_TTL_HOURS",
+            ),
             (vec![("RIDE_PRICE_AMOUNT", "-5")], "RIDE_PRICE_AMOUNT"),
             (vec![("RIDE_PRICE_CURRENCY", "USD")], "RIDE_PRICE_CURRENCY"),
             (vec![("GRPC_LISTEN_ADDR", "nowhere")], "GRPC_LISTEN_ADDR"),
@@ -628,6 +659,10 @@ mod tests {
                 "GRPC_TRUSTED_PROXIES",
             ),
             (
+                vec![("GRPC_TRUSTED_HTTP_PROXIES", "proxy")],
+                "GRPC_TRUSTED_HTTP_PROXIES",
+            ),
+            (
                 vec![("TOKEN_LOOKUP_QUEUE_TIMEOUT_MS", "0")],
                 "TOKEN_LOOKUP_QUEUE_TIMEOUT_MS",
             ),
@@ -662,6 +697,51 @@ mod tests {
                 Ok(_) => panic!("{vars:?} was accepted"),
             }
         }
+    }
+
+    #[test]
+    fn example_credentials_do_not_start_a_server_against_the_real_stripe() {
+        // The staging overlay's example values (deploy/k8s/overlays/staging/secrets.fake.env).
+        let fake_token = "FAKE-internal-token-0000000000000000000000000000-change-me";
+        let production = [
+            ("STRIPE_API_BASE", "https://api.stripe.com"),
+            ("DEPLOYMENT_ID", "prod"),
+            ("STRIPE_SECRET_KEY", "sk_live_9vT2mLc8bNfk7QwZp3xR"),
+        ];
+        let with = |extra: &[(&'static str, &'static str)]| {
+            let mut vars = production.to_vec();
+            vars.extend_from_slice(extra);
+            config(&vars)
+        };
+        for (extra, name) in [
+            (
+                vec![("INTERNAL_API_TOKEN", fake_token)],
+                "INTERNAL_API_TOKEN",
+            ),
+            (
+                vec![("INTERNAL_API_TOKEN", "0123456789abcdef0123456789abcdef")],
+                "INTERNAL_API_TOKEN",
+            ),
+            (
+                vec![(
+                    "STRIPE_SECRET_KEY",
+                    "sk_test_FAKE_staging_key_for_fake_stripe_only",
+                )],
+                "STRIPE_SECRET_KEY",
+            ),
+            (
+                vec![("STRIPE_SECRET_KEY", DEFAULT_STRIPE_SECRET_KEY)],
+                "STRIPE_SECRET_KEY",
+            ),
+        ] {
+            match with(&extra) {
+                Err(ConfigError::Invalid { name: refused, .. }) => assert_eq!(refused, name),
+                other => panic!("{extra:?} was not refused: {other:?}"),
+            }
+        }
+        assert!(with(&[("INTERNAL_API_TOKEN", "k7Qw9vT2mLc8bNfZp3xR5eLuJoYgWiXvA")]).is_ok());
+        // Against fake-stripe (development: local runs, tests, bench, proof) they start.
+        assert!(config(&[("INTERNAL_API_TOKEN", fake_token)]).is_ok());
     }
 
     #[test]

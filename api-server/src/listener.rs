@@ -103,7 +103,7 @@ where
                 }
             };
             configure(&tcp, transport.tcp_keepalive);
-            let from_proxy = trusted_proxies.contains(peer.ip());
+            let from_proxy = trusted_proxies.speaks_proxy_protocol(peer.ip());
             let handshake = Arc::clone(&handshake);
             let trusted_proxies = Arc::clone(&trusted_proxies);
             let ready = ready.clone();

@@ -205,10 +205,10 @@ pub fn observe_pool(pool: &Pool, max: u32) -> [ObservableGauge<u64>; 2] {
 /// each stays bounded. Keep the gauges alive as long as `admission`.
 pub fn observe_admission(
     admission: &std::sync::Arc<crate::admission::Admission>,
-) -> [ObservableGauge<u64>; 4] {
+) -> [ObservableGauge<u64>; 5] {
     type Read = fn(&crate::admission::Admission) -> usize;
     let meter = telemetry::meter("rides-api-server");
-    let tables: [(&'static str, &'static str, Read); 4] = [
+    let tables: [(&'static str, &'static str, Read); 5] = [
         (
             "rides.admission.known_tokens",
             "Verified tokens admission knows without a lookup",
@@ -218,6 +218,11 @@ pub fn observe_admission(
             "rides.admission.lookup_queue",
             "Calls waiting for a token-lookup place",
             crate::admission::Admission::lookups_waiting,
+        ),
+        (
+            "rides.admission.token_lookups_in_flight",
+            "Tokens being looked up now, each shared by its concurrent calls",
+            crate::admission::Admission::lookups_in_flight,
         ),
         (
             "rides.admission.unknown_tokens",

@@ -220,6 +220,50 @@ async fn concurrent_calls_with_one_cold_token_share_one_lookup() {
     assert_eq!(app.rides().await.len(), 5);
 }
 
+#[tokio::test(flavor = "multi_thread")]
+async fn a_made_up_token_counts_against_its_address_even_when_its_caller_has_gone() {
+    let app = spawn_with_a_budget_of_four(&[]).await;
+    let rider = app.create_user(GOOD_CARD).await;
+    let mut locker = lock_users(&app).await;
+    let client = RideServiceClient::new(channel_from(&app, "127.0.0.28").await);
+    // Six made-up tokens whose callers give up while their lookups wait on the lock.
+    let calls: Vec<_> = (0..6)
+        .map(|_| {
+            let mut client = client.clone();
+            tokio::spawn(async move {
+                let mut request = create(&auth::generate_token());
+                request.set_timeout(Duration::from_millis(300));
+                client.create_ride(request).await
+            })
+        })
+        .collect();
+    for call in calls {
+        let status = call.await.unwrap().unwrap_err();
+        assert!(
+            matches!(status.code(), Code::DeadlineExceeded | Code::Cancelled),
+            "{status:?}"
+        );
+    }
+    diesel::sql_query("COMMIT")
+        .execute(&mut locker)
+        .await
+        .unwrap();
+    // The lookups end without their callers, find no user, and count against the address:
+    // with a budget of four it is shut out, even for a valid token.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let channel = Channel::from_shared(format!("http://{}", app.addr))
+        .unwrap()
+        .local_address(Some("127.0.0.28".parse().unwrap()))
+        .connect_lazy();
+    let served = RideServiceClient::new(channel)
+        .create_ride(create(&rider.token))
+        .await;
+    assert!(
+        served.is_err(),
+        "the address escaped its failed authentications by hanging up"
+    );
+}
+
 /// A connection holding the users table locked until it sends COMMIT: every token lookup waits.
 async fn lock_users(app: &TestApp) -> diesel_async::AsyncPgConnection {
     let mut locker = diesel_async::AsyncPgConnection::establish(app.db.url())
@@ -332,7 +376,10 @@ async fn the_internal_credential_is_never_shut_out() {
             reason::ON_BEHALF_OF_REQUIRED,
         );
     }
-    let mut request = authed(INTERNAL_API_TOKEN, Some(&new_key()), ride_request());
+    // It resumes the rider's key.
+    let key = new_key();
+    ok(app.create_ride(&rider, &key, ride_request()).await);
+    let mut request = authed(INTERNAL_API_TOKEN, Some(&key), ride_request());
     request
         .metadata_mut()
         .insert(ON_BEHALF_OF_HEADER, rider.id.to_string().parse().unwrap());
@@ -340,8 +387,8 @@ async fn the_internal_credential_is_never_shut_out() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn a_trusted_proxy_names_its_clients_and_an_untrusted_peer_cannot() {
-    let app = spawn_with_a_budget_of_four(&[("GRPC_TRUSTED_PROXIES", "127.0.0.24/32")]).await;
+async fn a_trusted_http_proxy_names_its_clients_and_an_untrusted_peer_cannot() {
+    let app = spawn_with_a_budget_of_four(&[("GRPC_TRUSTED_HTTP_PROXIES", "127.0.0.24/32")]).await;
     let rider = app.create_user(GOOD_CARD).await;
     let mut proxy = RideServiceClient::new(channel_from(&app, "127.0.0.24").await);
     // An attacker behind the proxy spends its budget and is shut out, by its own address...
@@ -405,7 +452,10 @@ async fn a_proxy_protocol_header_names_the_client_only_from_a_trusted_proxy() {
             .await
             .unwrap(),
     );
-    ok(relayed.create_ride(create(&rider.token)).await);
+    // The client's own x-forwarded-for, relayed after the header, names nobody.
+    ok(relayed
+        .create_ride(forwarded_for(create(&rider.token), "203.0.113.9"))
+        .await);
     let v2 =
         b"\r\n\r\n\0\r\nQUIT\n\x21\x11\x00\x0c\xc6\x33\x64\x08\x7f\x00\x00\x01\x9c\x40\xc3\x53";
     let mut relayed_v2 =

@@ -328,8 +328,10 @@ async fn the_internal_credential_cannot_read_rides() {
             reason::INTERNAL_CREDENTIAL_NOT_ALLOWED,
         );
     }
-    // It still creates rides on a user's behalf.
-    let mut request = authed(INTERNAL_API_TOKEN, Some(&new_key()), ride_request());
+    // It still resumes a user's key on their behalf.
+    let key = new_key();
+    app.create_ride(&user, &key, ride_request()).await.unwrap();
+    let mut request = authed(INTERNAL_API_TOKEN, Some(&key), ride_request());
     request
         .metadata_mut()
         .insert(ON_BEHALF_OF_HEADER, user.id.to_string().parse().unwrap());

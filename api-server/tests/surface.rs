@@ -189,26 +189,48 @@ async fn only_the_internal_credential_acts_on_behalf_of_a_user() {
     assert_status(&status, Code::Unauthenticated, reason::INVALID_CREDENTIALS);
     assert_eq!(app.key_count().await, 0, "no rejected call wrote anything");
 
-    // The completer's call: the key and the ride belong to the rider.
+    // A key the rider never created: the internal credential creates no key and charges no
+    // one, whatever user id it names.
     let key = new_key();
-    let ride = client
-        .create_ride(on_behalf_of(
-            INTERNAL_API_TOKEN,
-            Some(rider.id),
-            &key,
-            ride_request(),
-        ))
+    let completer = |user_id: i64| {
+        let mut client = client.clone();
+        let key = key.clone();
+        async move {
+            client
+                .create_ride(on_behalf_of(
+                    INTERNAL_API_TOKEN,
+                    Some(user_id),
+                    &key,
+                    ride_request(),
+                ))
+                .await
+        }
+    };
+    let new_key_refused = |status: tonic::Status| {
+        assert_status(
+            &status,
+            Code::PermissionDenied,
+            reason::INTERNAL_CREDENTIAL_NOT_ALLOWED,
+        );
+    };
+    new_key_refused(completer(rider.id).await.unwrap_err());
+    assert_eq!(app.key_count().await, 0, "no rejected call wrote anything");
+
+    // The completer's call on a key the rider created resumes it (here, replays it).
+    let ride = app
+        .create_ride(&rider, &key, ride_request())
         .await
         .unwrap()
         .into_inner()
         .ride
         .unwrap();
+    let resumed = completer(rider.id).await.unwrap();
+    assert!(replayed(&resumed));
+    assert_eq!(resumed.into_inner().ride.unwrap(), ride);
     assert_eq!(app.key_row(&rider, &key).await.unwrap().user_id, rider.id);
-    assert_eq!(app.rides().await[0].user_id, rider.id);
-    // And the rider's own retry with that key replays it.
-    let replay = app.create_ride(&rider, &key, ride_request()).await.unwrap();
-    assert!(replayed(&replay));
-    assert_eq!(replay.into_inner().ride.unwrap(), ride);
+    // The rider's key is not another user's.
+    new_key_refused(completer(other.id).await.unwrap_err());
+    assert_eq!(app.key_count().await, 1);
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -63,7 +63,7 @@ pub fn provider_refund_idempotency_key(deployment_id: &str, finding_id: i64) -> 
 pub const DEFAULT_LOCK_TIMEOUT_SECS: u64 = 90;
 /// `IDEMPOTENCY_KEY_TTL_HOURS`'s default: how long a key is kept (and replays) before the reaper
 /// retires it; the api-server tells callers when by it, the reaper acts on it.
-pub const DEFAULT_KEY_TTL_HOURS: u32 = 72;
+pub const DEFAULT_KEY_TTL_HOURS: u64 = 72;
 /// The shortest `IDEMPOTENCY_KEY_TTL_SECS` taken. A key reaped while its caller may still retry
 /// lets that retry charge a second time; five minutes outlasts a retrying client's attempts and
 /// the completer's passes, which is all a soak (the one user of seconds) needs.
@@ -82,9 +82,22 @@ pub fn key_ttl(vars: &telemetry::settings::Vars<'_>) -> Result<Duration, ConfigE
                 "{secs} s is under {MIN_KEY_TTL_SECS} s: a retry after the key is reaped would charge again"
             ),
         }),
-        Some(secs) => Ok(Duration::from_secs(secs)),
+        Some(_) => vars.secs(NAME, 0),
         None => vars.hours("IDEMPOTENCY_KEY_TTL_HOURS", DEFAULT_KEY_TTL_HOURS),
     }
+}
+
+/// The longest `IDEMPOTENCY_LOCK_TIMEOUT_SECS` taken: a lock held longer than a day is a key
+/// stuck for a day, and far beyond any provider call.
+pub const MAX_LOCK_TIMEOUT: Duration = Duration::from_secs(24 * 3600);
+
+/// `IDEMPOTENCY_LOCK_TIMEOUT_SECS`, read the same way by every process that judges a lock.
+pub fn lock_timeout(vars: &telemetry::settings::Vars<'_>) -> Result<Duration, ConfigError> {
+    vars.secs_up_to(
+        "IDEMPOTENCY_LOCK_TIMEOUT_SECS",
+        DEFAULT_LOCK_TIMEOUT_SECS,
+        MAX_LOCK_TIMEOUT,
+    )
 }
 
 /// How a process judges whether a key's lock may be taken over: the arguments of the SQL
@@ -341,6 +354,42 @@ impl Statement for FinishKey {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn no_deployment_id_makes_a_charge_key_equal_to_a_refund_key() {
+        // The charge keys of existing rows never change.
+        assert_eq!(
+            provider_idempotency_key(Some("prod"), 7),
+            "rocket-rides-prod-7"
+        );
+        assert_eq!(provider_idempotency_key(None, 7), "rocket-rides-7");
+        // `refund-prod`'s charge of key 7 would be `prod`'s refund of finding 7, and `refund`'s
+        // the older refund key: such ids are refused.
+        for colliding in ["refund-prod", "refund"] {
+            assert!(
+                provider::DeploymentId::parse(colliding).is_err(),
+                "{colliding}"
+            );
+        }
+        let refund_keys = [
+            provider_refund_idempotency_key("prod", 7),
+            "rocket-rides-refund-7".to_owned(),
+        ];
+        for id in [
+            "prod",
+            "refunds",
+            "re-fund",
+            "r",
+            "dev",
+            "0-refund",
+            "prod-refund-7",
+        ] {
+            let id = provider::DeploymentId::parse(id).unwrap();
+            let charge = provider_idempotency_key(Some(id.as_str()), 7);
+            assert!(!charge.starts_with("rocket-rides-refund-"), "{charge}");
+            assert!(!refund_keys.contains(&charge), "{charge}");
+        }
+    }
 
     #[test]
     fn a_key_without_a_deployment_id_keeps_the_old_provider_key() {

@@ -16,8 +16,13 @@ pub const DEVELOPMENT_DEPLOYMENT_ID: &str = "dev";
 /// characters) and into a database column of the same bound.
 pub const MAX_DEPLOYMENT_ID_LEN: usize = 24;
 
+/// The first segment of every provider refund key after `rocket-rides-`; no deployment id may
+/// start with it.
+pub const REFUND_SEGMENT: &str = "refund";
+
 /// A validated deployment id: 1 to 24 characters of `[a-z0-9-]`, starting with a letter or a
-/// digit (the `idempotency_keys.deployment_id` CHECK says the same).
+/// digit (the `idempotency_keys.deployment_id` CHECK says the same), and whose first
+/// `-`-separated segment is not `refund`.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct DeploymentId(String);
 
@@ -35,6 +40,15 @@ impl DeploymentId {
         if !valid_chars || value.starts_with('-') {
             return Err(format!(
                 "{value:?} must be lowercase letters, digits and '-', not starting with '-'"
+            ));
+        }
+        // Charge keys are `rocket-rides-{id}-{key}` and refund keys `rocket-rides-refund-…`
+        // (`contract::key`): an id whose first segment is `refund` would make a charge key equal
+        // to another deployment's refund key, and the provider would answer one with the other.
+        if value.split('-').next() == Some(REFUND_SEGMENT) {
+            return Err(format!(
+                "{value:?} must not start with {REFUND_SEGMENT:?}: that prefix names refunds in \
+                 provider idempotency keys"
             ));
         }
         Ok(DeploymentId(value.to_owned()))
@@ -75,7 +89,7 @@ impl fmt::Display for DeploymentId {
 }
 
 /// Whether the configuration talks to Stripe itself (any mode) or with a live key.
-fn is_real_stripe(api_base: &str, secret_key: &str) -> bool {
+pub(crate) fn is_real_stripe(api_base: &str, secret_key: &str) -> bool {
     let host = api_base
         .split("://")
         .nth(1)
@@ -112,6 +126,8 @@ mod tests {
             "pröd",
             "a b",
             &"a".repeat(25),
+            "refund",
+            "refund-prod",
         ] {
             assert!(DeploymentId::parse(bad).is_err(), "{bad}");
         }

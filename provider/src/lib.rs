@@ -67,6 +67,37 @@ impl From<InvalidVariable> for telemetry::settings::ConfigError {
 }
 
 impl StripeConfig {
+    /// Whether this is a development configuration: one that talks to fake-stripe, neither to
+    /// Stripe itself nor with a live key. Outside development, credentials must not be example
+    /// values ([`Self::refuse_placeholders`]).
+    pub fn is_development(&self) -> bool {
+        !deployment::is_real_stripe(&self.api_base, self.secret_key.expose())
+    }
+
+    /// Outside development, refuses a secret key that is the development default or an example
+    /// value, and `internal_token` (`INTERNAL_API_TOKEN`) if it is an example value or not
+    /// random: the example secrets of `deploy/` must never start a server that charges cards.
+    pub fn refuse_placeholders(
+        &self,
+        internal_token: Option<&str>,
+    ) -> Result<(), telemetry::settings::ConfigError> {
+        if self.is_development() {
+            return Ok(());
+        }
+        let key = self.secret_key.expose();
+        telemetry::settings::refuse_placeholder("STRIPE_SECRET_KEY", key)?;
+        if key == DEFAULT_STRIPE_SECRET_KEY {
+            return Err(telemetry::settings::ConfigError::Invalid {
+                name: "STRIPE_SECRET_KEY",
+                reason: "is the development default, against the real Stripe".into(),
+            });
+        }
+        match internal_token {
+            Some(token) => telemetry::settings::refuse_weak_secret("INTERNAL_API_TOKEN", token),
+            None => Ok(()),
+        }
+    }
+
     /// Reads `STRIPE_API_BASE`, `STRIPE_SECRET_KEY`, `STRIPE_TIMEOUT_MS`,
     /// `STRIPE_IDEMPOTENCY_WINDOW_SECS` and `DEPLOYMENT_ID` through `lookup` (empty counts as
     /// unset): the one reading of these variables, for the api-server's and the workers'
@@ -75,12 +106,17 @@ impl StripeConfig {
         lookup: &dyn Fn(&str) -> Option<String>,
     ) -> Result<StripeConfig, InvalidVariable> {
         let value = |name: &str| lookup(name).filter(|value| !value.is_empty());
-        let number = |name: &'static str, default: u64| match value(name) {
-            None => Ok(default),
-            Some(raw) => raw.trim().parse::<u64>().map_err(|error| InvalidVariable {
-                name,
-                reason: error.to_string(),
-            }),
+        let vars = telemetry::settings::Vars::new(lookup);
+        let duration = |read: Result<Duration, telemetry::settings::ConfigError>| {
+            read.map_err(|error| match error {
+                telemetry::settings::ConfigError::Invalid { name, reason } => {
+                    InvalidVariable { name, reason }
+                }
+                telemetry::settings::ConfigError::Missing { name } => InvalidVariable {
+                    name,
+                    reason: "is required".into(),
+                },
+            })
         };
         let api_base = value("STRIPE_API_BASE")
             .unwrap_or_else(|| DEFAULT_STRIPE_API_BASE.to_owned())
@@ -92,11 +128,8 @@ impl StripeConfig {
             deployment_id: DeploymentId::from_lookup(lookup, &api_base, &secret_key)?,
             api_base,
             secret_key: Secret::new(secret_key),
-            timeout: Duration::from_millis(number("STRIPE_TIMEOUT_MS", 30_000)?),
-            idempotency_window: Duration::from_secs(number(
-                "STRIPE_IDEMPOTENCY_WINDOW_SECS",
-                86_400,
-            )?),
+            timeout: duration(vars.millis("STRIPE_TIMEOUT_MS", 30_000))?,
+            idempotency_window: duration(vars.secs("STRIPE_IDEMPOTENCY_WINDOW_SECS", 86_400))?,
         })
     }
 }

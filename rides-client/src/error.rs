@@ -24,7 +24,11 @@ pub enum RidesError {
     OnBehalfOfRequired(#[source] Box<Status>),
     #[error("only the internal credential may act on behalf of a user (ON_BEHALF_OF_NOT_ALLOWED)")]
     OnBehalfOfNotAllowed(#[source] Box<Status>),
-    #[error("the internal credential may only call CreateRide (INTERNAL_CREDENTIAL_NOT_ALLOWED)")]
+    /// The internal credential called GetRide, or CreateRide with a key its user never created.
+    #[error(
+        "the internal credential may only resume an existing key with CreateRide \
+         (INTERNAL_CREDENTIAL_NOT_ALLOWED)"
+    )]
     InternalCredentialNotAllowed(#[source] Box<Status>),
     /// A per-user limit; nothing was written. Retryable after `retry_after`.
     #[error("rate limited (RATE_LIMITED)")]

@@ -296,8 +296,25 @@ async fn get_ride_and_the_internal_credential() {
         .clone()
         .with_credential(Credential::internal(INTERNAL_API_TOKEN, user.id));
 
-    // The completer's way: CreateRide on behalf of the user.
-    let created = internal.create_ride(ride_request()).await.unwrap();
+    // The completer's way: CreateRide on behalf of the user, only for a key the user created.
+    let key = new_key();
+    let refused = internal
+        .create_ride_with_key(key.clone(), ride_request())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(refused.error, RidesError::InternalCredentialNotAllowed(_)),
+        "{refused:?}"
+    );
+    assert_eq!(refused.attempts(), 1, "final: not retried");
+    as_user
+        .create_ride_with_key(key.clone(), ride_request())
+        .await
+        .unwrap();
+    let created = internal
+        .create_ride_with_key(key, ride_request())
+        .await
+        .unwrap();
     let fetched = as_user.get_ride(created.ride.id).await.unwrap();
     assert_eq!(fetched.ride, created.ride);
     assert_eq!(fetched.log.len(), 1);

@@ -21,6 +21,7 @@ use std::{
 
 use lapin::{
     Channel, Connection, ConnectionProperties, DefaultConnectionBuilder, tcp::OwnedTLSConfig,
+    uri::AMQPUri,
 };
 use tokio_util::sync::CancellationToken;
 
@@ -104,12 +105,33 @@ fn nodes(urls: &str) -> Vec<&str> {
 }
 
 async fn connect_node(url: &str) -> lapin::Result<Connection> {
+    let uri = parse_uri(url)?;
     DefaultConnectionBuilder::new()?
-        .with_uri_str(url.to_owned())
+        .with_uri(uri)
         .with_properties(ConnectionProperties::default())
         .with_tls_config(tls_config(url)?)
         .connect()
         .await
+}
+
+/// `url` parsed. The parser's own error repeats the whole URL, password included, and ends up in
+/// the workers' logs: this one names the URL with its credentials redacted.
+/// Without the `//`, lapin's parser reads `amqp:/user:secret@host` as a vhost on localhost, and
+/// the broker's refusal repeats that vhost, password included.
+fn parse_uri(url: &str) -> std::io::Result<AMQPUri> {
+    let invalid = || {
+        std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!(
+                "AMQP_URL {} is not an amqp://host or amqps://host URL",
+                crate::redact::url(url)
+            ),
+        )
+    };
+    if !(url.starts_with("amqp://") || url.starts_with("amqps://")) {
+        return Err(invalid());
+    }
+    url.parse().map_err(|_| invalid())
 }
 
 /// The `cacertfile` of `url`'s query, read. lapin ignores query parameters it does not know.
@@ -162,7 +184,19 @@ pub async fn connect_with_backoff(
 
 #[cfg(test)]
 mod tests {
-    use super::{nodes, tls_config};
+    use super::{connect, nodes, tls_config};
+
+    #[tokio::test]
+    async fn a_malformed_url_is_not_repeated_with_its_password() {
+        for url in [
+            "amqps:user:s3cr3t-pw@broker",
+            "amqp:/user:s3cr3t-pw@broker:5672/%2f",
+            "amqps://user:s3cr3t-pw@broker:notaport/%2f",
+        ] {
+            let error = connect(url).await.unwrap_err().to_string();
+            assert!(!error.contains("s3cr3t-pw"), "{error}");
+        }
+    }
 
     #[test]
     fn splits_a_cluster_into_its_nodes() {

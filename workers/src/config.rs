@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use proto::client::ClientTls;
 
-use contract::key::{DEFAULT_LOCK_TIMEOUT_SECS, LockRule};
+use contract::key::LockRule;
 pub use telemetry::Secret;
 use telemetry::settings::Vars;
 
@@ -140,10 +140,10 @@ impl Config {
         let vars = Vars::new(&lookup);
         let stripe = provider::StripeConfig::from_lookup(&lookup)?;
         let lock_rule = LockRule::new(
-            vars.secs("IDEMPOTENCY_LOCK_TIMEOUT_SECS", DEFAULT_LOCK_TIMEOUT_SECS)?,
+            contract::key::lock_timeout(&vars)?,
             stripe.idempotency_window,
         );
-        Ok(Config {
+        let config = Config {
             database_url: Secret::new(vars.string("DATABASE_URL", DEFAULT_DATABASE_URL)),
             database_pool_size: vars.positive("DATABASE_POOL_SIZE", 20)?,
             amqp_url: Secret::new(vars.string("AMQP_URL", DEFAULT_AMQP_URL)),
@@ -159,7 +159,15 @@ impl Config {
                 interval: vars.secs("REAPER_INTERVAL_SECS", 600)?,
             },
             reconciler: reconciler(&vars, stripe)?,
-        })
+        };
+        config.reconciler.stripe.refuse_placeholders(
+            config
+                .completer
+                .internal_api_token
+                .as_ref()
+                .map(|token| token.expose()),
+        )?;
+        Ok(config)
     }
 }
 
@@ -170,7 +178,7 @@ fn enqueuer(vars: &Vars<'_>) -> Result<EnqueuerConfig, ConfigError> {
         confirm_timeout: vars.millis("ENQUEUER_CONFIRM_TIMEOUT_MS", 30_000)?,
         max_attempts: vars.positive("ENQUEUER_MAX_ATTEMPTS", 20)?,
         // Zero would set a job aside only to select it again in the same pass.
-        backoff_base: Duration::from_millis(vars.positive("ENQUEUER_BACKOFF_BASE_MS", 1000)?),
+        backoff_base: vars.positive_millis("ENQUEUER_BACKOFF_BASE_MS", 1000)?,
         backoff_max: vars.millis("ENQUEUER_BACKOFF_MAX_MS", 300_000)?,
     })
 }
@@ -228,15 +236,9 @@ fn reconciler(
         stripe,
         settle_delay: vars.secs("RECONCILER_SETTLE_SECS", 900)?,
         overlap: vars.secs("RECONCILER_OVERLAP_SECS", 3600)?,
-        initial_lookback: Duration::from_secs(
-            vars.positive::<u64>("RECONCILER_LOOKBACK_HOURS", 168)?
-                .saturating_mul(3600),
-        ),
-        max_window: Duration::from_secs(
-            vars.positive::<u64>("RECONCILER_MAX_WINDOW_HOURS", 24)?
-                .saturating_mul(3600),
-        ),
-        slice: Duration::from_secs(vars.positive::<u64>("RECONCILER_SLICE_SECS", 60)?),
+        initial_lookback: vars.hours("RECONCILER_LOOKBACK_HOURS", 168)?,
+        max_window: vars.hours("RECONCILER_MAX_WINDOW_HOURS", 24)?,
+        slice: vars.positive_secs("RECONCILER_SLICE_SECS", 60)?,
         interval: vars.secs("RECONCILER_INTERVAL_SECS", 3600)?,
         refund_max_findings: vars.positive("RECONCILER_REFUND_MAX_FINDINGS", 5)?,
         refund_max_amount: vars.positive("RECONCILER_REFUND_MAX_AMOUNT", 10_000)?,
@@ -306,5 +308,21 @@ mod tests {
             _ => None,
         });
         assert!(config.is_err(), "a claim lease must outlast a send");
+    }
+
+    #[test]
+    fn refuses_a_duration_that_would_overflow_at_run_time() {
+        for name in [
+            "IDEMPOTENCY_LOCK_TIMEOUT_SECS",
+            "COMPLETER_LEASE_SECS",
+            "RECONCILER_LOOKBACK_HOURS",
+            "ENQUEUER_BACKOFF_MAX_MS",
+        ] {
+            let config = Config::from_lookup(|asked| (asked == name).then(|| u64::MAX.to_string()));
+            assert!(
+                matches!(config, Err(ConfigError::Invalid { name: refused, .. }) if refused == name),
+                "{name}"
+            );
+        }
     }
 }

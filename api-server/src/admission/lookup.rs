@@ -54,7 +54,7 @@ pub struct TokenLookups {
     config: LookupConfig,
     places: Arc<Semaphore>,
     waiting: AtomicUsize,
-    in_flight: Mutex<HashMap<[u8; 32], SharedLookup>>,
+    in_flight: InFlight,
 }
 
 impl TokenLookups {
@@ -69,25 +69,19 @@ impl TokenLookups {
 
     /// The user whose token has `digest`, looked up once for all concurrent callers.
     pub async fn lookup(&self, pool: &Pool, digest: &[u8; 32]) -> Result<Found, LookupError> {
-        let cell = Arc::clone(
-            self.in_flight
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .entry(*digest)
-                .or_default(),
-        );
-        let found = *cell.get_or_init(|| self.queued_read(pool, digest)).await;
-        let mut in_flight = self
-            .in_flight
+        let joined = Joined::join(&self.in_flight, digest);
+        *joined
+            .cell
+            .get_or_init(|| self.queued_read(pool, digest))
+            .await
+    }
+
+    /// Tokens being looked up now.
+    pub fn in_flight(&self) -> usize {
+        self.in_flight
             .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        if in_flight
-            .get(digest)
-            .is_some_and(|current| Arc::ptr_eq(current, &cell))
-        {
-            in_flight.remove(digest);
-        }
-        found
+            .unwrap_or_else(PoisonError::into_inner)
+            .len()
     }
 
     /// Calls waiting for a lookup place now.
@@ -136,6 +130,52 @@ fn counted(outcome: &'static str) {
         .add(1, &[telemetry::attr("outcome", outcome)]);
 }
 
+/// The lookups running, by token digest: each with the calls that share it.
+type InFlight = Mutex<HashMap<[u8; 32], (SharedLookup, usize)>>;
+
+/// One call's part in a shared lookup, given up however the call ends: tonic drops a handler
+/// whose caller's deadline expired mid-lookup, and an entry left behind would stay in the map
+/// for good.
+struct Joined<'a> {
+    in_flight: &'a InFlight,
+    digest: [u8; 32],
+    cell: SharedLookup,
+}
+
+impl<'a> Joined<'a> {
+    fn join(in_flight: &'a InFlight, digest: &[u8; 32]) -> Joined<'a> {
+        let mut map = in_flight.lock().unwrap_or_else(PoisonError::into_inner);
+        let (cell, calls) = map.entry(*digest).or_default();
+        *calls += 1;
+        Joined {
+            in_flight,
+            digest: *digest,
+            cell: Arc::clone(cell),
+        }
+    }
+}
+
+impl Drop for Joined<'_> {
+    /// Removes the entry once it has answered (later calls look up afresh), or when the last
+    /// call sharing it has gone.
+    fn drop(&mut self) {
+        let mut map = self
+            .in_flight
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let Some((current, calls)) = map.get_mut(&self.digest) else {
+            return;
+        };
+        if !Arc::ptr_eq(current, &self.cell) {
+            return;
+        }
+        *calls = calls.saturating_sub(1);
+        if *calls == 0 || self.cell.initialized() {
+            map.remove(&self.digest);
+        }
+    }
+}
+
 /// One call's place in the queue, given back however the wait ends (a caller that hangs up
 /// drops it mid-wait).
 struct Waiting<'a>(&'a AtomicUsize);
@@ -150,5 +190,40 @@ impl<'a> Waiting<'a> {
 impl Drop for Waiting<'_> {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_lookup_whose_callers_leave_leaves_no_entry_behind() {
+        // No place: every lookup waits in the queue and never reaches the database.
+        let lookups = TokenLookups::new(LookupConfig {
+            places: 0,
+            max_waiting: 8,
+            max_wait: Duration::from_secs(60),
+        });
+        let pool = schema::build_pool(
+            "postgres://127.0.0.1:1/unused",
+            1,
+            Duration::from_millis(10),
+            schema::PlanCache::Auto,
+        );
+        let brief = Duration::from_millis(20);
+        // A caller whose deadline expires mid-lookup (tonic drops its handler).
+        let gone = tokio::time::timeout(brief, lookups.lookup(&pool, &[1; 32])).await;
+        assert!(gone.is_err());
+        assert_eq!(lookups.in_flight(), 0);
+        assert_eq!(lookups.waiting(), 0);
+        // Two callers share a lookup; the first leaves, and the entry stays for the second.
+        let mut staying = Box::pin(lookups.lookup(&pool, &[2; 32]));
+        assert!(tokio::time::timeout(brief, &mut staying).await.is_err());
+        let leaving = tokio::time::timeout(brief, lookups.lookup(&pool, &[2; 32])).await;
+        assert!(leaving.is_err());
+        assert_eq!(lookups.in_flight(), 1);
+        drop(staying);
+        assert_eq!(lookups.in_flight(), 0);
     }
 }

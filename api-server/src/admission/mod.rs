@@ -32,13 +32,14 @@ use crate::{
     penalty::Penalties,
 };
 use known::KnownTokens;
-use lookup::{LookupConfig, LookupError, TokenLookups};
+use lookup::{Found, LookupConfig, LookupError, TokenLookups};
 use peer::{PeerInfo, PeerKey, TrustedProxies};
 use shares::{SharePermit, Shares};
 
 /// Why a caller's credential was not verified.
 #[derive(Debug, PartialEq, Eq, thiserror::Error)]
 pub enum Unverified {
+    /// Already counted against the call's peer.
     #[error("no user has this token")]
     UnknownToken,
     #[error(transparent)]
@@ -105,14 +106,23 @@ impl Admission {
     /// Verifies a caller's credential, from memory when it was verified lately. The internal
     /// credential was verified by comparison already. A call from a certificate-authenticated
     /// service waits for a lookup only within its share.
-    pub async fn verify(&self, caller: Caller, peer: Option<PeerKey>) -> Result<(), Unverified> {
+    ///
+    /// A lookup runs to its end in a task of its own, and a token it finds no user for is
+    /// counted against `peer` there ([`Unverified::UnknownToken`] is already counted): a caller
+    /// whose deadline expires mid-lookup is dropped by tonic before it could count itself, and
+    /// a flood of made-up tokens on short deadlines would otherwise never be shut out.
+    pub async fn verify(
+        self: &Arc<Self>,
+        caller: Caller,
+        peer: Option<PeerKey>,
+    ) -> Result<(), Unverified> {
         let Caller::Token(digest) = caller else {
             return Ok(());
         };
         if self.known_tokens.get(&digest).is_some() {
             return Ok(());
         }
-        let _share = match peer {
+        let share = match peer {
             Some(PeerKey::Service(service)) => Some(
                 self.lookup_shares
                     .take(service)
@@ -120,13 +130,33 @@ impl Admission {
             ),
             _ => None,
         };
-        match self.lookups.lookup(&self.pool, &digest).await? {
-            Some(user_id) => {
+        let admission = Arc::clone(self);
+        let lookup = tokio::spawn(async move {
+            let _share = share;
+            let found = admission.lookups.lookup(&admission.pool, &digest).await?;
+            admission.settle(caller, peer, found)
+        });
+        lookup
+            .await
+            .unwrap_or(Err(Unverified::Lookup(LookupError::Unavailable)))
+    }
+
+    /// What a lookup found, remembered; a token of nobody's counted against its peer.
+    fn settle(
+        &self,
+        caller: Caller,
+        peer: Option<PeerKey>,
+        found: Found,
+    ) -> Result<(), Unverified> {
+        match (caller, found) {
+            (Caller::Token(digest), Some(user_id)) => {
                 self.known_tokens.insert(&digest, user_id);
                 Ok(())
             }
-            None => {
+            _ => {
                 self.unknown(caller);
+                crate::metrics::refused("failed_auth");
+                self.failed_auth(peer);
                 Err(Unverified::UnknownToken)
             }
         }
@@ -219,6 +249,11 @@ impl Admission {
     /// Calls waiting for a token-lookup place now.
     pub fn lookups_waiting(&self) -> usize {
         self.lookups.waiting()
+    }
+
+    /// Tokens being looked up now (the single-flight entries).
+    pub fn lookups_in_flight(&self) -> usize {
+        self.lookups.in_flight()
     }
 
     pub fn known_tokens(&self) -> usize {

@@ -2,10 +2,17 @@
 //! identified by its client certificate.
 //!
 //! Behind a proxy or a mesh every caller arrives from the proxy's address, so keying by the TCP
-//! peer would make one attacker's refusals shut out everyone behind it. Peers in
-//! `GRPC_TRUSTED_PROXIES` may therefore name the client they relay: in a PROXY protocol header at
-//! the start of the connection (`proxy_protocol`), or per call in `x-forwarded-for`. Everyone else
-//! is keyed by their own address, and what they send in `x-forwarded-for` is ignored.
+//! peer would make one attacker's refusals shut out everyone behind it. Trusted proxies may
+//! therefore name the client they relay, each in the one way its kind can vouch for:
+//!
+//! - peers in `GRPC_TRUSTED_PROXIES` (layer 4) in a PROXY protocol header at the start of the
+//!   connection (`proxy_protocol`). The bytes after it are the client's own, `x-forwarded-for`
+//!   included, so that header is never read from them;
+//! - peers in `GRPC_TRUSTED_HTTP_PROXIES` (layer 7, which terminate HTTP/2 and rewrite the
+//!   headers) per call in `x-forwarded-for`.
+//!
+//! A PROXY header, when one named the client, is the only truth for its connection. Everyone
+//! else is keyed by their own address, and what they send in `x-forwarded-for` is ignored.
 
 use std::{
     net::{IpAddr, SocketAddr},
@@ -58,15 +65,15 @@ impl PeerSource for tokio_rustls::server::TlsStream<tokio::net::TcpStream> {
     }
 }
 
-/// The `GRPC_TRUSTED_PROXIES` setting: networks whose peers may name their client.
+/// A list of networks, as `GRPC_TRUSTED_PROXIES` and `GRPC_TRUSTED_HTTP_PROXIES` give them.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct TrustedProxies(Vec<IpNet>);
+pub struct Networks(Vec<IpNet>);
 
-impl FromStr for TrustedProxies {
+impl FromStr for Networks {
     type Err = String;
 
-    /// A comma-separated list of CIDR networks or single addresses; empty trusts nobody.
-    fn from_str(list: &str) -> Result<TrustedProxies, String> {
+    /// A comma-separated list of CIDR networks or single addresses; empty is none.
+    fn from_str(list: &str) -> Result<Networks, String> {
         list.split(',')
             .map(str::trim)
             .filter(|item| !item.is_empty())
@@ -76,14 +83,35 @@ impl FromStr for TrustedProxies {
                     .map_err(|_| format!("{item:?} is not a CIDR network or an IP address"))
             })
             .collect::<Result<_, _>>()
-            .map(TrustedProxies)
+            .map(Networks)
     }
 }
 
-impl TrustedProxies {
+impl Networks {
     pub fn contains(&self, ip: IpAddr) -> bool {
         let ip = canonical(ip);
         self.0.iter().any(|net| net.contains(&ip))
+    }
+}
+
+/// The peers that may name their client, and how.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TrustedProxies {
+    /// `GRPC_TRUSTED_PROXIES`: layer-4 proxies, by a PROXY protocol header.
+    pub proxy_protocol: Networks,
+    /// `GRPC_TRUSTED_HTTP_PROXIES`: HTTP proxies, by `x-forwarded-for`.
+    pub http: Networks,
+}
+
+impl TrustedProxies {
+    /// Whether `ip` may open its connections with a PROXY protocol header.
+    pub fn speaks_proxy_protocol(&self, ip: IpAddr) -> bool {
+        self.proxy_protocol.contains(ip)
+    }
+
+    /// Whether `ip` relays other clients' calls, by either means.
+    pub fn contains(&self, ip: IpAddr) -> bool {
+        self.proxy_protocol.contains(ip) || self.http.contains(ip)
     }
 }
 
@@ -129,12 +157,13 @@ impl PeerInfo {
         if !trusted.contains(remote) {
             return Some(PeerKey::Address(remote));
         }
-        let relayed = self.proxied.map(|client| canonical(client.ip()));
-        Some(
-            forwarded_client(metadata, trusted)
-                .or(relayed)
-                .map_or(PeerKey::UnnamedBehindProxy, PeerKey::Address),
-        )
+        // The PROXY header's client is the only truth: the metadata after it is the client's.
+        let named = match self.proxied {
+            Some(client) => Some(canonical(client.ip())),
+            None if trusted.http.contains(remote) => forwarded_client(metadata, &trusted.http),
+            None => None,
+        };
+        Some(named.map_or(PeerKey::UnnamedBehindProxy, PeerKey::Address))
     }
 
     /// The client address recorded with a ride, given the call's [`PeerInfo::key`]: the relayed
@@ -150,7 +179,7 @@ impl PeerInfo {
 /// The client a chain of trusted proxies names in `x-forwarded-for`: each proxy appends the
 /// address it received the call from, so reading from the right, the first address that is not a
 /// trusted proxy is the client. Anything left of it was written by the client and is not read.
-fn forwarded_client(metadata: &MetadataMap, trusted: &TrustedProxies) -> Option<IpAddr> {
+fn forwarded_client(metadata: &MetadataMap, trusted: &Networks) -> Option<IpAddr> {
     let hops: Vec<&str> = metadata
         .get_all(FORWARDED_FOR)
         .iter()
@@ -185,31 +214,36 @@ mod tests {
         metadata
     }
 
+    /// Layer-4 proxies in `proxy_protocol`, HTTP proxies in `http`.
+    fn trusting(proxy_protocol: &str, http: &str) -> TrustedProxies {
+        TrustedProxies {
+            proxy_protocol: proxy_protocol.parse().unwrap(),
+            http: http.parse().unwrap(),
+        }
+    }
+
     #[test]
     fn parses_the_setting() {
-        let trusted: TrustedProxies = "10.0.0.0/8, 192.168.1.7,::1".parse().unwrap();
+        let trusted: Networks = "10.0.0.0/8, 192.168.1.7,::1".parse().unwrap();
         assert!(trusted.contains("10.1.2.3".parse().unwrap()));
         assert!(trusted.contains("192.168.1.7".parse().unwrap()));
         assert!(trusted.contains("::ffff:10.0.0.1".parse().unwrap()));
         assert!(!trusted.contains("192.168.1.8".parse().unwrap()));
-        assert_eq!(
-            "".parse::<TrustedProxies>().unwrap(),
-            TrustedProxies::default()
-        );
-        assert!("10.0.0.0/33".parse::<TrustedProxies>().is_err());
-        assert!("proxy.local".parse::<TrustedProxies>().is_err());
+        assert_eq!("".parse::<Networks>().unwrap(), Networks::default());
+        assert!("10.0.0.0/33".parse::<Networks>().is_err());
+        assert!("proxy.local".parse::<Networks>().is_err());
     }
 
     #[test]
     fn an_untrusted_peer_is_keyed_by_its_own_address_whatever_it_forwards() {
-        let trusted: TrustedProxies = "10.0.0.0/8".parse().unwrap();
+        let trusted = trusting("10.0.0.0/8", "10.0.0.0/8");
         let key = info("192.0.2.1:5000").key(&trusted, &forwarded("198.51.100.9"));
         assert_eq!(key, Some(PeerKey::Address("192.0.2.1".parse().unwrap())));
     }
 
     #[test]
-    fn a_trusted_proxy_names_its_client() {
-        let trusted: TrustedProxies = "10.0.0.0/8".parse().unwrap();
+    fn a_trusted_http_proxy_names_its_client() {
+        let trusted = trusting("", "10.0.0.0/8");
         let proxy = info("10.0.0.5:5000");
         // The client's own claim (left) is not read; the first untrusted hop from the right is.
         let metadata = forwarded("203.0.113.66, 198.51.100.9, 10.0.0.7");
@@ -226,19 +260,6 @@ mod tests {
             proxy.client_ip(proxy.key(&trusted, &MetadataMap::new())),
             Some("10.0.0.5".parse().unwrap())
         );
-        // A PROXY header names the client when no x-forwarded-for does.
-        let relayed = PeerInfo {
-            proxied: Some("198.51.100.10:1234".parse().unwrap()),
-            ..proxy.clone()
-        };
-        assert_eq!(
-            relayed.key(&trusted, &MetadataMap::new()),
-            Some(PeerKey::Address("198.51.100.10".parse().unwrap()))
-        );
-        assert_eq!(
-            relayed.connection_address(&trusted),
-            Some("198.51.100.10".parse().unwrap())
-        );
         // Naming nobody, the proxy is not counted and its connection never closed for it.
         assert_eq!(
             proxy.key(&trusted, &MetadataMap::new()),
@@ -250,6 +271,36 @@ mod tests {
             proxy.key(&trusted, &forwarded("198.51.100.9, garbage")),
             Some(PeerKey::UnnamedBehindProxy)
         );
+    }
+
+    #[test]
+    fn a_proxy_protocol_client_is_the_truth_whatever_it_forwards() {
+        // The layer-4 proxy relays the client's bytes, x-forwarded-for included, after its header.
+        let trusted = trusting("10.0.0.0/8", "");
+        let relayed = PeerInfo {
+            proxied: Some("198.51.100.10:1234".parse().unwrap()),
+            ..info("10.0.0.5:5000")
+        };
+        let victim = Some(PeerKey::Address("198.51.100.10".parse().unwrap()));
+        assert_eq!(relayed.key(&trusted, &forwarded("203.0.113.66")), victim);
+        assert_eq!(relayed.key(&trusted, &MetadataMap::new()), victim);
+        assert_eq!(
+            relayed.client_ip(relayed.key(&trusted, &forwarded("203.0.113.66"))),
+            Some("198.51.100.10".parse().unwrap())
+        );
+        assert_eq!(
+            relayed.connection_address(&trusted),
+            Some("198.51.100.10".parse().unwrap())
+        );
+        // A layer-4 proxy whose header named nobody: still not read from x-forwarded-for.
+        let unnamed = info("10.0.0.5:5000");
+        assert_eq!(
+            unnamed.key(&trusted, &forwarded("203.0.113.66")),
+            Some(PeerKey::UnnamedBehindProxy)
+        );
+        // Also an HTTP proxy, the header still wins over x-forwarded-for.
+        let both = trusting("10.0.0.0/8", "10.0.0.0/8");
+        assert_eq!(relayed.key(&both, &forwarded("203.0.113.66")), victim);
     }
 
     #[test]

@@ -57,29 +57,38 @@ fn invalid(what: &str) -> io::Error {
     )
 }
 
+/// A v1 line (`PROXY TCP4|TCP6 <source> <destination> <source port> <destination port>\r\n`, or
+/// `PROXY UNKNOWN …\r\n`), at most 107 bytes with its CRLF, printable ASCII, single spaces.
 fn parse_v1(bytes: &[u8]) -> io::Result<Header> {
-    let Some(end) = bytes.windows(2).position(|pair| pair == b"\r\n") else {
+    let within = &bytes[..bytes.len().min(V1_MAX)];
+    let Some(end) = within.windows(2).position(|pair| pair == b"\r\n") else {
         return if bytes.len() >= V1_MAX {
             Err(invalid("v1 line too long"))
         } else {
             Ok(Header::Incomplete)
         };
     };
-    let line = std::str::from_utf8(&bytes[..end]).map_err(|_| invalid("v1 not ASCII"))?;
+    let line = &bytes[..end];
+    if !line.iter().all(|byte| (0x20..0x7f).contains(byte)) {
+        return Err(invalid("v1 not printable ASCII"));
+    }
+    let line = std::str::from_utf8(line).map_err(|_| invalid("v1 not ASCII"))?;
     let fields: Vec<&str> = line.split(' ').collect();
     let client = match fields.as_slice() {
+        // The specification: the rest of an UNKNOWN line is ignored.
         ["PROXY", "UNKNOWN", ..] => None,
         [
             "PROXY",
-            "TCP4" | "TCP6",
+            family @ ("TCP4" | "TCP6"),
             source,
-            _destination,
+            destination,
             port,
-            _destination_port,
+            destination_port,
         ] => {
-            let ip: IpAddr = source.parse().map_err(|_| invalid("v1 source address"))?;
-            let port: u16 = port.parse().map_err(|_| invalid("v1 source port"))?;
-            Some(SocketAddr::new(ip, port))
+            let source = v1_address(family, source)?;
+            v1_address(family, destination)?;
+            v1_port(destination_port)?;
+            Some(SocketAddr::new(source, v1_port(port)?))
         }
         _ => return Err(invalid("v1 fields")),
     };
@@ -89,13 +98,48 @@ fn parse_v1(bytes: &[u8]) -> io::Result<Header> {
     })
 }
 
+/// An address of the line's family: dotted quad for TCP4, IPv6 text for TCP6.
+fn v1_address(family: &str, text: &str) -> io::Result<IpAddr> {
+    let ip = match family {
+        "TCP4" => text.parse::<Ipv4Addr>().map(IpAddr::from),
+        _ => text.parse::<Ipv6Addr>().map(IpAddr::from),
+    };
+    ip.map_err(|_| invalid("v1 address not of its family"))
+}
+
+/// A port: 1 to 5 decimal digits, no sign and no leading zero, at most 65535.
+fn v1_port(text: &str) -> io::Result<u16> {
+    let digits = !text.is_empty() && text.len() <= 5 && text.bytes().all(|b| b.is_ascii_digit());
+    if !digits || (text.len() > 1 && text.starts_with('0')) {
+        return Err(invalid("v1 port"));
+    }
+    text.parse().map_err(|_| invalid("v1 port"))
+}
+
+/// The v2 command nibble: LOCAL (the proxy's own connection) or PROXY.
+const V2_LOCAL: u8 = 0x0;
+const V2_PROXY: u8 = 0x1;
+/// The v2 address families and the one transport a TCP server can be relayed.
+const AF_UNSPEC: u8 = 0x0;
+const AF_INET: u8 = 0x1;
+const AF_INET6: u8 = 0x2;
+const AF_UNIX: u8 = 0x3;
+const STREAM: u8 = 0x1;
+
 fn parse_v2(bytes: &[u8]) -> io::Result<Header> {
     if bytes.len() < 16 {
         return Ok(Header::Incomplete);
     }
-    let version_command = bytes[12];
-    if version_command >> 4 != 2 {
+    let (version, command) = (bytes[12] >> 4, bytes[12] & 0x0F);
+    if version != 2 {
         return Err(invalid("v2 version"));
+    }
+    if command != V2_LOCAL && command != V2_PROXY {
+        return Err(invalid("v2 command"));
+    }
+    let (family, transport) = (bytes[13] >> 4, bytes[13] & 0x0F);
+    if family > AF_UNIX || transport > 0x2 {
+        return Err(invalid("v2 address family or transport"));
     }
     let len = 16 + usize::from(u16::from_be_bytes([bytes[14], bytes[15]]));
     if len > V2_MAX {
@@ -105,25 +149,31 @@ fn parse_v2(bytes: &[u8]) -> io::Result<Header> {
         return Ok(Header::Incomplete);
     }
     let body = &bytes[16..len];
-    let local = version_command & 0x0F == 0;
-    let client = match (local, bytes[13] >> 4) {
-        (true, _) => None,
-        (false, 1) if body.len() >= 12 => {
+    // LOCAL: the specification has the receiver ignore the address block, whatever it says.
+    if command == V2_LOCAL {
+        return Ok(Header::Present { len, client: None });
+    }
+    let client = match (family, transport) {
+        (AF_UNSPEC, _) => None,
+        (AF_INET | AF_INET6 | AF_UNIX, t) if t != STREAM => {
+            return Err(invalid("v2 transport is not a stream"));
+        }
+        (AF_INET, _) if body.len() >= 12 => {
             let ip = Ipv4Addr::new(body[0], body[1], body[2], body[3]);
             Some(SocketAddr::new(
                 ip.into(),
                 u16::from_be_bytes([body[8], body[9]]),
             ))
         }
-        (false, 2) if body.len() >= 36 => {
+        (AF_INET6, _) if body.len() >= 36 => {
             let mut octets = [0; 16];
             octets.copy_from_slice(&body[..16]);
             let port = u16::from_be_bytes([body[32], body[33]]);
             Some(SocketAddr::new(Ipv6Addr::from(octets).into(), port))
         }
-        (false, 1 | 2) => return Err(invalid("v2 address block too short")),
-        // AF_UNSPEC or AF_UNIX: no IP client to key by.
-        (false, _) => None,
+        // A UNIX socket's two paths: no IP client to key by.
+        (AF_UNIX, _) if body.len() >= 216 => None,
+        _ => return Err(invalid("v2 address block too short")),
     };
     Ok(Header::Present { len, client })
 }
@@ -210,6 +260,73 @@ mod tests {
         let mut bad_version = V2_SIGNATURE.to_vec();
         bad_version.extend([0x11, 0x11, 0, 0]);
         assert!(parse(&bad_version).is_err());
+    }
+
+    fn v2(version_command: u8, family_transport: u8, body: &[u8]) -> Vec<u8> {
+        let mut header = V2_SIGNATURE.to_vec();
+        header.extend([version_command, family_transport]);
+        header.extend(u16::try_from(body.len()).unwrap().to_be_bytes());
+        header.extend(body);
+        header
+    }
+
+    #[test]
+    fn v2_commands_and_transports_other_than_the_specifications_are_refused() {
+        let inet = [192, 0, 2, 7, 10, 0, 0, 1, 0xdc, 0x04, 0xc3, 0x53];
+        assert!(parse(&v2(0x21, 0x11, &inet)).is_ok());
+        // Commands 0x2-0xF are not PROXY.
+        for command in 0x22..=0x2F {
+            assert!(parse(&v2(command, 0x11, &inet)).is_err(), "{command:#x}");
+        }
+        // UDP (DGRAM) or an unspecified transport is not a TCP client; 0x3-0xF are no transport.
+        for family_transport in [0x10, 0x12, 0x13, 0x1F, 0x20, 0x22, 0x40, 0xF1] {
+            assert!(
+                parse(&v2(0x21, family_transport, &[0; 36])).is_err(),
+                "{family_transport:#x}"
+            );
+        }
+        // A UNIX socket names no IP client, once its whole address block is there.
+        assert!(parse(&v2(0x21, 0x31, &[0; 12])).is_err());
+        assert_eq!(
+            parse(&v2(0x21, 0x31, &[0; 216])).unwrap(),
+            Header::Present {
+                len: 232,
+                client: None
+            }
+        );
+        // LOCAL ignores whatever address block follows.
+        assert!(parse(&v2(0x20, 0x12, &inet)).is_ok());
+    }
+
+    #[test]
+    fn v1_lines_are_read_strictly() {
+        // 107 bytes with the CRLF is the longest line; a longer one is refused even with its CRLF.
+        let longest = format!("PROXY UNKNOWN {}\r\n", "x".repeat(107 - 16));
+        assert_eq!(longest.len(), 107);
+        assert!(parse(longest.as_bytes()).is_ok());
+        let longer = format!("PROXY UNKNOWN {}\r\n", "x".repeat(108 - 16));
+        assert!(parse(longer.as_bytes()).is_err());
+        for bad in [
+            "PROXY TCP4 2001:db8::1 10.0.0.1 1 2\r\n",
+            "PROXY TCP6 192.0.2.7 2001:db8::2 1 2\r\n",
+            "PROXY TCP4 192.0.2.7 nonsense 1 2\r\n",
+            "PROXY TCP4 192.0.2.7 10.0.0.1 +1 2\r\n",
+            "PROXY TCP4 192.0.2.7 10.0.0.1 01 2\r\n",
+            "PROXY TCP4 192.0.2.7 10.0.0.1 1 65536\r\n",
+            "PROXY TCP4 192.0.2.7  10.0.0.1 1 2\r\n",
+            "PROXY TCP4 192.0.2.7 10.0.0.1 1 2 3\r\n",
+            "PROXY TCP4 192.0.2.7\t10.0.0.1 1 2\r\n",
+            "PROXY TCP5 192.0.2.7 10.0.0.1 1 2\r\n",
+        ] {
+            assert!(parse(bad.as_bytes()).is_err(), "{bad:?}");
+        }
+        assert_eq!(
+            parse(b"PROXY TCP6 2001:db8::1 2001:db8::2 0 65535\r\n").unwrap(),
+            Header::Present {
+                len: 44,
+                client: Some("[2001:db8::1]:0".parse().unwrap())
+            }
+        );
     }
 
     #[test]

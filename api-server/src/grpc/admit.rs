@@ -74,6 +74,7 @@ impl RideApi {
                 status.code(),
                 tonic::Code::Unauthenticated | tonic::Code::PermissionDenied
             )
+            && !status::is_counted_against_peer(status)
         {
             metrics::refused("failed_auth");
             self.admission.failed_auth(peer.key);
@@ -146,7 +147,9 @@ impl RideApi {
                         LOOKUP_RETRY,
                     )
                 }
-                Unverified::UnknownToken => status::invalid_credentials(),
+                Unverified::UnknownToken => {
+                    status::counted_against_peer(status::invalid_credentials())
+                }
                 Unverified::Lookup(LookupError::Busy) => {
                     metrics::refused("lookup_busy");
                     status::rate_limited(
@@ -231,6 +234,36 @@ impl RideApi {
                 Err(status::invalid_credentials())
             }
         }
+    }
+
+    /// Refuses a call on a user's behalf unless its key already exists for that user: the
+    /// completer only resumes keys their user created, and the internal credential must never
+    /// create a key (and charge) for any user id it names. Nothing is written. The claim by id
+    /// never inserts either, so a key gone between this read and the claim is not created.
+    pub(super) async fn check_on_behalf_of_key(
+        &self,
+        caller: Caller,
+        key: &Result<IdempotencyKey, Status>,
+    ) -> Result<(), Status> {
+        let (Caller::OnBehalfOf(user_id), Ok(key)) = (caller, key) else {
+            return Ok(());
+        };
+        let pool = self.rides.pool();
+        let exists = idempotency::key_exists(pool, caller, key)
+            .await
+            .map_err(status::store_error)?;
+        if exists {
+            return Ok(());
+        }
+        // Credentials come first in the contract: an unknown user is that, not a new key.
+        let user = auth::user_by_id(pool, user_id)
+            .await
+            .map_err(status::store_error)?;
+        if user.is_none() {
+            return Err(status::invalid_credentials());
+        }
+        metrics::refused("on_behalf_of_new_key");
+        Err(status::internal_credential_new_key())
     }
 
     /// Refuses a new key of a caller whose decline budget is spent (`crate::limits`); a key that

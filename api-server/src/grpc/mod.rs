@@ -58,7 +58,7 @@ pub struct RideApi {
     /// The server's own deadline for a call (`GRPC_REQUEST_TIMEOUT_SECS`): a duplicate's wait
     /// ends before it, as before the call's `grpc-timeout`.
     request_timeout: Duration,
-    _admission_gauges: [opentelemetry::metrics::ObservableGauge<u64>; 4],
+    _admission_gauges: [opentelemetry::metrics::ObservableGauge<u64>; 5],
 }
 
 impl RideApi {
@@ -123,6 +123,9 @@ impl RideApi {
             .client_ip(peer.client)
             .unwrap_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED));
         let key = idempotency_key(request.metadata());
+        self.check_on_behalf_of_key(caller, &key)
+            .await
+            .map_err(fresh)?;
         self.check_decline_budget(caller, &key)
             .await
             .map_err(fresh)?;

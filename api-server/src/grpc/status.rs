@@ -48,6 +48,22 @@ pub fn invalid_credentials() -> Status {
     )
 }
 
+/// A failed authentication that was counted against its peer where it was found
+/// (`Admission::verify`, which counts even when the caller has gone); the answer must not count
+/// it again.
+#[derive(Debug, thiserror::Error)]
+#[error("counted against the peer already")]
+struct CountedAgainstPeer;
+
+pub fn counted_against_peer(mut status: Status) -> Status {
+    status.set_source(std::sync::Arc::new(CountedAgainstPeer));
+    status
+}
+
+pub fn is_counted_against_peer(status: &Status) -> bool {
+    std::error::Error::source(status).is_some_and(|source| source.is::<CountedAgainstPeer>())
+}
+
 pub fn on_behalf_of_not_allowed() -> Status {
     simple(
         Code::PermissionDenied,
@@ -61,6 +77,14 @@ pub fn on_behalf_of_required() -> Status {
         Code::Unauthenticated,
         "the internal credential requires on-behalf-of-user metadata with a user id",
         reason::ON_BEHALF_OF_REQUIRED,
+    )
+}
+
+pub fn internal_credential_new_key() -> Status {
+    simple(
+        Code::PermissionDenied,
+        "the internal credential may only resume an idempotency key its user created",
+        reason::INTERNAL_CREDENTIAL_NOT_ALLOWED,
     )
 }
 

@@ -419,8 +419,10 @@ impl Rides {
         let point = lease.recovery_point;
         let outcome = match point {
             RecoveryPoint::RideCreated => {
+                // A ride read back is a key an earlier attempt claimed.
+                let resumed = ride.is_none();
                 let current = self.current_ride(lease, ride).await?;
-                self.charge(lease, request, current).await?
+                self.charge(lease, request, current, resumed).await?
             }
             point @ (RecoveryPoint::Started | RecoveryPoint::ChargeCreated) => {
                 return Err(CreateRideError::LeftByOlderServer(point));

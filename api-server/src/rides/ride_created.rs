@@ -120,11 +120,13 @@ fn our_charge(
 impl Rides {
     /// Phase `ride_created`: the charge, then its result in one atomic phase that finishes the
     /// key: the ride charged and its receipt staged, or the decline if the card was declined.
+    /// `resumed`: the key was claimed by an earlier attempt, whose charge may have been refunded.
     pub(super) async fn charge(
         &self,
         lease: &Lease,
         request: &RideRequest,
         ride: Ride,
+        resumed: bool,
     ) -> Result<Outcome, CreateRideError> {
         let ours = self.stripe.deployment_id().as_str();
         if let Some(other) = ride.deployment_id.as_deref().filter(|id| *id != ours) {
@@ -181,6 +183,9 @@ impl Rides {
         match charged {
             Ok(intent) => {
                 crate::fault::crash_point(CrashPoint::ChargeAfterSuccess);
+                if resumed && let Some(refunded) = self.refunded(lease, &ride, &intent).await? {
+                    return Ok(refunded);
+                }
                 Ok(self.record_charge(lease, ride, intent.id).await?)
             }
             Err(ChargeError::Declined {
@@ -202,6 +207,65 @@ impl Rides {
                 Err(CreateRideError::Internal(Box::new(error)))
             }
         }
+    }
+
+    /// A resumed key's charge may be a replay of a PaymentIntent that was refunded meanwhile: a
+    /// refund whose recording commit was lost leaves its key resumable, and the provider answers
+    /// the retry with the refunded PaymentIntent. A refunded charge never pays for a ride
+    /// (docs/money-safety.md). Refunded in full, the key is finished with the refunded-key
+    /// outcome, and nothing is recorded or mailed. Refunded in part, or when the provider cannot
+    /// say, nothing is written and the key stays unfinished for a person (the refund's finding
+    /// is still open; the completer gives the key up). `None`: not refunded, record it.
+    async fn refunded(
+        &self,
+        lease: &Lease,
+        ride: &Ride,
+        intent: &PaymentIntent,
+    ) -> Result<Option<Outcome>, CreateRideError> {
+        let not_recorded = |why: String| {
+            tracing::error!(ride_id = ride.id, payment_intent = %intent.id, %why, "charge not recorded: see `workers admin findings list`");
+            CreateRideError::Internal(
+                format!("PaymentIntent {} of ride {}: {why}", intent.id, ride.id).into(),
+            )
+        };
+        let unknown = |error: provider::ProviderError| {
+            not_recorded(format!("whether it was refunded is unknown ({error})"))
+        };
+        let listed = self.stripe.retrieve_payment_intent(&intent.id).await;
+        match listed
+            .map_err(unknown)?
+            .and_then(|listed| listed.amount_refunded())
+        {
+            Some(0) => return Ok(None),
+            Some(refunded) if refunded >= intent.amount => {}
+            Some(refunded) => {
+                return Err(not_recorded(format!(
+                    "refunded in part ({refunded} of {})",
+                    intent.amount
+                )));
+            }
+            None => return Err(not_recorded("its refunds cannot be read".to_owned())),
+        }
+        let refunds = self
+            .stripe
+            .list_refunds(&intent.id)
+            .await
+            .map_err(unknown)?;
+        let Some(refund) = refunds
+            .into_iter()
+            .find(|refund| refund.status == "succeeded")
+        else {
+            return Err(not_recorded("refunded, but no refund succeeded".to_owned()));
+        };
+        tracing::warn!(ride_id = ride.id, payment_intent = %intent.id, refund = %refund.id, "a resumed key's charge was refunded: the key is finished as refunded");
+        let outcome = Outcome::PaymentRefunded {
+            ride_id: Some(ride.id),
+            payment_intent: intent.id.clone(),
+            refund_id: refund.id,
+            message: contract::outcome::PAYMENT_REFUNDED.to_owned(),
+        };
+        idempotency::finish(&self.pool, self.retry, lease, &outcome.to_stored()).await?;
+        Ok(Some(outcome))
     }
 
     /// The charge's atomic phase, which is also phase `charge_created`'s: the PaymentIntent

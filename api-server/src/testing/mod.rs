@@ -301,7 +301,7 @@ impl TestApp {
             .first_ride(*params, std::net::Ipv4Addr::LOCALHOST.into());
         let (_, claimed) = idempotency::claim(
             self.rides.claim_batcher(),
-            Caller::OnBehalfOf(user.id),
+            Caller::Token(crate::auth::token_digest(&user.token)),
             &IdempotencyKey::parse(key).unwrap(),
             &params.signature(),
             &first_ride,

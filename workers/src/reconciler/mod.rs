@@ -285,14 +285,17 @@ impl Reconciler {
                 continue;
             }
             let requester = refund::RefundRequester::Reconciler;
-            match refund::refund_finding(&self.pool, &self.stripe, id, Mode::Apply, &requester)
-                .await
-            {
-                Ok(_) => {
-                    summary.refunded += 1;
-                    count += 1;
-                    amount = amount.saturating_add(finding_amount.unwrap_or_default());
-                }
+            let outcome =
+                refund::refund_finding(&self.pool, &self.stripe, id, Mode::Apply, &requester).await;
+            // The caps bound what is sent to the provider, not what was recorded: only a
+            // refusal by the checks is known to have sent nothing. Any other failure may come
+            // after the provider made the refund (its recording's commit lost), so it counts.
+            if !matches!(outcome, Err(AdminError::Refused(_))) {
+                count += 1;
+                amount = amount.saturating_add(finding_amount.unwrap_or_default());
+            }
+            match outcome {
+                Ok(_) => summary.refunded += 1,
                 Err(error) => {
                     summary.refunds_failed += 1;
                     tracing::warn!(

@@ -848,6 +848,84 @@ async fn audits(app: &TestApp) -> Vec<AuditRow> {
     .unwrap()
 }
 
+/// Every refund's recording fails after the provider has made the refund, as a lost commit would.
+async fn lose_refund_recordings(app: &TestApp) {
+    sql(
+        app,
+        "CREATE FUNCTION lose_the_audit() RETURNS trigger LANGUAGE plpgsql AS \
+         $$ BEGIN RAISE EXCEPTION 'the recording was lost'; END $$",
+    )
+    .await;
+    sql(
+        app,
+        "CREATE TRIGGER lose_the_audit BEFORE INSERT ON refund_audits \
+         FOR EACH ROW EXECUTE FUNCTION lose_the_audit()",
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_retry_after_a_refund_whose_recording_was_lost_never_records_the_refunded_charge() {
+    let app = TestApp::spawn().await;
+    let user = app.create_user(GOOD_CARD).await;
+    let (key, pi) = unrecorded_charge(&app, &user).await;
+    pass(&app, false).await;
+    lose_refund_recordings(&app).await;
+    let summary = reconciler(&app).run_once(true).await.unwrap();
+    assert_eq!(summary.refunds_failed, 1, "{summary:?}");
+    let refunds = app.stripe.refunds();
+    assert_eq!(refunds.len(), 1);
+    assert_eq!(refunds[0].payment_intent, pi);
+    // The key's tombstone was in the lost commit: it is still resumable.
+    let row = app.key_row(&user, &key).await.unwrap();
+    assert_eq!(row.recovery_point, schema::RecoveryPoint::RideCreated);
+
+    // The rider's retry resumes it; the provider replays the refunded PaymentIntent, which is
+    // not recorded as the ride's payment: the key is finished as refunded instead.
+    for _ in 0..2 {
+        assert_retry_replays_payment_refunded(&app, &user, &key).await;
+    }
+    let row = app.key_row(&user, &key).await.unwrap();
+    assert_eq!(row.recovery_point, schema::RecoveryPoint::Finished);
+    assert_eq!(
+        row.response_body.as_ref().unwrap()["refund_id"],
+        refunds[0].id
+    );
+    assert!(app.rides().await[0].stripe_charge_id.is_none(), "not paid");
+    assert!(app.staged_jobs().await.is_empty(), "no receipt");
+    assert_eq!(app.stripe.payment_intents().len(), 1, "never charged again");
+    assert_eq!(app.stripe.refunds().len(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_refund_whose_recording_failed_still_counts_against_the_pass_caps() {
+    let app = TestApp::spawn().await;
+    let user = app.create_user(GOOD_CARD).await;
+    for _ in 0..3 {
+        unrecorded_charge(&app, &user).await;
+    }
+    pass(&app, false).await;
+    assert_eq!(findings_of(&app).await.len(), 3);
+    lose_refund_recordings(&app).await;
+    let mut capped = config(&app);
+    capped.refund_max_findings = 1;
+    let summary = Reconciler::new(app.pool.clone(), capped)
+        .unwrap()
+        .run_once(true)
+        .await
+        .unwrap();
+    assert_eq!(app.stripe.refunds().len(), 1, "{summary:?}");
+    assert_eq!(
+        (
+            summary.refunded,
+            summary.refunds_failed,
+            summary.refunds_deferred
+        ),
+        (0, 1, 2),
+        "{summary:?}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn refunds_stop_at_the_pass_caps_and_the_rest_wait_for_an_operator_or_the_next_pass() {
     let app = TestApp::spawn().await;

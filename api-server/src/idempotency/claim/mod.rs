@@ -107,6 +107,7 @@ pub async fn claim(
         }
     };
     let context = ClaimContext {
+        caller,
         pool,
         policy,
         key,
@@ -180,6 +181,7 @@ pub async fn key_exists(
 
 /// One claim's key and request, for the steps after its first statement.
 struct ClaimContext<'a> {
+    caller: Caller,
     pool: &'a Pool,
     policy: ConflictRetry,
     key: &'a IdempotencyKey,
@@ -213,8 +215,9 @@ impl ClaimContext<'_> {
         // Each round pays only for what the key needs: a new key, a replay and a mismatch are one
         // statement (`insert_or_read`); only a key that may need work takes the row lock. A round
         // ends without a decision only if another claim inserted the key after this one's
-        // snapshot, or the key was reaped between two steps, so a few rounds suffice.
-        let caller = Caller::OnBehalfOf(user_id);
+        // snapshot, or the key was reaped between two steps, so a few rounds suffice. The
+        // caller's own statement: only a token's claim may insert the key again.
+        let caller = self.caller;
         for _ in 0..CLAIM_ROUNDS {
             count_statement("insert_or_read");
             let found = claim_alone(

@@ -56,7 +56,7 @@ pub(crate) use key_columns;
 /// `ride_created`; that commit waits for the WAL flush, as `ride_created` must be durable before
 /// the charge. `$16` is the holder id its lock names (`schema::liveness`), or NULL.
 macro_rules! claim_sql {
-    ($caller:literal) => {
+    ($caller:literal, $may_insert:literal) => {
         concat!(
             "WITH caller AS (SELECT id, created_at, email, stripe_customer_id, \
              stripe_payment_method_id, api_token_digest FROM users WHERE ",
@@ -68,7 +68,9 @@ macro_rules! claim_sql {
              inserted AS (INSERT INTO idempotency_keys (user_id, idempotency_key, lock_token, \
              lock_holder, request_method, request_path, request_params, recovery_point, locked_at) \
              SELECT caller.id, $2, $3, $16::int8, $4, $5, $6, 'ride_created', now() FROM caller \
-             WHERE NOT EXISTS (SELECT FROM existing) \
+             WHERE ",
+            $may_insert,
+            " AND NOT EXISTS (SELECT FROM existing) \
              ON CONFLICT (user_id, idempotency_key) DO NOTHING RETURNING ",
             key_columns!(),
             "), first_ride AS (SELECT inserted.id AS key_id, inserted.user_id, \
@@ -90,16 +92,19 @@ macro_rules! claim_sql {
     };
 }
 
-/// The claim of a user known by id.
+/// The claim of a user known by id: a call on the user's behalf with the internal credential.
+/// It never inserts a key (`false` in the insert's condition, so no race can slip one in between
+/// a check and the claim): the completer only resumes keys the user created, and the credential
+/// must not charge any user for a key of its own making.
 pub(super) struct ClaimById;
 
 impl Statement for ClaimById {
-    const SQL: &'static str = claim_sql!("id = $1");
+    const SQL: &'static str = claim_sql!("id = $1", "false");
 }
 
 /// The claim of the owner of an API token, by its digest: authentication in the same round trip.
 pub(super) struct ClaimByToken;
 
 impl Statement for ClaimByToken {
-    const SQL: &'static str = claim_sql!("api_token_digest = $1");
+    const SQL: &'static str = claim_sql!("api_token_digest = $1", "true");
 }
