@@ -33,6 +33,10 @@ pub enum ChargeError {
     #[error("the payment provider is unavailable: {reason}")]
     Unavailable {
         reason: String,
+        /// A 409 `idempotency_key_in_use`: the provider is still running an earlier request with
+        /// the same idempotency key (an attempt whose process died mid-charge, say); the same
+        /// request is answered with that one's result once it is done.
+        in_flight: bool,
         #[source]
         source: Option<reqwest::Error>,
     },
@@ -195,6 +199,7 @@ fn body_error(status: u16, error: BodyError) -> ChargeError {
 fn unavailable(error: reqwest::Error) -> ChargeError {
     ChargeError::Unavailable {
         reason: transport_reason(&error).into(),
+        in_flight: false,
         source: Some(error),
     }
 }
@@ -212,6 +217,7 @@ fn classify(error: ErrorParts) -> ChargeError {
             decline_code: error.decline_code,
         },
         status if is_unavailable(status) => ChargeError::Unavailable {
+            in_flight: status == 409 && error.code.as_deref() == Some("idempotency_key_in_use"),
             reason: format!("HTTP {status} {}", error.error_type),
             source: None,
         },
@@ -234,6 +240,30 @@ mod tests {
             code: Some("card_declined".into()),
             decline_code: Some("generic_decline".into()),
             message: "Your card was declined.".into(),
+        }
+    }
+
+    #[test]
+    fn only_a_409_for_a_key_in_use_is_an_in_flight_request() {
+        let in_use = ErrorParts {
+            code: Some("idempotency_key_in_use".into()),
+            ..stripe_error(409, "invalid_request_error")
+        };
+        assert!(matches!(
+            classify(in_use),
+            ChargeError::Unavailable {
+                in_flight: true,
+                ..
+            }
+        ));
+        for status in [409, 429, 500] {
+            assert!(matches!(
+                classify(stripe_error(status, "api_error")),
+                ChargeError::Unavailable {
+                    in_flight: false,
+                    ..
+                }
+            ));
         }
     }
 

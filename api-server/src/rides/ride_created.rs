@@ -162,11 +162,11 @@ impl Rides {
                     );
                     Ok(intent)
                 }
-                Ok(None) => self.stripe.create_payment_intent(&charge).await,
+                Ok(None) => self.create_payment_intent(&charge).await,
                 Err(error) => Err(error),
             }
         } else {
-            self.stripe.create_payment_intent(&charge).await
+            self.create_payment_intent(&charge).await
         };
         let outcome = match &charged {
             Ok(_) => "succeeded",
@@ -316,6 +316,33 @@ impl Rides {
         Ok(outcome)
     }
 
+    /// The charge, waiting a little for an earlier request with the same provider key that the
+    /// provider is still running (409 `idempotency_key_in_use`): after a takeover that is the
+    /// dead holder's charge, whose result the provider then replays. Up to [`IN_FLIGHT_WAIT`],
+    /// so that a rider whose holder died mid-charge is answered now rather than told to retry.
+    async fn create_payment_intent(
+        &self,
+        charge: &ChargeRequest,
+    ) -> Result<PaymentIntent, ChargeError> {
+        let give_up = Instant::now() + IN_FLIGHT_WAIT;
+        let mut pause = Duration::from_millis(50);
+        loop {
+            let charged = self.stripe.create_payment_intent(charge).await;
+            let in_flight = matches!(
+                charged,
+                Err(ChargeError::Unavailable {
+                    in_flight: true,
+                    ..
+                })
+            );
+            if !in_flight || Instant::now() + pause > give_up {
+                return charged;
+            }
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(Duration::from_millis(500));
+        }
+    }
+
     /// Whether an attempt at charging `ride` may be older than the provider's idempotency window
     /// (`contract::key::provider_key_margin`: the rule a takeover of a dead holder's key obeys
     /// too).
@@ -356,6 +383,10 @@ impl Rides {
         Err(CreateRideError::LivenessLost)
     }
 }
+
+/// How long a charge waits for an earlier request with its provider key to finish at the
+/// provider (a takeover's charge, while the dead holder's is still running there).
+const IN_FLIGHT_WAIT: Duration = Duration::from_secs(3);
 
 /// Where the holder checks its liveness session.
 #[derive(Clone, Copy, Debug)]

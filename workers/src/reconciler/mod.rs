@@ -193,12 +193,20 @@ impl Reconciler {
         Ok(summary)
     }
 
-    /// Steps 1 to 4 of a pass, in one transaction holding the watermark.
+    /// Steps 1 to 4 of a pass, in one transaction holding the watermark. REPEATABLE READ: the
+    /// pass reads a window's rides, then their keys, in separate statements, and must see both
+    /// as of one moment. Under READ COMMITTED a key finished between the two reads (its charge
+    /// recorded in the same commit) looked finished with its charge unrecorded: a false
+    /// `unrecorded_charge` finding (the refund's own re-check refused it, but it stayed open).
+    /// A pass whose snapshot another pass's commit overtook (a serialization failure, at the
+    /// watermark or a finding) is skipped as a pass that found the watermark held is: nothing of
+    /// it was written, and the next pass covers its window.
     async fn compare(&self) -> Result<ReconcileSummary, ReconcileError> {
         let mut conn = self.pool.get().await?;
         window::ensure(&mut conn, &self.config).await?;
-        conn.build_transaction()
-            .read_committed()
+        let compared = conn
+            .build_transaction()
+            .repeatable_read()
             .run(async |conn| {
                 let Some((mark, now)) = window::lock(conn).await? else {
                     tracing::info!("another reconciler pass holds the watermark; skipping");
@@ -243,7 +251,20 @@ impl Reconciler {
                 }
                 Ok(summary)
             })
-            .await
+            .await;
+        match compared {
+            Err(ReconcileError::Database(diesel::result::Error::DatabaseError(
+                diesel::result::DatabaseErrorKind::SerializationFailure,
+                _,
+            ))) => {
+                tracing::info!("another reconciler pass committed meanwhile; skipping");
+                Ok(ReconcileSummary {
+                    skipped: true,
+                    ..ReconcileSummary::default()
+                })
+            }
+            compared => compared,
+        }
     }
 
     /// Refunds the open findings of a refundable kind, oldest first, each through the guarded
