@@ -41,11 +41,15 @@ pub mod phase;
 mod unlock;
 pub mod wait;
 
-use schema::{RecoveryPoint, liveness::HolderId};
+use contract::key::LockRule;
+use schema::{
+    RecoveryPoint,
+    liveness::{HolderId, Liveness},
+};
 use uuid::Uuid;
 
 pub use batch::{BatchCounts, BatchStatement, Batcher, Batching};
-pub use claim::{Claimed, Claims, Decision, FirstRide, LockedBy, Locking, claim, key_exists};
+pub use claim::{Claimed, Claims, Decision, FirstRide, claim, key_exists};
 pub use key::{IdempotencyKey, InvalidKey, MAX_LEN, MIN_LEN};
 pub use phase::{atomic_phase, batched_phase, finish, release};
 pub use unlock::Unlock;
@@ -71,6 +75,22 @@ pub struct Lease {
     /// knows the session is gone.
     pub holder: Option<HolderId>,
     pub recovery_point: RecoveryPoint,
+}
+
+/// How this process takes key locks: the holder its locks name (its liveness session), and when
+/// another attempt's lock may be taken over.
+#[derive(Clone, Debug)]
+pub struct Locking {
+    pub liveness: Liveness,
+    pub rule: LockRule,
+}
+
+/// The lock one claim takes: its fencing token, and the holder id it names (`None` while this
+/// process has no liveness session: the lock is then judged by the timeout alone).
+#[derive(Clone, Copy, Debug)]
+pub struct LockedBy {
+    pub token: Uuid,
+    pub holder: Option<HolderId>,
 }
 
 /// Which key a batched phase's item moves on, whose it is and the token its fence checks: the

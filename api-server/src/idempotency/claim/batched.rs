@@ -30,12 +30,10 @@ use schema::{
 };
 use uuid::Uuid;
 
-use super::{
-    CallerAndKey, FirstRide, KeyFound, LockedBy, claim_alone, first_ride_writes, key_columns,
-};
+use super::{CallerAndKey, FirstRide, KeyFound, claim_alone, first_ride_writes, key_columns};
 use crate::{
     auth::Caller,
-    idempotency::{BatchStatement, Batcher, Batching, IdempotencyKey, RequestSignature},
+    idempotency::{BatchStatement, Batcher, Batching, IdempotencyKey, LockedBy, RequestSignature},
 };
 
 /// The claim by token, batched: see the module documentation. Its [`Batcher`] is one per

@@ -24,7 +24,6 @@ use diesel::{
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use schema::{
     Pool, RecoveryPoint,
-    liveness::{HolderId, Liveness},
     models::{IdempotencyKeyRow as KeyRow, Ride, User},
     prepared::prepared,
     schema::idempotency_keys,
@@ -38,7 +37,7 @@ pub use first_ride::FirstRide;
 use first_ride::first_ride_writes;
 use statements::{ClaimById, ClaimByToken, key_columns};
 
-use super::{Batcher, IdempotencyKey, Lease, RequestSignature};
+use super::{Batcher, IdempotencyKey, Lease, LockedBy, Locking, RequestSignature};
 use crate::auth::Caller;
 
 /// What a claim decided, in the order of precedence the design requires.
@@ -191,22 +190,6 @@ struct ClaimContext<'a> {
     /// The lock of every statement of this claim: one that finds the key locked by its token
     /// finds its own earlier statement's lock, committed though its answer was lost.
     lock: LockedBy,
-}
-
-/// How this process takes key locks: the holder its locks name (its liveness session), and when
-/// another attempt's lock may be taken over.
-#[derive(Clone, Debug)]
-pub struct Locking {
-    pub liveness: Liveness,
-    pub rule: LockRule,
-}
-
-/// The lock one claim takes: its fencing token, and the holder id it names (`None` while this
-/// process has no liveness session: the lock is then judged by the timeout alone).
-#[derive(Clone, Copy, Debug)]
-pub struct LockedBy {
-    pub token: Uuid,
-    pub holder: Option<HolderId>,
 }
 
 impl ClaimContext<'_> {
@@ -457,9 +440,8 @@ impl Decision {
 /// `SELECT … FOR UPDATE` serialises it with every other attempt on the key. `None` if the key was
 /// deleted (reaped) since it was seen. A key locked by this claim's own token is this claim's:
 /// an earlier statement of it committed and its answer was lost (a failover), and no other
-/// attempt has taken it over since, or the token would have changed. A key locked by another
-/// attempt is taken over when the lock rule says its lock is not live (expired, or its holder's
-/// liveness session is gone on a key young enough), and counted by why.
+/// attempt has taken it over since, or the token would have changed. Another attempt's lock is
+/// taken over when the lock rule says it is not live, and counted by why.
 async fn lock_existing(
     conn: &mut AsyncPgConnection,
     user_id: i64,
