@@ -509,6 +509,11 @@ mod tests {
             Duration::from_secs(86_400)
         );
         assert_eq!(config.idempotency.lock_timeout, Duration::from_secs(90));
+        assert_eq!(
+            config.database.liveness_url.expose(),
+            config.database.url.expose(),
+            "the liveness session goes where the pool goes unless told otherwise"
+        );
         assert_eq!(config.idempotency.key_ttl, Duration::from_secs(72 * 3600));
         assert_eq!(
             config.idempotency.wait,

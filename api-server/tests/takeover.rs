@@ -206,3 +206,43 @@ async fn a_killed_holders_key_beyond_the_provider_key_margin_waits_for_the_lock_
         row.last_run_at
     );
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_server_from_before_holder_ids_that_takes_a_lock_over_has_its_holder_forgotten() {
+    let app = TestApp::spawn().await;
+    let user = app.create_user(GOOD_CARD).await;
+    let r = ride_request();
+    let params =
+        api_server::rides::RideParams::new(r.origin_lat, r.origin_lon, r.target_lat, r.target_lon)
+            .unwrap();
+    let key = new_key();
+    let lease = app.claim(&user, &key, &params).await;
+    let holder = app.key_row(&user, &key).await.unwrap().lock_holder;
+    assert!(
+        holder.is_some(),
+        "this server's lock names its liveness session"
+    );
+    let take_over = "UPDATE idempotency_keys SET lock_token = gen_random_uuid(), locked_at = now() \
+                     WHERE id = $1";
+    // A session of this version that changes the lock keeps the holder it writes (here none).
+    diesel::sql_query(take_over)
+        .bind::<diesel::sql_types::BigInt, _>(lease.key_id)
+        .execute(&mut app.db.connect().await)
+        .await
+        .unwrap();
+    assert_eq!(app.key_row(&user, &key).await.unwrap().lock_holder, holder);
+    // A server from before holder ids (but with deployment ids, or the fence against older
+    // servers would refuse it the lock) does not name holders: the one it replaced is forgotten,
+    // so its own lock is judged by the lock timeout alone and never taken for the dead holder's.
+    let mut older = app.db.connect_as_an_older_process().await;
+    diesel::sql_query("SET rocket_rides.provider_keys = 'deployment'")
+        .execute(&mut older)
+        .await
+        .unwrap();
+    diesel::sql_query(take_over)
+        .bind::<diesel::sql_types::BigInt, _>(lease.key_id)
+        .execute(&mut older)
+        .await
+        .unwrap();
+    assert_eq!(app.key_row(&user, &key).await.unwrap().lock_holder, None);
+}

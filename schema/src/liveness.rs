@@ -61,6 +61,26 @@ struct Presence {
     holder: Option<HolderId>,
     /// When a heartbeat last confirmed it.
     confirmed_at: Instant,
+    /// A session is being opened (this process has just started, or is replacing a lost one):
+    /// a lock taken now is worth waiting a moment for it. False while a failed attempt backs
+    /// off, so that claims never wait on a session that cannot be opened.
+    opening: bool,
+}
+
+impl Presence {
+    fn lost(opening: bool) -> Presence {
+        Presence {
+            holder: None,
+            confirmed_at: Instant::now(),
+            opening,
+        }
+    }
+
+    /// The holder id, if a heartbeat confirmed it within [`CONFIRMED_FOR`].
+    fn confirmed(&self) -> Option<HolderId> {
+        self.holder
+            .filter(|_| self.confirmed_at.elapsed() < CONFIRMED_FOR)
+    }
 }
 
 /// This process's presence: the holder id to name in the locks it takes, and whether that
@@ -73,13 +93,10 @@ pub struct Liveness {
 impl Liveness {
     /// Opens the liveness session to `url` in the background and keeps it: a session that fails
     /// is replaced, under a new holder id, until every clone of the returned handle is dropped.
-    /// Until the first session stands, [`Liveness::current`] is `None` and locks name no holder
-    /// (they are then judged by the lock timeout alone).
+    /// Until the first session stands, locks name no holder (they are then judged by the lock
+    /// timeout alone).
     pub fn start(url: String) -> Liveness {
-        let (sender, presence) = watch::channel(Presence {
-            holder: None,
-            confirmed_at: Instant::now(),
-        });
+        let (sender, presence) = watch::channel(Presence::lost(true));
         tokio::spawn(keep_session(url, sender));
         Liveness { presence }
     }
@@ -87,39 +104,23 @@ impl Liveness {
     /// A presence that never stands: every lock names no holder. For tools and tests that take
     /// locks without a session of their own.
     pub fn absent() -> Liveness {
-        let (_, presence) = watch::channel(Presence {
-            holder: None,
-            confirmed_at: Instant::now(),
-        });
+        let (_, presence) = watch::channel(Presence::lost(false));
         Liveness { presence }
     }
 
     /// The holder id to name in a lock taken now: the session's, if a heartbeat confirmed it
-    /// within [`CONFIRMED_FOR`].
-    pub fn current(&self) -> Option<HolderId> {
-        let presence = *self.presence.borrow();
-        presence
-            .holder
-            .filter(|_| presence.confirmed_at.elapsed() < CONFIRMED_FOR)
-    }
-
-    /// The holder id to name in a lock taken now; while the session is being opened (a process
-    /// that has just started, or is replacing a lost session), waits up to [`CONFIRMED_FOR`] for
-    /// it, so that a server serving from its first moment names a holder in its first locks.
-    /// `None` if no session stands by then: the lock is judged by the lock timeout alone.
+    /// within [`CONFIRMED_FOR`]. While a session is being opened (a process that has just
+    /// started, or is replacing a lost session), waits up to that long for it, so that a server
+    /// serving from its first moment names a holder in its first locks; never while opening has
+    /// failed. `None`: the lock is judged by the lock timeout alone.
     pub async fn holder_for_lock(&self) -> Option<HolderId> {
-        let mut presence = self.presence.clone();
-        let deadline = tokio::time::Instant::now() + CONFIRMED_FOR;
-        loop {
-            presence.borrow_and_update();
-            if let Some(holder) = self.current() {
-                return Some(holder);
-            }
-            match tokio::time::timeout_at(deadline, presence.changed()).await {
-                Ok(Ok(())) => continue,
-                Ok(Err(_)) | Err(_) => return None,
-            }
-        }
+        self.settled(|presence| match presence.confirmed() {
+            Some(holder) => Some(Some(holder)),
+            None if presence.opening => None,
+            None => Some(None),
+        })
+        .await
+        .flatten()
     }
 
     /// Whether the session named `holder` still stands as far as this process knows (its last
@@ -133,19 +134,28 @@ impl Liveness {
     /// [`CONFIRMED_FOR`]; after a pause, waits up to that long for the next heartbeat. A holder
     /// starts a provider call only on `true`.
     pub async fn confirm(&self, holder: HolderId) -> bool {
+        let confirmed = self
+            .settled(|presence| match presence.holder {
+                Some(current) if current != holder => Some(false),
+                None => Some(false),
+                Some(_) => presence.confirmed().map(|_| true),
+            })
+            .await;
+        confirmed == Some(true)
+    }
+
+    /// The first answer `settle` gives on the presence as it is now or changes within
+    /// [`CONFIRMED_FOR`]; `None` if it gave none by then.
+    async fn settled<T>(&self, settle: impl Fn(&Presence) -> Option<T>) -> Option<T> {
         let mut presence = self.presence.clone();
         let deadline = tokio::time::Instant::now() + CONFIRMED_FOR;
         loop {
-            let now = *presence.borrow_and_update();
-            if now.holder != Some(holder) {
-                return false;
-            }
-            if now.confirmed_at.elapsed() < CONFIRMED_FOR {
-                return true;
+            if let Some(settled) = settle(&presence.borrow_and_update()) {
+                return Some(settled);
             }
             match tokio::time::timeout_at(deadline, presence.changed()).await {
                 Ok(Ok(())) => continue,
-                Ok(Err(_)) | Err(_) => return false,
+                Ok(Err(_)) | Err(_) => return None,
             }
         }
     }
@@ -155,6 +165,7 @@ impl Liveness {
 async fn keep_session(url: String, sender: watch::Sender<Presence>) {
     let mut pause = RECONNECT_FIRST;
     while !sender.is_closed() {
+        sender.send_replace(Presence::lost(true));
         match open_session(&url).await {
             Ok((conn, holder)) => {
                 pause = RECONNECT_FIRST;
@@ -166,10 +177,7 @@ async fn keep_session(url: String, sender: watch::Sender<Presence>) {
                 tracing::warn!(error = %telemetry::error_chain(&error), "cannot open the liveness session");
             }
         }
-        sender.send_replace(Presence {
-            holder: None,
-            confirmed_at: Instant::now(),
-        });
+        sender.send_replace(Presence::lost(false));
         tokio::time::sleep(pause).await;
         pause = (pause * 2).min(RECONNECT_MAX);
     }
@@ -185,6 +193,7 @@ async fn heartbeat(
         sender.send_replace(Presence {
             holder: Some(holder),
             confirmed_at: Instant::now(),
+            opening: false,
         });
         tokio::time::sleep(HEARTBEAT_EVERY).await;
         if sender.is_closed() {
