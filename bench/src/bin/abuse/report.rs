@@ -1,5 +1,5 @@
 //! The campaign's figures per window, the verdict per attack against issue 14's goals, and the
-//! table printed at the end (the one docs/security.md publishes).
+//! table printed at the end (the one docs/history/security.md publishes).
 
 use std::{
     collections::BTreeMap,
