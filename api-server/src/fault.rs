@@ -23,7 +23,7 @@ use schema::RecoveryPoint;
 /// nothing of the phase in the database); `AfterCommit` fires once the statement (its own implicit
 /// transaction) has committed and before the caller learns of it. A fresh key commits two phases
 /// in each of its two statements, and both phases' points fire around each:
-/// - its claim commits phase `started` with the key (`crate::idempotency::FirstRide`):
+/// - its claim commits phase `started` with the key (`crate::rides::claim`):
 ///   `started.before_commit` fires before the claim's statement, and `claim.after_commit` and
 ///   `started.after_commit` after it;
 /// - the charge's record commits phase `charge_created` with it (`crate::rides`'s

@@ -1,4 +1,4 @@
-//! Claims by token that share one statement (`idempotency::Claims`) decide exactly what
+//! Claims that share one statement (`idempotency::Claims`) decide exactly what
 //! claims made one at a time decide: each claim gets its own answer, two claims of one new key
 //! cannot both win, and nothing is written for an unknown token. Every claim carries its first
 //! ride, which is inserted with its key only if the claim inserts the key.
@@ -12,10 +12,8 @@ use std::{sync::Arc, time::Duration};
 use api_server::{
     auth::{self, Caller},
     grpc::reason,
-    idempotency::{
-        self, BatchCounts, Batcher, Batching, Decision, FirstRide, IdempotencyKey, Unlock,
-    },
-    rides::RideParams,
+    idempotency::{self, Batcher, Batching, Claims, Decision, IdempotencyKey, Unlock},
+    rides::{FirstRide, RideClaim, RideParams},
     testing::*,
 };
 use proto::v1::CreateRideRequest;
@@ -120,14 +118,15 @@ async fn claims_queued_together_share_a_statement_and_each_get_their_own_answer(
     // poll of `join_all`, before anything can complete), so the rest share the second statement.
     let batcher_pool = app.db.pool(1);
     let held = batcher_pool.get_owned().await.unwrap();
-    let batcher = Batcher::for_claims(
+    let batcher = Arc::new(Batcher::new(
+        Claims(RideClaim),
         batcher_pool,
         Default::default(),
         Batching {
             max_size: 64,
             in_flight: 1,
         },
-    );
+    ));
     let runs = claims.iter().map(|(token, key, request, _)| {
         let batcher = Arc::clone(&batcher);
         let digest = auth::token_digest(token);
@@ -152,7 +151,7 @@ async fn claims_queued_together_share_a_statement_and_each_get_their_own_answer(
                     Decision::Execute(lease) => {
                         assert_eq!(lease.user_id, user.id);
                         // Born at `ride_created`: its claim wrote the first ride.
-                        let ride = claimed.first_ride.expect("the claim's ride");
+                        let ride = claimed.first_phase.expect("the claim's ride");
                         assert_eq!(ride.idempotency_key_id, Some(lease.key_id));
                         assert_eq!(ride.user_id, user.id);
                         assert_eq!(lease.recovery_point, RecoveryPoint::RideCreated);
@@ -173,13 +172,14 @@ async fn claims_queued_together_share_a_statement_and_each_get_their_own_answer(
     drop(held);
     let decided = all.await;
 
-    assert_eq!(
-        batcher.counts(),
-        BatchCounts {
-            statements: 2,
-            items: claims.len() as u64
-        },
-        "the first claim ran alone and the rest shared one statement"
+    // The runner takes whatever is queued when it wakes: every claim at once, or the first alone
+    // and the rest together. Either way the claim that lost its new key to the other claim of it
+    // in the same statement gets no row back and looks again, in a statement of its own.
+    let counts = batcher.counts();
+    assert_eq!(counts.items, claims.len() as u64 + 1, "{counts:?}");
+    assert!(
+        (2..=3).contains(&counts.statements),
+        "the claims shared statements: {counts:?}"
     );
     let mut shared = Vec::new();
     for ((_, key, _, kind), decided) in claims.iter().zip(decided) {

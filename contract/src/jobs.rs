@@ -4,14 +4,12 @@
 //! construction (after crates.io's `BackgroundJob`, whose name this trait keeps).
 //!
 //! Staging has one home, [`BackgroundJob::staged`]: the row's name, arguments and trace context.
-//! The admin writes it with [`JobToStage::enqueue`]; the api-server binds the same values into the
-//! one statement that also records the charge and finishes the key (its phase must stay one
-//! statement: docs/performance.md).
+//! One statement writes the row, the one that records the charge and finishes the key
+//! ([`crate::writes::RecordCharge`]), for the api-server's phase and for an operator's
+//! `workers admin key finish` alike.
 
 use chrono::{DateTime, Utc};
-use diesel::{ExpressionMethods, QueryResult};
-use diesel_async::{AsyncPgConnection, RunQueryDsl};
-use schema::{models::Ride, schema::staged_jobs};
+use schema::models::Ride;
 use serde::{Deserialize, Serialize, de::DeserializeOwned};
 
 /// A job type: its name in `staged_jobs.job_name` and its arguments as `job_args`.
@@ -47,21 +45,6 @@ pub struct JobToStage {
     pub job_name: &'static str,
     pub job_args: serde_json::Value,
     pub trace_context: serde_json::Value,
-}
-
-impl JobToStage {
-    /// Writes the row in `conn`'s transaction (crates.io's `enqueue`); its id.
-    pub async fn enqueue(&self, conn: &mut AsyncPgConnection) -> QueryResult<i64> {
-        diesel::insert_into(staged_jobs::table)
-            .values((
-                staged_jobs::job_name.eq(self.job_name),
-                staged_jobs::job_args.eq(&self.job_args),
-                staged_jobs::trace_context.eq(&self.trace_context),
-            ))
-            .returning(staged_jobs::id)
-            .get_result(conn)
-            .await
-    }
 }
 
 /// The receipt staged when a ride is paid for.

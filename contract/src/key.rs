@@ -15,20 +15,19 @@
 //! | `ride_created` → `finished`: the charge recorded, the receipt staged, the outcome stored (phase `charge_created` merged into the charge's record) | the answer |
 //! | → `finished` with a decline, or by an operator | the answer |
 //!
-//! Until run 24 of docs/history/performance.md the charge's record was a commit of its own, made without
-//! waiting for the flush (nothing outside the database followed it before the receipt's flushed
-//! commit); merged with the receipt's, it has nothing left to save. A claim that only reads
-//! (a replay, a mismatch) writes no WAL and waits for nothing.
+//! An older server committed the charge's record on its own, without waiting for the flush
+//! (nothing outside the database followed it before the receipt's flushed commit); merged with
+//! the receipt's, it has nothing left to save. A claim that only reads (a replay, a mismatch)
+//! writes no WAL and waits for nothing.
 //!
 //! What proves it: the `--ha` campaign (`proof/run.sh --ha`, in the test command) SIGKILLs the
 //! PostgreSQL primary under load and fails (`ok_key_finished`, `client_saw_ride`) if an answered
 //! ride or outcome is missing on the promoted standby, which is what a commit that did not wait
 //! would lose.
 
-use std::{collections::HashSet, time::Duration};
+use std::time::Duration;
 
-use diesel::{QueryableByName, sql_types::BigInt};
-use schema::{prepared::Statement, schema::idempotency_keys};
+use schema::schema::idempotency_keys;
 use telemetry::settings::ConfigError;
 
 /// The idempotency key presented to the provider for the charge of idempotency key row
@@ -234,121 +233,6 @@ impl LockState {
 /// too long for chrono saturates rather than fails.
 pub fn chrono_duration(duration: Duration) -> chrono::Duration {
     chrono::Duration::from_std(duration).unwrap_or(chrono::Duration::MAX)
-}
-
-/// The fence every statement that moves a key on starts with, as a CTE named `fence` (binds: `$1`
-/// the key id, `$2` the holder's lock token, `$3` the key's user id, so that the statement names
-/// its shard and a key of another user is never moved). It locks the key row and yields it only
-/// while the token is the holder's; each of the statement's writes selects from it (directly or through a
-/// write that does), so a holder whose lock was taken over writes nothing and its statement
-/// returns no row. The row lock is taken before any write and held until the statement commits,
-/// so two attempts on one key still move it one after the other. A concurrent takeover makes the
-/// lock wait for it and then re-check the token on the newest row version (READ COMMITTED's
-/// re-check of locked rows), so it is never missed.
-///
-/// A phase names the recovery point it moves the key on from (`fence!("charge_created")`), and the
-/// fence yields the key only while it is still there: if the holder's idea of where the key
-/// stands were ever ahead of the database's (a commit it saw lost, as a PostgreSQL crash could
-/// take the unflushed charge records of earlier versions), a phase run from there would write on a
-/// state it never saw (a receipt and an outcome for a ride whose charge is not recorded). `fence!()` checks no recovery point, for
-/// finishing a key from wherever it stands (a decline, `workers admin key finish`).
-#[macro_export]
-macro_rules! fence {
-    () => {
-        "fence AS (SELECT id, user_id FROM idempotency_keys \
-         WHERE id = $1 AND lock_token = $2 AND user_id = $3 FOR NO KEY UPDATE)"
-    };
-    ($point:literal) => {
-        concat!(
-            "fence AS (SELECT id, user_id FROM idempotency_keys \
-             WHERE id = $1 AND lock_token = $2 AND user_id = $3 AND recovery_point = '",
-            $point,
-            "' FOR NO KEY UPDATE)"
-        )
-    };
-}
-
-/// [`fence!`] for a batch of requests: the CTEs every batched phase starts with, `input` (the
-/// arrays `$1` key ids, `$2` lock tokens and `$3` user ids, then `$unnest`, one row per request,
-/// with the column names `$columns` gives after `key_id, token, user_id`) and `fence`, which
-/// locks each request's key row in key id order (so two batches never wait for each other in a
-/// cycle) and yields the request only while the key is still that user's, carries its token and
-/// stands at `$point` (the recovery point the phase moves it on from, as [`fence!`] says why),
-/// re-checked on the newest row version as the one-request fence is.
-#[macro_export]
-macro_rules! batch_fence {
-    ($point:literal, $unnest:literal, $columns:literal) => {
-        concat!(
-            "WITH input AS (SELECT * FROM unnest($1::int8[], $2::uuid[], $3::int8[], ",
-            $unnest,
-            ") AS i(key_id, token, user_id, ",
-            $columns,
-            ")), fence AS (SELECT input.* FROM (SELECT * FROM input ORDER BY key_id) input \
-             CROSS JOIN LATERAL (SELECT FROM idempotency_keys \
-             WHERE idempotency_keys.id = input.key_id \
-             AND idempotency_keys.lock_token = input.token \
-             AND idempotency_keys.user_id = input.user_id \
-             AND idempotency_keys.recovery_point = '",
-            $point,
-            "' FOR NO KEY UPDATE) locked)"
-        )
-    };
-}
-
-/// The `UPDATE … SET` that finishes a key: the outcome (`$code`, `$body`: binds or columns), the
-/// final recovery point, and the lock cleared. Every way a key is finished (a declined card, the
-/// receipt phase alone or batched, an operator) is this text followed by its own `FROM`/`WHERE`.
-#[macro_export]
-macro_rules! finish_key {
-    ($code:literal, $body:literal) => {
-        concat!(
-            "UPDATE idempotency_keys SET recovery_point = 'finished', response_code = ",
-            $code,
-            ", response_body = ",
-            $body,
-            ", locked_at = NULL, lock_token = NULL, lock_holder = NULL"
-        )
-    };
-}
-
-/// What a statement that moves a key on returns when it committed: the key it moved.
-#[derive(QueryableByName)]
-pub struct KeyMoved {
-    #[diesel(sql_type = BigInt)]
-    pub id: i64,
-}
-
-impl KeyMoved {
-    /// For each of a batch's `items`, in order, `Some` if its key is among those the statement
-    /// moved on, `None` if its fence failed.
-    pub fn per_item<T>(
-        items: &[T],
-        key_id: fn(&T) -> i64,
-        moved: Vec<KeyMoved>,
-    ) -> Vec<Option<()>> {
-        let moved: HashSet<i64> = moved.into_iter().map(|key| key.id).collect();
-        items
-            .iter()
-            .map(|item| moved.contains(&key_id(item)).then_some(()))
-            .collect()
-    }
-}
-
-/// Finishes a key (`$1`, of user `$3`) with a stored outcome (`$4` code, `$5` body) and nothing
-/// else, fenced by its holder's lock token (`$2`): the api-server's phase that reaches a final
-/// outcome without other writes (a declined card), and `workers admin key finish` after it has
-/// taken the lock over. Returns [`KeyMoved`], or no row if the token is no longer the key's.
-pub struct FinishKey;
-
-impl Statement for FinishKey {
-    const SQL: &'static str = concat!(
-        "WITH ",
-        fence!(),
-        " ",
-        finish_key!("$4", "$5"),
-        " FROM fence WHERE idempotency_keys.id = fence.id AND idempotency_keys.lock_token = $2 \
-         AND idempotency_keys.user_id = fence.user_id RETURNING idempotency_keys.id"
-    );
 }
 
 #[cfg(test)]

@@ -9,8 +9,10 @@
 //!   enqueuer, each a typed struct that builds and parses its own `job_args` ([`BackgroundJob`]).
 //! - [`message`]: the versioned messages on the `rides` exchange, which other teams consume.
 //! - [`key`]: the rules of an idempotency key that more than one process applies: the key the
-//!   provider sees for its charge, when a lock is live, and the statement text that finishes a
-//!   key.
+//!   provider sees for its charge and when a lock may be taken over.
+//! - [`writes`]: the statements that move a key on and that more than one process runs
+//!   (recording a charge, finishing a key, releasing its lock), each one SQL text with its
+//!   parameters bound by name.
 //! - [`ownership`]: which PaymentIntents on the shared provider account are ours, the one rule
 //!   the api-server's charge search and the reconciler both apply.
 //! - [`request`]: the request a key is bound to, as the api-server stores it on the key and the
@@ -25,6 +27,7 @@ pub mod message;
 pub mod outcome;
 pub mod ownership;
 pub mod request;
+pub mod writes;
 
 pub use jobs::{BackgroundJob, JobToStage, ReceiptJob};
 pub use outcome::{

@@ -2,45 +2,52 @@
 //!
 //! PostgreSQL pays a fixed price per statement (protocol messages, executor start-up, locking
 //! every relation and index the statement touches, and for a write the commit and its WAL flush)
-//! that is several times the price of one more row. On this project's 2-core machine eight claims
-//! in one statement cost the database about a quarter of what eight statements cost
-//! (`docs/history/performance.md`, run 6). So the claim (`super::claim`) and the three write phases of
-//! CreateRide (one file each under `crate::rides`) each have a [`Batcher`] that sends whatever requests are
-//! waiting as one statement over arrays, one element per request.
+//! that is several times the price of one more row; on a 2-core machine eight claims in one
+//! statement cost the database about a quarter of what eight statements cost
+//! (docs/performance.md). Every write of a request is one statement over arrays, one element per
+//! request, so a request alone is a batch of one and a batch is the same text with more
+//! elements. A [`Batcher`] per statement (the claim, the charge's record) sends whatever requests
+//! are waiting as one statement.
 //!
-//! Batching never adds a wait: a request that finds fewer than `in_flight` batches running starts
-//! one at once, alone if need be. Requests queue only while that many batches are already
-//! running, and the next batch takes everything queued by then.
+//! How it works, top to bottom:
+//! 1. [`Batcher::run`] sends the request's item down an unbounded `mpsc` channel with a
+//!    `oneshot` for its [`Verdict`], and waits for the verdict.
+//! 2. `in_flight` runner tasks share the channel's receiver behind a `tokio::sync::Mutex`. An
+//!    idle runner holds the mutex and waits in `recv_many`, which takes everything queued (up to
+//!    `max_size`) as soon as there is one request; it then lets go of the mutex so that the next
+//!    idle runner waits for the next batch, and runs its batch.
+//! 3. So batching never adds a wait: a request that arrives while a runner is idle is sent at
+//!    once, alone if need be. Requests queue only while every runner is busy, and the next free
+//!    runner takes them all.
+//! 4. Each batch runs in a task of its own (`tokio::spawn`), so that a panic in it ends that
+//!    batch only: its requests hear [`Verdict::RunAlone`] (their `oneshot` is dropped) and the
+//!    runner goes on with the next batch.
 //!
 //! A batch is one statement, so one implicit transaction: it commits whole or not at all. Each
-//! request's rows in it are decided as its own statement would decide them (the statements say
-//! how), so a request whose fence fails gets no row and writes nothing while the others commit.
-//! What a batch cannot decide (a statement error, a panic) every request in it redoes alone with
-//! its one-request statement, so a batch never turns one request's problem into another's error.
-//! Only two failures are handed to every request instead: an exhausted pool (another try would
-//! wait as long again) and a connection lost mid-statement, after which nobody knows whether the
-//! batch committed; a phase must not be redone blindly then, and the caller's retry resumes from
-//! what the database holds.
+//! request's rows in it are decided as they would be alone (the statements say how), so a
+//! request whose fence fails gets no row and writes nothing while the others commit. What a
+//! batch cannot decide (a statement error, a panic) every request in it runs again alone with
+//! the same statement, so a batch never turns one request's problem into another's error. Two
+//! failures are handed to every request instead: an exhausted pool (another try would wait as
+//! long again), and for a statement not safe to run twice, a connection lost mid-statement, after
+//! which nobody knows whether the batch committed.
 
 use std::{
     future::Future,
-    mem,
-    panic::AssertUnwindSafe,
     sync::{
-        Arc, Mutex, PoisonError,
+        Arc,
         atomic::{AtomicU64, Ordering},
     },
 };
 
 use diesel::result::{DatabaseErrorKind, Error as DieselError};
 use diesel_async::AsyncPgConnection;
-use futures_util::FutureExt;
 use schema::{
     Pool,
     store::{ConflictRetry, StoreError, lost_connection_discarded, retry_transient},
 };
 use telemetry::attr;
-use tokio::sync::oneshot;
+use tokio::sync::{Mutex, mpsc, oneshot};
 
 /// How one kind of statement is grouped into batches.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -53,11 +60,9 @@ pub struct Batching {
 
 impl Default for Batching {
     /// One batch in flight per statement: while it runs, the next one fills. Fewer, fuller
-    /// statements won over more concurrent ones at every step measured: four in flight served
-    /// fewer replays than two (session 4), and once the claim and the charge's phase stopped
-    /// waiting for the WAL flush, one in flight served 2,124–2,168 new rides/s at 64 clients
-    /// against 1,811–1,870 with two and 1,203–1,383 with three or four, at 0.37–0.45 ms of
-    /// database CPU per ride instead of 0.51–0.59 (`docs/history/performance.md`, run 20).
+    /// statements won over more concurrent ones at every step measured: with one in flight a
+    /// new ride cost 0.37–0.45 ms of database CPU at 64 clients against 0.51–0.59 with two to
+    /// four, and served the most rides (docs/history/performance.md).
     fn default() -> Self {
         Batching {
             max_size: 32,
@@ -66,16 +71,16 @@ impl Default for Batching {
     }
 }
 
-/// One statement over arrays that does for several requests what a one-request statement does
-/// for each.
+/// One statement over arrays that does for several requests what it does for one.
 pub trait BatchStatement: Send + Sync + 'static {
-    /// What one request contributes.
-    type Item: Send + Sync + 'static;
+    /// What one request contributes. `Clone` so that a request keeps its item to run it alone
+    /// when its batch could not decide it.
+    type Item: Clone + Send + Sync + 'static;
     /// What the statement decided for one request.
     type Output: Send + 'static;
     /// The statement's name in metrics and logs.
     const NAME: &'static str;
-    /// Whether a request may redo its work alone after the connection was lost mid-batch, not
+    /// Whether a request may run again alone after the connection was lost mid-batch, not
     /// knowing whether the batch committed. True only for a statement that is safe to run twice.
     const REDO_AFTER_CONNECTION_LOSS: bool;
 
@@ -88,14 +93,19 @@ pub trait BatchStatement: Send + Sync + 'static {
     ) -> impl Future<Output = Result<Vec<Self::Output>, DieselError>> + Send + 'a;
 }
 
-/// Sends concurrent requests' statements of one kind to PostgreSQL together. Cheap to share: one
-/// per statement per process.
+/// Sends concurrent requests' statements of one kind to PostgreSQL together: see the module
+/// documentation. One per statement per process; its runners end when it is dropped.
 pub struct Batcher<S: BatchStatement> {
+    shared: Arc<Shared<S>>,
+    queue: mpsc::UnboundedSender<Pending<S>>,
+}
+
+/// What the runners and the lone requests both use.
+struct Shared<S: BatchStatement> {
     statement: S,
     pool: Pool,
     policy: ConflictRetry,
-    batching: Batching,
-    queue: Mutex<Queue<S>>,
+    max_size: usize,
     statements: AtomicU64,
     items: AtomicU64,
 }
@@ -107,21 +117,18 @@ pub struct BatchCounts {
     pub items: u64,
 }
 
-struct Queue<S: BatchStatement> {
-    waiting: Vec<Pending<S>>,
-    running: usize,
-}
-
 /// One request waiting for its batch.
 struct Pending<S: BatchStatement> {
     item: S::Item,
     verdict: oneshot::Sender<Verdict<S::Output>>,
 }
 
-/// What a batch says about one of its requests. A request whose sender is dropped (the batch
-/// failed or panicked) has no verdict and redoes its work alone.
+/// What a batch says about one of its requests.
 enum Verdict<T> {
     Decided(T),
+    /// The batch could not decide it (a statement error, or a panic, which drops the sender):
+    /// the request runs alone.
+    RunAlone,
     /// No connection came free within the pool's timeout.
     PoolTimedOut,
     /// The connection failed mid-statement: the batch may or may not have committed.
@@ -129,151 +136,158 @@ enum Verdict<T> {
 }
 
 impl<S: BatchStatement> Batcher<S> {
-    pub fn new(statement: S, pool: Pool, policy: ConflictRetry, batching: Batching) -> Arc<Self> {
-        Arc::new(Batcher {
+    /// A batcher with its runners started (on the current tokio runtime).
+    pub fn new(statement: S, pool: Pool, policy: ConflictRetry, batching: Batching) -> Self {
+        let shared = Arc::new(Shared {
             statement,
             pool,
             policy,
-            batching: Batching {
-                max_size: batching.max_size.max(1),
-                in_flight: batching.in_flight.max(1),
-            },
-            queue: Mutex::new(Queue {
-                waiting: Vec::new(),
-                running: 0,
-            }),
+            max_size: batching.max_size.max(1),
             statements: AtomicU64::new(0),
             items: AtomicU64::new(0),
-        })
+        });
+        let (queue, receiver) = mpsc::unbounded_channel();
+        if shared.max_size > 1 {
+            let receiver = Arc::new(Mutex::new(receiver));
+            for _ in 0..batching.in_flight.max(1) {
+                tokio::spawn(run_batches(Arc::clone(&shared), Arc::clone(&receiver)));
+            }
+        }
+        Batcher { shared, queue }
     }
 
-    /// The pool the batches run on, for a request that must run alone.
+    /// The pool the statements run on, for a request's other statements.
     pub fn pool(&self) -> &Pool {
-        &self.pool
+        &self.shared.pool
     }
 
-    /// The retry policy the batches run with, for a request that must run alone.
+    /// The retry policy the statements run with, for a request's other statements.
     pub fn policy(&self) -> ConflictRetry {
-        self.policy
-    }
-
-    /// False when every request is to be sent alone (`max_size` 1).
-    pub fn enabled(&self) -> bool {
-        self.batching.max_size > 1
+        self.shared.policy
     }
 
     /// What batching has done so far: requests per statement is the saving it brings.
     pub fn counts(&self) -> BatchCounts {
         BatchCounts {
-            statements: AtomicU64::load(&self.statements, Ordering::Relaxed),
-            items: AtomicU64::load(&self.items, Ordering::Relaxed),
+            statements: self.shared.statements.load(Ordering::Relaxed),
+            items: self.shared.items.load(Ordering::Relaxed),
         }
     }
 
-    /// What a batch decided for `item`, or `Ok(None)` if the request must do its work alone:
-    /// batching is off, or the batch failed for a reason that may be this request's own.
-    pub async fn submit(self: &Arc<Self>, item: S::Item) -> Result<Option<S::Output>, StoreError> {
-        if !self.enabled() {
-            return Ok(None);
-        }
-        let (sender, verdict) = oneshot::channel();
-        self.enqueue(Pending {
-            item,
-            verdict: sender,
-        });
-        match verdict.await {
-            Ok(Verdict::Decided(output)) => Ok(Some(output)),
-            Ok(Verdict::PoolTimedOut) => Err(StoreError::Unavailable(bb8::RunError::TimedOut)),
-            Ok(Verdict::ConnectionLost(message)) => Err(StoreError::ConnectionLost(
-                DieselError::DatabaseError(DatabaseErrorKind::ClosedConnection, Box::new(message)),
-            )),
-            // The batch failed; this request's own statement will say how.
-            Err(oneshot::error::RecvError { .. }) => Ok(None),
-        }
-    }
-
-    /// Queues `pending`, and starts a batch if fewer than `in_flight` are running.
-    fn enqueue(self: &Arc<Self>, pending: Pending<S>) {
-        let batch = {
-            let mut queue = self.queue.lock().unwrap_or_else(PoisonError::into_inner);
-            queue.waiting.push(pending);
-            if queue.running >= self.batching.in_flight {
-                return;
+    /// What the statement decided for `item`: in a batch with other requests when batching is
+    /// on, else (or when its batch could not decide it) alone.
+    pub async fn run(&self, item: S::Item) -> Result<S::Output, StoreError> {
+        if self.shared.max_size > 1 {
+            let (verdict, decided) = oneshot::channel();
+            let pending = Pending {
+                item: item.clone(),
+                verdict,
+            };
+            if self.queue.send(pending).is_ok() {
+                match decided.await.unwrap_or(Verdict::RunAlone) {
+                    Verdict::Decided(output) => return Ok(output),
+                    Verdict::RunAlone => {}
+                    Verdict::PoolTimedOut => {
+                        return Err(StoreError::Unavailable(bb8::RunError::TimedOut));
+                    }
+                    Verdict::ConnectionLost(message) => {
+                        return Err(StoreError::ConnectionLost(DieselError::DatabaseError(
+                            DatabaseErrorKind::ClosedConnection,
+                            Box::new(message),
+                        )));
+                    }
+                }
             }
-            queue.running += 1;
-            self.take_batch(&mut queue)
-        };
-        tokio::spawn(Arc::clone(self).run_batch(batch));
-    }
-
-    fn take_batch(&self, queue: &mut Queue<S>) -> Vec<Pending<S>> {
-        if queue.waiting.len() <= self.batching.max_size {
-            mem::take(&mut queue.waiting)
-        } else {
-            queue.waiting.drain(..self.batching.max_size).collect()
         }
+        self.shared.alone(item).await
     }
+}
 
-    /// Runs batches until the queue is empty. Only a runner that saw the queue empty under the
-    /// lock stops, so a queued request always has a runner that will take it.
-    async fn run_batch(self: Arc<Self>, mut batch: Vec<Pending<S>>) {
-        loop {
-            // A panic drops the batch's senders: its requests then redo their work alone.
-            let _ = AssertUnwindSafe(self.decide(batch)).catch_unwind().await;
-            let mut queue = self.queue.lock().unwrap_or_else(PoisonError::into_inner);
-            if queue.waiting.is_empty() {
-                queue.running -= 1;
-                return;
-            }
-            batch = self.take_batch(&mut queue);
+/// A runner: takes the next batch whenever it is idle, and runs it in a task of its own.
+async fn run_batches<S: BatchStatement>(
+    shared: Arc<Shared<S>>,
+    receiver: Arc<Mutex<mpsc::UnboundedReceiver<Pending<S>>>>,
+) {
+    let mut batch = Vec::with_capacity(shared.max_size);
+    loop {
+        let taken = receiver
+            .lock()
+            .await
+            .recv_many(&mut batch, shared.max_size)
+            .await;
+        if taken == 0 {
+            // Every sender is gone: the batcher was dropped.
+            return;
         }
+        let decide = tokio::spawn(Arc::clone(&shared).decide(std::mem::take(&mut batch)));
+        // A panic ended that batch only; its requests run alone.
+        let _ = decide.await;
     }
+}
 
-    async fn decide(&self, batch: Vec<Pending<S>>) {
-        let (items, senders): (Vec<S::Item>, Vec<_>) = batch
+impl<S: BatchStatement> Shared<S> {
+    /// Runs the statement for one batch and hands each request its verdict.
+    async fn decide(self: Arc<Self>, batch: Vec<Pending<S>>) {
+        let (items, verdicts): (Vec<S::Item>, Vec<_>) = batch
             .into_iter()
             .map(|pending| (pending.item, pending.verdict))
             .unzip();
-        let outputs = retry_transient(self.policy, || async {
-            let mut conn = self.pool.get().await.map_err(StoreError::Unavailable)?;
-            let result = self.statement.execute(&mut conn, &items).await;
-            result.map_err(|error| lost_connection_discarded(&mut conn, error))
-        })
-        .await;
-        let error = match outputs {
+        let verdict_for_all: fn() -> Verdict<S::Output> = match self.execute(&items).await {
             Ok(outputs) => {
-                let size = senders.len() as u64;
+                let size = verdicts.len() as u64;
                 self.statements.fetch_add(1, Ordering::Relaxed);
                 self.items.fetch_add(size, Ordering::Relaxed);
                 crate::metrics::metrics()
                     .batch_size
                     .record(size, &[attr("rides.batch.statement", S::NAME)]);
-                for (sender, output) in senders.into_iter().zip(outputs) {
-                    // A receiver that is gone no longer needs its verdict.
-                    let _ = sender.send(Verdict::Decided(output));
+                for (verdict, output) in verdicts.into_iter().zip(outputs) {
+                    // A request that is gone no longer needs its verdict.
+                    let _ = verdict.send(Verdict::Decided(output));
                 }
                 return;
             }
-            Err(StoreError::Unavailable(bb8::RunError::TimedOut)) => {
-                for sender in senders {
-                    let _ = sender.send(Verdict::PoolTimedOut);
-                }
-                return;
-            }
+            Err(StoreError::Unavailable(bb8::RunError::TimedOut)) => || Verdict::PoolTimedOut,
             Err(StoreError::ConnectionLost(error)) if !S::REDO_AFTER_CONNECTION_LOSS => {
                 let message = error.to_string();
-                for sender in senders {
-                    let _ = sender.send(Verdict::ConnectionLost(message.clone()));
-                }
-                return;
+                return send_all(verdicts, || Verdict::ConnectionLost(message.clone()));
             }
-            Err(error) => error,
+            Err(error) => {
+                tracing::debug!(
+                    statement = S::NAME,
+                    error = &error as &dyn std::error::Error,
+                    items = verdicts.len(),
+                    "a batch failed; its requests run alone"
+                );
+                || Verdict::RunAlone
+            }
         };
-        tracing::debug!(
-            statement = S::NAME,
-            error = &error as &dyn std::error::Error,
-            items = senders.len(),
-            "a batch failed; its requests run alone"
-        );
+        send_all(verdicts, verdict_for_all);
+    }
+
+    /// One run of the statement for `items` on a pooled connection, retried on transient
+    /// conflicts.
+    async fn execute(&self, items: &[S::Item]) -> Result<Vec<S::Output>, StoreError> {
+        retry_transient(self.policy, || async {
+            let mut conn = self.pool.get().await.map_err(StoreError::Unavailable)?;
+            let outputs = self.statement.execute(&mut conn, items).await;
+            outputs.map_err(|error| lost_connection_discarded(&mut conn, error))
+        })
+        .await
+    }
+
+    /// The statement for `item` alone: a batch of one.
+    async fn alone(&self, item: S::Item) -> Result<S::Output, StoreError> {
+        let outputs = self.execute(std::slice::from_ref(&item)).await?;
+        // `execute` maps its items to outputs, so there is exactly one.
+        outputs
+            .into_iter()
+            .next()
+            .ok_or(StoreError::Database(DieselError::NotFound))
+    }
+}
+
+fn send_all<T>(verdicts: Vec<oneshot::Sender<Verdict<T>>>, verdict: impl Fn() -> Verdict<T>) {
+    for sender in verdicts {
+        let _ = sender.send(verdict());
     }
 }

@@ -5,16 +5,16 @@
 //! What it knows beyond `idempotency_keys`: a claim authenticates its caller in the same
 //! statement (the `users` row by token digest or id, so a new key, a replay or a mismatch costs
 //! one round trip), and the crash points around each phase's commit are named after the key's
-//! recovery points (`schema::RecoveryPoint`). It knows nothing of charges or gRPC, and of rides
-//! only the columns a fresh key's claim inserts with the key ([`FirstRide`], so that a new ride
-//! costs one statement fewer).
+//! recovery points (`schema::RecoveryPoint`). It knows nothing of charges, rides or gRPC: a
+//! request type brings its claim statement, which writes its first phase with a new key
+//! ([`ClaimStatement`]), and its phases' statements.
 //!
 //! Layout:
 //! - [`key`]: the validated key string.
-//! - [`claim`]: the claim, one at a time or batched with other callers' claims.
-//! - [`phase`]: the fenced atomic phase, alone or batched, and the two phases every key shares
-//!   (finishing with a stored outcome, releasing the lock).
-//! - [`batch`]: the machinery that sends concurrent requests' statements of one kind together.
+//! - [`claim`]: the claim, batched with other callers' claims (a claim alone is a batch of one).
+//! - [`phase`]: the fenced atomic phase, and the two writes every key shares (finishing with a
+//!   stored outcome, releasing the lock: `contract::writes`).
+//! - [`batch`]: sending concurrent requests' statements of one kind together.
 //! - [`wait`]: a duplicate's wait for the attempt in flight on its key, woken by that attempt on
 //!   this process, polling the key row across processes.
 //! - [`unlock`]: unlocking in the background a key left locked when the database was unreachable
@@ -25,7 +25,8 @@
 //! Every transaction here runs at READ COMMITTED. What must be serialised is all the work done
 //! for one key, and that is done explicitly: each phase is one statement (its own implicit
 //! transaction) whose first step takes the key row's lock (`SELECT … FOR NO KEY UPDATE`) and
-//! checks its fencing token, and whose writes all depend on that step (`contract::fence!`), so
+//! checks its fencing token, and whose writes all depend on that step (the fence,
+//! `contract::writes`), so
 //! two attempts on one key run their phases strictly one after the other, and an attempt whose
 //! lock was taken over finds its token gone and commits nothing. Work on different keys shares no
 //! rows that need to be read consistently, so SERIALIZABLE would only add false conflicts (the
@@ -41,7 +42,7 @@ pub mod phase;
 mod unlock;
 pub mod wait;
 
-use contract::key::LockRule;
+use contract::{key::LockRule, writes::KeyFence};
 use schema::{
     RecoveryPoint,
     liveness::{HolderId, Liveness},
@@ -49,9 +50,12 @@ use schema::{
 use uuid::Uuid;
 
 pub use batch::{BatchCounts, BatchStatement, Batcher, Batching};
-pub use claim::{Claimed, Claims, Decision, FirstRide, claim, key_exists};
+pub use claim::{
+    CallerAndKey, ClaimRequest, ClaimRow, ClaimStatement, Claimed, Claims, Decision, claim,
+    key_exists,
+};
 pub use key::{IdempotencyKey, InvalidKey, MAX_LEN, MIN_LEN};
-pub use phase::{atomic_phase, batched_phase, finish, release};
+pub use phase::{finish, phase, release};
 pub use unlock::Unlock;
 pub use wait::{Holding, WaitBudget, WaitConfig, WaitEnd, Waits};
 
@@ -93,46 +97,13 @@ pub struct LockedBy {
     pub holder: Option<HolderId>,
 }
 
-/// Which key a batched phase's item moves on, whose it is and the token its fence checks: the
-/// part of a [`Lease`] that goes into a batch (`contract::batch_fence!`'s `$1`, `$2` and `$3`
-/// arrays).
-#[derive(Clone, Copy, Debug)]
-pub struct Fence {
-    pub key_id: i64,
-    pub user_id: i64,
-    pub token: Uuid,
-}
-
 impl Lease {
-    pub fn fence(&self) -> Fence {
-        Fence {
+    /// What the fence of a write on this key checks.
+    pub fn fence(&self) -> KeyFence {
+        KeyFence {
             key_id: self.key_id,
             user_id: self.user_id,
             token: self.token,
         }
-    }
-}
-
-/// The `$1` key ids, `$2` lock tokens and `$3` user ids of a batch statement, one element per
-/// item.
-pub struct FenceArrays {
-    pub key_ids: Vec<i64>,
-    pub tokens: Vec<Uuid>,
-    pub user_ids: Vec<i64>,
-}
-
-impl FenceArrays {
-    pub fn of(fences: impl Iterator<Item = Fence>) -> Self {
-        let mut arrays = FenceArrays {
-            key_ids: Vec::new(),
-            tokens: Vec::new(),
-            user_ids: Vec::new(),
-        };
-        for fence in fences {
-            arrays.key_ids.push(fence.key_id);
-            arrays.tokens.push(fence.token);
-            arrays.user_ids.push(fence.user_id);
-        }
-        arrays
     }
 }

@@ -8,7 +8,7 @@
 //! - the claim itself failed, but its statement may have committed before the connection was lost
 //!   (a commit whose acknowledgement died with the primary but that the synchronous standby,
 //!   now the primary, holds): the key is then locked by this attempt's claim token, which only
-//!   this attempt knows (HA runs c6f9eaa6 and b78e994a, issue 32).
+//!   this attempt knows.
 //!
 //! Every unlock is fenced by the token, so it is safe at any time: once another attempt has taken
 //! the key over, or when the claim never committed, it changes nothing. Its outcome is only
@@ -19,7 +19,8 @@ use std::{
     time::{Duration, Instant},
 };
 
-use diesel::{ExpressionMethods, QueryDsl};
+use contract::writes::KeyFence;
+use diesel::{ExpressionMethods, OptionalExtension, QueryDsl};
 use diesel_async::RunQueryDsl;
 use schema::{
     Pool,
@@ -28,7 +29,7 @@ use schema::{
 };
 use uuid::Uuid;
 
-use super::{IdempotencyKey, Lease, phase::unlocked, release};
+use super::{IdempotencyKey, Lease, phase::release_key, release};
 use crate::auth::Caller;
 
 /// What to unlock.
@@ -133,8 +134,9 @@ impl Unlock {
     }
 }
 
-/// Unlocks `caller`'s key `key` if it is locked by `token`, through the `(user_id,
-/// idempotency_key)` unique index (a token's user is looked up by its digest).
+/// Unlocks `caller`'s key `key` if it is locked by `token`: found through the `(user_id,
+/// idempotency_key)` unique index (a token's user is looked up by its digest), then released
+/// with the statement every unlock runs.
 async fn release_claim(
     pool: &Pool,
     policy: ConflictRetry,
@@ -142,29 +144,34 @@ async fn release_claim(
     key: &IdempotencyKey,
     token: Uuid,
 ) -> Result<bool, StoreError> {
-    retry_transient(policy, || async {
+    let found: Option<(i64, i64)> = retry_transient(policy, || async {
         let mut conn = pool.get().await.map_err(StoreError::Unavailable)?;
         let locked_by_token = idempotency_keys::table
             .filter(idempotency_keys::idempotency_key.eq(key.as_str()))
-            .filter(idempotency_keys::lock_token.eq(token));
-        let updated = match caller {
+            .filter(idempotency_keys::lock_token.eq(token))
+            .select((idempotency_keys::id, idempotency_keys::user_id))
+            .into_boxed();
+        let of_caller = match caller {
             Caller::OnBehalfOf(user_id) => {
-                diesel::update(locked_by_token.filter(idempotency_keys::user_id.eq(user_id)))
-                    .set(unlocked())
-                    .execute(&mut conn)
-                    .await?
+                locked_by_token.filter(idempotency_keys::user_id.eq(user_id))
             }
             Caller::Token(digest) => {
                 let user = users::table
                     .filter(users::api_token_digest.eq(digest.to_vec()))
                     .select(users::id);
-                diesel::update(locked_by_token.filter(idempotency_keys::user_id.eq_any(user)))
-                    .set(unlocked())
-                    .execute(&mut conn)
-                    .await?
+                locked_by_token.filter(idempotency_keys::user_id.eq_any(user))
             }
         };
-        Ok(updated == 1)
+        Ok(of_caller.first(&mut conn).await.optional()?)
     })
-    .await
+    .await?;
+    let Some((key_id, user_id)) = found else {
+        return Ok(false);
+    };
+    let fence = KeyFence {
+        key_id,
+        user_id,
+        token,
+    };
+    release_key(pool, policy, fence).await
 }

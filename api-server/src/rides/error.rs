@@ -25,8 +25,8 @@ pub enum CreateRideError {
     LivenessLost,
     #[error("the payment provider is unavailable")]
     ProviderUnavailable(#[source] ChargeError),
-    /// The key is at a recovery point only a server from before run 24 of
-    /// docs/history/performance.md stops at; this server has no phase for it.
+    /// The key is at a recovery point only an older server, which committed phases `started`
+    /// and `charge_created` on their own, stops at; this server has no phase for it.
     #[error("the key was left at {0} by an older server")]
     LeftByOlderServer(RecoveryPoint),
     #[error("internal error")]

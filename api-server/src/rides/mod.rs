@@ -9,29 +9,27 @@
 //! ```
 //!
 //! So a new ride makes two commits: the claim writes the ride with the key in one statement
-//! (`crate::idempotency::FirstRide`), so the key is born at `ride_created`, and the statement that
-//! records the charge also stages the receipt and finishes the key, so it never stops at
-//! `charge_created`. A key at `started` or `charge_created` was left by a server from before run
-//! 24 of docs/history/performance.md: this server answers it `UNAVAILABLE`
-//! ([`CreateRideError::LeftByOlderServer`]), and `workers admin keys upgrade` retires or finishes
-//! it (docs/operations.md, "Upgrading").
+//! ([`claim`]), so the key is born at `ride_created`, and the statement that records the charge
+//! also stages the receipt and finishes the key, so it never stops at `charge_created`. A key at
+//! `started` or `charge_created` was left by an older server that committed those phases apart:
+//! this server answers it `UNAVAILABLE` ([`CreateRideError::LeftByOlderServer`]), and `workers
+//! admin keys upgrade` retires or finishes it (docs/operations.md, "Upgrading").
 //!
 //! A retry with the same key re-enters the loop at the key's recovery point; a finished key
 //! replays the outcome stored by the last phase (`contract::Outcome`). This module decides *what*
 //! happens; the idempotency engine (`crate::idempotency`) guarantees it happens once, and the gRPC
 //! layer (`crate::grpc`) turns the result into a response.
 //!
-//! One file per recovery point a phase starts from: [`started`] (the values the claim writes),
-//! [`ride_created`] (the charge and its record, with its statement for one request and its
-//! batched statement for several side by side), with [`receipt`] what finishing a charged key
-//! writes and [`params`] the request's validated parameters. A new phase is a new recovery point
-//! (a migration), a file here with its statements, and an arm in [`Rides::run_phase`].
+//! One file per phase: [`claim`] (the claim with phase `started`'s ride, `claim.sql`) and
+//! [`ride_created`] (the charge and its record), with [`params`] the request's validated
+//! parameters and [`error`] why an attempt ended without an outcome. A new phase is a new
+//! recovery point (a migration), a file here with its statement, and an arm in
+//! [`Rides::step_with`].
 
+pub mod claim;
 mod error;
 mod params;
-mod receipt;
 mod ride_created;
-mod started;
 
 use std::{net::IpAddr, sync::Arc, time::Instant};
 
@@ -58,6 +56,8 @@ pub use params::{CREATE_RIDE_METHOD, CREATE_RIDE_PATH, FieldViolation, RideParam
 #[cfg(feature = "testing")]
 pub(crate) use ride_created::charge_request;
 
+pub use claim::{FirstRide, RideClaim};
+
 use self::ride_created::RecordCharges;
 use crate::{
     auth::Caller,
@@ -69,6 +69,9 @@ use crate::{
     },
     metrics::metrics,
 };
+
+/// CreateRide's claims, batched.
+pub type RideClaims = Batcher<Claims<RideClaim>>;
 
 /// What a CreateRide call answered.
 #[derive(Debug)]
@@ -90,10 +93,10 @@ pub struct RideRequest {
 /// The ride service's domain logic, shared by every request.
 pub struct Rides {
     pool: Pool,
-    /// Groups concurrent claims by token into shared statements.
-    claims: Arc<Batcher<Claims>>,
+    /// Groups concurrent claims into shared statements.
+    claims: Arc<RideClaims>,
     /// Groups concurrent requests' charge records into shared statements.
-    charges: Arc<Batcher<RecordCharges>>,
+    charges: Batcher<RecordCharges>,
     stripe: StripeClient,
     price: Price,
     idempotency: IdempotencyConfig,
@@ -124,7 +127,12 @@ impl Rides {
                 liveness,
                 rule: LockRule::new(idempotency.lock_timeout, stripe.idempotency_window()),
             },
-            claims: Batcher::for_claims(pool.clone(), retry, idempotency.claim_batching),
+            claims: Arc::new(Batcher::new(
+                Claims(RideClaim),
+                pool.clone(),
+                retry,
+                idempotency.claim_batching,
+            )),
             charges: Batcher::new(
                 RecordCharges,
                 pool.clone(),
@@ -160,7 +168,7 @@ impl Rides {
     }
 
     /// The claim batcher, whose counts tell how many claims shared statements.
-    pub fn claim_batcher(&self) -> &Arc<Batcher<Claims>> {
+    pub fn claim_batcher(&self) -> &Arc<RideClaims> {
         &self.claims
     }
 
@@ -277,7 +285,7 @@ impl Rides {
     /// replays, or runs the key to a final outcome.
     async fn answer(
         &self,
-        claimed: Claimed,
+        claimed: Claimed<Ride>,
         key: &IdempotencyKey,
         request: &RideRequest,
         waited: bool,
@@ -300,12 +308,20 @@ impl Rides {
             }
             Decision::Execute(mut lease) => {
                 crate::fault::crash_point(CrashPoint::ClaimAfterCommit);
-                if claimed.first_ride.is_some() {
+                if claimed.first_phase.is_some() {
                     crate::fault::crash_point(CrashPoint::StartedAfterCommit);
                 }
                 // Duplicates waiting on this process hear how this attempt ends.
                 let holding = self.waits.hold(lease.user_id, key);
-                let result = self.drive(&mut lease, request, claimed.first_ride).await;
+                let result = self
+                    .step_with(&mut lease, request, claimed.first_phase)
+                    .await;
+                // Unlocked after a fenced-off phase too: a fence also fails while this attempt
+                // still holds the lock, when the key is not where this attempt left it (a commit
+                // it saw was lost). Releasing a lease that was taken over changes nothing.
+                if result.is_err() {
+                    self.unlock(&lease).await;
+                }
                 if let Ok(outcome) = &result {
                     holding.finished(outcome.to_stored());
                 }
@@ -322,24 +338,6 @@ impl Rides {
             replayed,
             result,
         }
-    }
-
-    /// Drives a claimed key to a final outcome; `ride` is the ride its claim inserted, if any.
-    async fn drive(
-        &self,
-        lease: &mut Lease,
-        request: &RideRequest,
-        ride: Option<Ride>,
-    ) -> Result<Outcome, CreateRideError> {
-        // One phase is left to run for any key this server resumes: `ride_created`'s.
-        let result = self.step_with(lease, request, ride).await;
-        // Unlocked after a fenced-off phase too: a fence also fails while this attempt still
-        // holds the lock, when the key is not where this attempt left it (a commit it saw was
-        // lost). Releasing a lease that was taken over changes nothing.
-        if result.is_err() {
-            self.unlock(lease).await;
-        }
-        result
     }
 
     /// Unlocks the key so that a retry resumes at once. An unlock that fails (the database is
@@ -393,7 +391,7 @@ impl Rides {
         );
         let started = Instant::now();
         let result = self
-            .run_phase(lease, request, ride)
+            .ride_created(lease, request, ride)
             .instrument(span.clone())
             .await;
         span.record("rides.recovery_point.to", lease.recovery_point.as_str());
@@ -410,21 +408,21 @@ impl Rides {
         result
     }
 
-    async fn run_phase(
+    /// The one phase this server resumes a key at, `ride_created`'s, which finishes the key;
+    /// `ride` is the ride the key's claim inserted, or `None` to read it back (an attempt that
+    /// resumes a key an earlier attempt claimed). Reading it outside the phase's statement is
+    /// safe: only the holder of the key's lock changes a ride, by the phase that records the
+    /// charge, and a lease that lost the lock meanwhile is fenced off by that phase.
+    async fn ride_created(
         &self,
         lease: &mut Lease,
         request: &RideRequest,
         ride: Option<Ride>,
     ) -> Result<Outcome, CreateRideError> {
         let point = lease.recovery_point;
-        let outcome = match point {
-            RecoveryPoint::RideCreated => {
-                // A ride read back is a key an earlier attempt claimed.
-                let resumed = ride.is_none();
-                let current = self.current_ride(lease, ride).await?;
-                self.charge(lease, request, current, resumed).await?
-            }
-            point @ (RecoveryPoint::Started | RecoveryPoint::ChargeCreated) => {
+        match point {
+            RecoveryPoint::RideCreated => {}
+            RecoveryPoint::Started | RecoveryPoint::ChargeCreated => {
                 return Err(CreateRideError::LeftByOlderServer(point));
             }
             RecoveryPoint::Finished => {
@@ -432,25 +430,16 @@ impl Rides {
                     "a finished key cannot be run again".into(),
                 ));
             }
-        };
-        lease.recovery_point = RecoveryPoint::Finished;
-        tracing::debug!(key_id = lease.key_id, from = %point, to = %lease.recovery_point, "phase committed");
-        Ok(outcome)
-    }
-
-    /// The key's ride: the one this attempt's previous phase returned, or else read back (an
-    /// attempt that resumes a key). Reading it outside the next phase's statement is safe: only
-    /// the holder of the key's lock changes a ride, by the phase that records the charge, and a
-    /// lease that lost the lock meanwhile is fenced off by that next phase.
-    async fn current_ride(
-        &self,
-        lease: &Lease,
-        ride: Option<Ride>,
-    ) -> Result<Ride, CreateRideError> {
-        match ride {
-            Some(ride) => Ok(ride),
-            None => self.ride_for_key(lease).await,
         }
+        let resumed = ride.is_none();
+        let ride = match ride {
+            Some(ride) => ride,
+            None => self.ride_for_key(lease).await?,
+        };
+        let outcome = self.charge(lease, request, ride, resumed).await?;
+        lease.recovery_point = RecoveryPoint::Finished;
+        tracing::debug!(key_id = lease.key_id, from = %point, "phase committed");
+        Ok(outcome)
     }
 
     async fn ride_for_key(&self, lease: &Lease) -> Result<Ride, CreateRideError> {

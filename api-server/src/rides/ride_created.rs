@@ -1,51 +1,37 @@
 //! Phase `ride_created`: the charge, a foreign state mutation made with no transaction open and
 //! no pooled connection held, then its result in one atomic phase that finishes the key: for a
 //! charge that succeeded, the PaymentIntent id on the ride, the receipt staged and the outcome
-//! stored ([`RecordCharge`], or [`RecordChargeBatch`] for several requests), so the key goes from
-//! `ride_created` to `finished` in one commit and never stops at `charge_created`; for a declined
-//! card, the key finished with the decline as its outcome.
+//! stored (`contract::writes::RecordCharge`, the statement `workers admin key finish` records a
+//! charge with too), so the key goes from `ride_created` to `finished` in one commit and never
+//! stops at `charge_created`; for a declined card, the key finished with the decline as its
+//! outcome (`contract::writes::FinishKey`).
 //!
-//! Why batch: more than half of what PostgreSQL spends on a ride is the fixed price of its
-//! statements (start, relation locks, one commit with its WAL flush), not their rows. The batched
-//! statement does, for every request in it, exactly the writes of the one-request statement,
-//! fenced the same way (`contract::batch_fence!`): a request whose lease was taken over writes
+//! The record goes through a [`Batcher`] with other requests' records: more than half of what
+//! PostgreSQL spends on a ride is the fixed price of its statements (start, relation locks, one
+//! commit with its WAL flush), not their rows. A request whose lease was taken over writes
 //! nothing and gets no row back (`StoreError::LockLost`), while the other requests in the batch
-//! commit. Lookups go through `= ANY(ARRAY(…))` so that the generic plan, which cannot know how
-//! many requests a batch holds, stays index probes.
+//! commit.
 
 use std::time::{Duration, Instant};
 
 use contract::{
     BackgroundJob, Outcome, ReceiptJob,
-    key::KeyMoved,
     ownership::{
         self, IntentFacts, KeyRecord, METADATA_DEPLOYMENT_ID, METADATA_KEY_ID, METADATA_RIDE_ID,
         METADATA_USER_ID,
     },
+    writes::{ChargeRecord, RecordCharge},
 };
-use diesel::{
-    OptionalExtension,
-    result::Error as DieselError,
-    sql_types::{self, Array, BigInt, Integer, Jsonb, Text},
-};
-use diesel_async::{AsyncPgConnection, RunQueryDsl};
-use futures_util::FutureExt;
+use diesel::result::Error as DieselError;
+use diesel_async::AsyncPgConnection;
 use provider::{ChargeError, ChargeRequest, PaymentIntent};
-use schema::{
-    models::Ride,
-    prepared::{Statement, prepared},
-    store::StoreError,
-};
-use scoped_futures::ScopedFutureExt;
+use schema::{RecoveryPoint, models::Ride, store::StoreError};
 use telemetry::attr;
 
-use super::{
-    CreateRideError, RideRequest, Rides,
-    receipt::{ReceiptAndOutcome, ReceiptArrays, finish_batch_with_receipts, finish_with_receipt},
-};
+use super::{CreateRideError, RideRequest, Rides};
 use crate::{
     fault::CrashPoint,
-    idempotency::{self, BatchStatement, Fence, FenceArrays, Lease},
+    idempotency::{self, BatchStatement, Lease},
     metrics::metrics,
 };
 
@@ -141,42 +127,8 @@ impl Rides {
                 .into(),
             ));
         }
-        let charge = charge_request(lease, request, &ride);
         self.fence_by_liveness(lease, LivenessStep::Charge).await?;
-        // No transaction is open and no connection is held here: the call may take seconds.
-        let started = Instant::now();
-        crate::fault::crash_point(CrashPoint::ChargeBeforeCall);
-        let charged = if self.beyond_provider_key_window(&ride) {
-            // The provider may have forgotten our idempotency key: an earlier attempt that
-            // charged but was never recorded would be charged again. Look for it first.
-            let found = self
-                .stripe
-                .search_charges_for_ride(ride.id)
-                .await
-                .map(|found| our_charge(ours, lease, request, &ride, found));
-            match found {
-                Ok(Some(intent)) => {
-                    tracing::warn!(
-                        ride_id = ride.id,
-                        "found an unrecorded charge older than the provider's idempotency window"
-                    );
-                    Ok(intent)
-                }
-                Ok(None) => self.create_payment_intent(&charge).await,
-                Err(error) => Err(error),
-            }
-        } else {
-            self.create_payment_intent(&charge).await
-        };
-        let outcome = match &charged {
-            Ok(_) => "succeeded",
-            Err(ChargeError::Declined { .. }) => "declined",
-            Err(ChargeError::Unavailable { .. }) => "unavailable",
-            Err(ChargeError::Rejected { .. }) => "rejected",
-        };
-        metrics()
-            .provider_duration
-            .record(started.elapsed().as_secs_f64(), &[attr("outcome", outcome)]);
+        let charged = self.call_provider(lease, request, &ride).await;
         if matches!(charged, Ok(_) | Err(ChargeError::Declined { .. })) {
             self.fence_by_liveness(lease, LivenessStep::Record).await?;
         }
@@ -207,6 +159,53 @@ impl Rides {
                 Err(CreateRideError::Internal(Box::new(error)))
             }
         }
+    }
+
+    /// The provider call of the charge, timed by its outcome: a search first for a ride older
+    /// than the provider's idempotency window, then the PaymentIntent. No transaction is open and
+    /// no connection is held here: the call may take seconds.
+    async fn call_provider(
+        &self,
+        lease: &Lease,
+        request: &RideRequest,
+        ride: &Ride,
+    ) -> Result<PaymentIntent, ChargeError> {
+        let ours = self.stripe.deployment_id().as_str();
+        let charge = charge_request(lease, request, ride);
+        let started = Instant::now();
+        crate::fault::crash_point(CrashPoint::ChargeBeforeCall);
+        let charged = if self.beyond_provider_key_window(ride) {
+            // The provider may have forgotten our idempotency key: an earlier attempt that
+            // charged but was never recorded would be charged again. Look for it first.
+            let found = self
+                .stripe
+                .search_charges_for_ride(ride.id)
+                .await
+                .map(|found| our_charge(ours, lease, request, ride, found));
+            match found {
+                Ok(Some(intent)) => {
+                    tracing::warn!(
+                        ride_id = ride.id,
+                        "found an unrecorded charge older than the provider's idempotency window"
+                    );
+                    Ok(intent)
+                }
+                Ok(None) => self.create_payment_intent(&charge).await,
+                Err(error) => Err(error),
+            }
+        } else {
+            self.create_payment_intent(&charge).await
+        };
+        let outcome = match &charged {
+            Ok(_) => "succeeded",
+            Err(ChargeError::Declined { .. }) => "declined",
+            Err(ChargeError::Unavailable { .. }) => "unavailable",
+            Err(ChargeError::Rejected { .. }) => "rejected",
+        };
+        metrics()
+            .provider_duration
+            .record(started.elapsed().as_secs_f64(), &[attr("outcome", outcome)]);
+        charged
     }
 
     /// A resumed key's charge may be a replay of a PaymentIntent that was refunded meanwhile: a
@@ -270,48 +269,31 @@ impl Rides {
 
     /// The charge's atomic phase, which is also phase `charge_created`'s: the PaymentIntent
     /// `charge_id` on `ride`, the receipt staged and the key finished. Both recovery points'
-    /// crash points fire around the one statement, as `started`'s fire around the claim.
+    /// crash points fire around the one statement, as `started`'s fire around the claim. Built
+    /// inside the phase's span: the receipt continues this request's trace (the enqueuer and the
+    /// receipt worker pick the context up from the job).
     async fn record_charge(
         &self,
         lease: &Lease,
         ride: Ride,
         charge_id: String,
     ) -> Result<Outcome, StoreError> {
-        let ride_id = ride.id;
-        let (outcome, receipt) = ReceiptAndOutcome::for_charged(Ride {
+        let ride = Ride {
             stripe_charge_id: Some(charge_id.clone()),
             ..ride
-        });
-        let charge_made = || ChargeMade {
-            fence: lease.fence(),
-            ride_id,
-            charge_id: charge_id.clone(),
-            receipt: receipt.clone(),
         };
-        let (charge_id, receipt) = (&charge_id, &receipt);
+        let (ride_id, receipt) = (ride.id, ReceiptJob::from(&ride).staged());
+        let outcome = Outcome::ride_created(ride);
+        let record = ChargeRecord {
+            fence: lease.fence(),
+            from: RecoveryPoint::RideCreated,
+            ride_id,
+            charge_id,
+            receipt: Some(receipt),
+            outcome: outcome.to_stored(),
+        };
         crate::fault::crash_point(CrashPoint::ChargeCreatedBeforeCommit);
-        idempotency::batched_phase(&self.charges, lease, charge_made, || async {
-            idempotency::atomic_phase(&self.pool, self.retry, lease, |conn| {
-                prepared::<RecordCharge, _>(|q| {
-                    q.bind::<BigInt, _>(lease.key_id)
-                        .bind::<sql_types::Uuid, _>(lease.token)
-                        .bind::<BigInt, _>(lease.user_id)
-                        .bind::<Text, _>(charge_id)
-                        .bind::<BigInt, _>(ride_id)
-                        .bind::<Text, _>(receipt.job.job_name)
-                        .bind::<Jsonb, _>(&receipt.job.job_args)
-                        .bind::<Jsonb, _>(&receipt.job.trace_context)
-                        .bind::<Integer, _>(receipt.response_code)
-                        .bind::<Jsonb, _>(&receipt.response_body)
-                })
-                .get_result::<KeyMoved>(conn)
-                .map(OptionalExtension::optional)
-                .scope_boxed()
-            })
-            .await
-            .map(|_| ())
-        })
-        .await?;
+        idempotency::phase(&self.charges, lease, record).await?;
         crate::fault::crash_point(CrashPoint::ChargeCreatedAfterCommit);
         Ok(outcome)
     }
@@ -409,39 +391,11 @@ impl LivenessStep {
     }
 }
 
-/// The charge's atomic phase as one statement: the PaymentIntent id on the key's ride, the
-/// receipt job staged, and the key finished with the stored outcome and unlocked, so a fresh key
-/// goes from `ride_created` to `finished` in one commit and never stops at `charge_created`.
-/// Nothing lies outside the database between recording the charge and staging the receipt, so
-/// the two phases need no commit between them; the one commit waits for the flush, as
-/// `finished` must be durable before the answer.
-struct RecordCharge;
-
-impl Statement for RecordCharge {
-    const SQL: &'static str = concat!(
-        "WITH ",
-        contract::fence!("ride_created"),
-        ", charged AS (UPDATE rides SET stripe_charge_id = $4 FROM fence \
-         WHERE rides.id = $5 AND rides.user_id = fence.user_id \
-         AND rides.idempotency_key_id = fence.id RETURNING rides.id), ",
-        finish_with_receipt!("charged", "$6", "$7", "$8", "$9", "$10"),
-    );
-}
-
-/// The charge's atomic phase for several keys: see [`RecordCharge`].
+/// The charge's record ([`RecordCharge`]) as the batched statement of phase `ride_created`.
 pub struct RecordCharges;
 
-/// One request's part of [`RecordCharges`].
-pub struct ChargeMade {
-    pub fence: Fence,
-    pub ride_id: i64,
-    /// The provider's PaymentIntent id.
-    pub charge_id: String,
-    pub receipt: ReceiptAndOutcome,
-}
-
 impl BatchStatement for RecordCharges {
-    type Item = ChargeMade;
+    type Item = ChargeRecord;
     /// `Some` if the key was finished; `None` if its fence failed.
     type Output = Option<()>;
     const NAME: &'static str = "record_charge";
@@ -452,45 +406,9 @@ impl BatchStatement for RecordCharges {
     async fn execute(
         &self,
         conn: &mut AsyncPgConnection,
-        items: &[ChargeMade],
+        items: &[ChargeRecord],
     ) -> Result<Vec<Option<()>>, DieselError> {
-        let fences = FenceArrays::of(items.iter().map(|item| item.fence));
-        let charge_ids: Vec<&str> = items.iter().map(|item| item.charge_id.as_str()).collect();
-        let ride_ids: Vec<i64> = items.iter().map(|item| item.ride_id).collect();
-        let receipts = ReceiptArrays::of(items.iter().map(|item| &item.receipt));
-        let moved = prepared::<RecordChargeBatch, _>(|q| {
-            q.bind::<Array<BigInt>, _>(&fences.key_ids)
-                .bind::<Array<sql_types::Uuid>, _>(&fences.tokens)
-                .bind::<Array<BigInt>, _>(&fences.user_ids)
-                .bind::<Array<Text>, _>(&charge_ids)
-                .bind::<Array<BigInt>, _>(&ride_ids)
-                .bind::<Array<Jsonb>, _>(&receipts.job_args)
-                .bind::<Array<Jsonb>, _>(&receipts.trace_contexts)
-                .bind::<Array<Integer>, _>(&receipts.codes)
-                .bind::<Array<Jsonb>, _>(&receipts.bodies)
-                .bind::<Text, _>(ReceiptJob::JOB_NAME)
-        })
-        .load::<KeyMoved>(conn)
-        .await?;
-        Ok(KeyMoved::per_item(items, |item| item.fence.key_id, moved))
+        let moved = RecordCharge::run(conn, items).await?;
+        Ok(moved.into_iter().map(|moved| moved.then_some(())).collect())
     }
-}
-
-struct RecordChargeBatch;
-
-impl Statement for RecordChargeBatch {
-    const SQL: &'static str = concat!(
-        contract::batch_fence!(
-            "ride_created",
-            "$4::text[], $5::int8[], $6::jsonb[], $7::jsonb[], $8::int4[], $9::jsonb[]",
-            "charge_id, ride_id, job_args, trace_context, response_code, response_body"
-        ),
-        ", charged AS (UPDATE rides SET stripe_charge_id = fence.charge_id FROM fence \
-         WHERE rides.id = ANY(ARRAY(SELECT ride_id FROM fence)) \
-         AND rides.id = fence.ride_id AND rides.user_id = fence.user_id \
-         AND rides.idempotency_key_id = fence.key_id \
-         RETURNING rides.idempotency_key_id AS key_id), \
-         settled AS (SELECT fence.* FROM fence JOIN charged USING (key_id)), ",
-        finish_batch_with_receipts!("settled", "$10"),
-    );
 }

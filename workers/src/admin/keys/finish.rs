@@ -2,19 +2,16 @@
 //! phase would have.
 
 use contract::{
-    BackgroundJob, Outcome, ReceiptJob, StoredResponse,
-    key::{FinishKey, KeyMoved, provider_idempotency_key},
+    BackgroundJob, JobToStage, Outcome, ReceiptJob, StoredResponse,
+    key::provider_idempotency_key,
+    writes::{ChargeRecord, FinishKey, KeyFence, KeyFinish, RecordCharge},
 };
-use diesel::{
-    ExpressionMethods, OptionalExtension, QueryDsl,
-    sql_types::{self, BigInt, Integer, Jsonb},
-};
+use diesel::{ExpressionMethods, OptionalExtension, QueryDsl};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use provider::StripeClient;
 use schema::{
     Pool, RecoveryPoint,
     models::Ride,
-    prepared::prepared,
     schema::{idempotency_keys, keys_needing_attention, rides, sent_receipts},
 };
 use serde_json::{Value, json};
@@ -119,10 +116,12 @@ pub async fn finish(
                 report.warnings.push(warning);
             }
             let ride = ride_for_key(conn, &key, mode.applies()).await?;
-            let outcome = match request.outcome {
-                FinishOutcome::Declined => plan_declined(&key, ride.as_ref(), request)?,
+            let (outcome, charge) = match request.outcome {
+                FinishOutcome::Declined => (plan_declined(&key, ride.as_ref(), request)?, None),
                 FinishOutcome::Succeeded => {
-                    plan_succeeded(conn, stripe, &key, ride, request, &mut report, mode).await?
+                    let (outcome, charge) =
+                        plan_succeeded(conn, stripe, &key, ride, request, &mut report).await?;
+                    (outcome, Some(charge))
                 }
             };
             let stored = outcome.to_stored();
@@ -133,7 +132,7 @@ pub async fn finish(
                 render::outcome(&outcome)
             ));
             if mode.applies() {
-                finish_as_the_api_server_does(conn, &key, &stored).await?;
+                finish_as_the_api_server_does(conn, &key, stored, charge).await?;
                 resolve_attention_rows(conn, &key, &open).await?;
             }
             Ok(report)
@@ -229,8 +228,16 @@ fn plan_declined(
     })
 }
 
-/// Plans (and, when applying, writes) the ride's charge id and the receipt job of a succeeded
-/// finish, exactly as the api-server's `ride_created` phase writes them.
+/// What a succeeded finish records with the api-server's own statement: the ride's charge id
+/// and its receipt job (`None` when one is already staged or sent).
+struct ChargeToRecord {
+    ride_id: i64,
+    charge_id: String,
+    receipt: Option<JobToStage>,
+}
+
+/// Plans the ride's charge id and the receipt job of a succeeded finish, which the api-server's
+/// `ride_created` statement then writes ([`finish_as_the_api_server_does`]).
 async fn plan_succeeded(
     conn: &mut AsyncPgConnection,
     stripe: &StripeClient,
@@ -238,8 +245,7 @@ async fn plan_succeeded(
     ride: Option<Ride>,
     request: &FinishRequest,
     report: &mut ChangeReport,
-    mode: Mode,
-) -> Result<Outcome, AdminError> {
+) -> Result<(Outcome, ChargeToRecord), AdminError> {
     let Some(mut ride) = ride else {
         return Err(AdminError::Refused(format!(
             "key {} is at {} and has no ride, so nothing can have been paid for. Finish it with \
@@ -257,7 +263,7 @@ async fn plan_succeeded(
         }
         (Some(_), _) => {}
         (None, Some(given)) => {
-            record_named_charge(conn, stripe, key, &ride, &given, report, mode).await?;
+            check_named_charge(conn, stripe, key, &ride, &given, report).await?;
             ride.stripe_charge_id = Some(given);
         }
         (None, None) => {
@@ -274,20 +280,24 @@ async fn plan_succeeded(
         }
     }
 
-    stage_receipt_unless_done(conn, &ride, report, mode).await?;
-    Ok(Outcome::ride_created(ride))
+    let charge = ChargeToRecord {
+        ride_id: ride.id,
+        charge_id: ride.stripe_charge_id.clone().unwrap_or_default(),
+        receipt: receipt_unless_done(conn, &ride, report).await?,
+    };
+    Ok((Outcome::ride_created(ride), charge))
 }
 
-/// Records `given`, a PaymentIntent the operator named, as the ride's charge once it is proven
-/// the ride's ([`crate::admin::named_charge`]) and recorded on no other ride.
-async fn record_named_charge(
+/// Checks `given`, a PaymentIntent the operator named, before it is recorded as the ride's
+/// charge: it must be proven the ride's ([`crate::admin::named_charge`]) and recorded on no
+/// other ride.
+async fn check_named_charge(
     conn: &mut AsyncPgConnection,
     stripe: &StripeClient,
     key: &KeyState,
     ride: &Ride,
     given: &str,
     report: &mut ChangeReport,
-    mode: Mode,
 ) -> Result<(), AdminError> {
     let elsewhere: Option<i64> = rides::table
         .filter(rides::stripe_charge_id.eq(given))
@@ -309,26 +319,16 @@ async fn record_named_charge(
         Value::Null,
         json!(given),
     ));
-    if mode.applies() {
-        let updated = diesel::update(rides::table.find(ride.id))
-            .filter(rides::user_id.eq(ride.user_id))
-            .filter(rides::stripe_charge_id.is_null())
-            .set(rides::stripe_charge_id.eq(given))
-            .execute(conn)
-            .await?;
-        expect_one(updated, "rides", ride.id)?;
-    }
     Ok(())
 }
 
-/// The receipt of the charged `ride`, staged exactly as the `ride_created` phase stages it,
-/// unless it already is or was sent.
-async fn stage_receipt_unless_done(
+/// The receipt job of the charged `ride`, as the `ride_created` phase stages it, unless one is
+/// already staged or was sent.
+async fn receipt_unless_done(
     conn: &mut AsyncPgConnection,
     ride: &Ride,
     report: &mut ChangeReport,
-    mode: Mode,
-) -> Result<(), AdminError> {
+) -> Result<Option<JobToStage>, AdminError> {
     let staged = staged_receipt_jobs(conn, ride.id).await?;
     let sent = sent_receipts::table
         .find(ride.id)
@@ -347,33 +347,30 @@ async fn stage_receipt_unless_done(
                 format!("{staged} receipt job(s) staged")
             }
         ));
-    } else {
-        let job = ReceiptJob::from(ride).staged();
-        let mut change = Change::insert(
-            "staged_jobs",
-            json!({
-                "job_name": job.job_name,
-                "job_args": job.job_args,
-                "trace_context": job.trace_context,
-            }),
-        );
-        if mode.applies() {
-            change.row = Some(job.enqueue(conn).await?);
-        }
-        report.changes.push(change);
+        return Ok(None);
     }
-    Ok(())
+    let job = ReceiptJob::from(ride).staged();
+    report.changes.push(Change::insert(
+        "staged_jobs",
+        json!({
+            "job_name": job.job_name,
+            "job_args": job.job_args,
+            "trace_context": job.trace_context,
+        }),
+    ));
+    Ok(Some(job))
 }
 
-/// Finishes the key with the api-server's own fenced statement (`contract::key::FinishKey`): this
-/// transaction already holds the row lock, so it takes the key's lock over with a token of its own
-/// (as a claim takes over an expired lock) and then finishes the key as the holder of that token.
-/// The recovery point, the stored outcome and the cleared lock are written by the very statement
-/// a declined charge is finished with.
+/// Finishes the key with the api-server's own fenced statements: [`RecordCharge`] for a
+/// succeeded finish (the charge on the ride, the receipt staged, the key finished), as phase
+/// `ride_created` runs it, or [`FinishKey`] as a declined charge is finished. This transaction
+/// already holds the row lock, so it takes the key's lock over with a token of its own (as a
+/// claim takes over an expired lock) and then writes as the holder of that token.
 async fn finish_as_the_api_server_does(
     conn: &mut AsyncPgConnection,
     key: &KeyState,
-    stored: &StoredResponse,
+    outcome: StoredResponse,
+    charge: Option<ChargeToRecord>,
 ) -> Result<(), AdminError> {
     let key_id = key.id;
     let token = Uuid::new_v4();
@@ -389,14 +386,28 @@ async fn finish_as_the_api_server_does(
         .execute(conn)
         .await?;
     expect_one(taken_over, "idempotency_keys", key_id)?;
-    let finished = prepared::<FinishKey, _>(|q| {
-        q.bind::<BigInt, _>(key_id)
-            .bind::<sql_types::Uuid, _>(token)
-            .bind::<BigInt, _>(key.user_id)
-            .bind::<Integer, _>(stored.code)
-            .bind::<Jsonb, _>(&stored.body)
-    })
-    .get_results::<KeyMoved>(conn)
-    .await?;
-    expect_one(finished.len(), "idempotency_keys", key_id)
+    let fence = KeyFence {
+        key_id,
+        user_id: key.user_id,
+        token,
+    };
+    let finished = match charge {
+        Some(charge) => {
+            let record = ChargeRecord {
+                fence,
+                from: key.recovery_point,
+                ride_id: charge.ride_id,
+                charge_id: charge.charge_id,
+                receipt: charge.receipt,
+                outcome,
+            };
+            RecordCharge::run(conn, &[record]).await?
+        }
+        None => FinishKey::run(conn, &[KeyFinish { fence, outcome }]).await?,
+    };
+    expect_one(
+        finished.into_iter().filter(|moved| *moved).count(),
+        "idempotency_keys",
+        key_id,
+    )
 }

@@ -45,7 +45,8 @@ pub use upgrade::{KeyUpgrade, UpgradeOutcome, UpgradeReport, upgrade};
 
 /// Every column of a key the admin commands look at. Deliberately not `lock_token`: whether a
 /// lock exists is `locked_at IS NOT NULL` (the two are set and cleared together, a CHECK
-/// constraint guarantees it), and the token never needs to be read, so it cannot be printed.
+/// constraint guarantees it), and the token is read only where `key unlock` presents it back to
+/// the fenced release, so it cannot be printed.
 #[derive(Clone, Debug, Queryable, Selectable)]
 #[diesel(table_name = idempotency_keys, check_for_backend(diesel::pg::Pg))]
 struct KeyState {

@@ -1,8 +1,8 @@
 //! `workers admin key unlock`: clears the lock of an unfinished key.
 
-use chrono::{DateTime, Utc};
+use contract::writes::{KeyFence, ReleaseLock};
 use diesel::{ExpressionMethods, QueryDsl};
-use diesel_async::RunQueryDsl;
+use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use schema::{Pool, RecoveryPoint, schema::idempotency_keys};
 use uuid::Uuid;
 
@@ -55,18 +55,7 @@ pub async fn unlock(
                 );
             }
             if mode.applies() {
-                let updated = diesel::update(idempotency_keys::table.find(key_id))
-                    .filter(idempotency_keys::user_id.eq(key.user_id))
-                    .filter(idempotency_keys::recovery_point.ne(RecoveryPoint::Finished))
-                    .filter(idempotency_keys::locked_at.is_not_null())
-                    .set((
-                        idempotency_keys::locked_at.eq(None::<DateTime<Utc>>),
-                        idempotency_keys::lock_token.eq(None::<Uuid>),
-                        idempotency_keys::lock_holder.eq(None::<i64>),
-                    ))
-                    .execute(conn)
-                    .await?;
-                expect_one(updated, "idempotency_keys", key_id)?;
+                release_as_the_api_server_does(conn, key_id, key.user_id).await?;
             }
             Ok(report)
         })
@@ -75,4 +64,36 @@ pub async fn unlock(
         tracing::info!(key_id, forced = force, "admin: key unlocked");
     }
     Ok(report)
+}
+
+/// Releases the lock with the statement every unlock runs ([`ReleaseLock`]), fenced by the
+/// token the lock carries now: this transaction holds the key row's lock, so that token is the
+/// current holder's, read here only to be presented back (it is never shown).
+async fn release_as_the_api_server_does(
+    conn: &mut AsyncPgConnection,
+    key_id: i64,
+    user_id: i64,
+) -> Result<(), AdminError> {
+    let token: Option<Uuid> = idempotency_keys::table
+        .find(key_id)
+        .filter(idempotency_keys::user_id.eq(user_id))
+        .select(idempotency_keys::lock_token)
+        .first(conn)
+        .await?;
+    let released = match token {
+        Some(token) => {
+            let fence = KeyFence {
+                key_id,
+                user_id,
+                token,
+            };
+            ReleaseLock::run(conn, &[fence]).await?
+        }
+        None => Vec::new(),
+    };
+    expect_one(
+        released.into_iter().filter(|released| *released).count(),
+        "idempotency_keys",
+        key_id,
+    )
 }

@@ -2,7 +2,7 @@
 //! `payment_refunded`, the finding resolved; a refund too long for the columns cut to fit with a
 //! finding of its own.
 
-use contract::{Outcome, PAYMENT_REFUNDED, key::KeyMoved};
+use contract::{Outcome, PAYMENT_REFUNDED};
 use diesel::{
     ExpressionMethods, OptionalExtension, QueryDsl,
     sql_types::{BigInt, Integer, Jsonb},
@@ -156,10 +156,10 @@ impl Audit<'_> {
 /// Finishes a refunded charge's key (`$1`) with the stored outcome `$2`, `$3`
 /// ([`Outcome::PaymentRefunded`]) if it is still unfinished; its lock, if an attempt holds one,
 /// is cleared, so that attempt's next phase is fenced off and records nothing.
-pub(super) const TOMBSTONE_REFUNDED_KEY: &str = concat!(
-    contract::finish_key!("$2", "$3"),
-    " WHERE id = $1 AND recovery_point <> 'finished' RETURNING id"
-);
+pub(super) const TOMBSTONE_REFUNDED_KEY: &str = "UPDATE idempotency_keys \
+     SET recovery_point = 'finished', response_code = $2, response_body = $3, \
+     locked_at = NULL, lock_token = NULL, lock_holder = NULL \
+     WHERE id = $1 AND recovery_point <> 'finished'";
 
 /// Finishes the refunded charge's key, if it is unfinished, with the stored outcome
 /// [`Outcome::PaymentRefunded`] and no lock ([`TOMBSTONE_REFUNDED_KEY`]).
@@ -180,13 +180,13 @@ pub(super) async fn tombstone_key(
         message: PAYMENT_REFUNDED.to_owned(),
     };
     let stored = outcome.to_stored();
-    let finished: Vec<KeyMoved> = diesel::sql_query(TOMBSTONE_REFUNDED_KEY)
+    let finished = diesel::sql_query(TOMBSTONE_REFUNDED_KEY)
         .bind::<BigInt, _>(proven.key_id)
         .bind::<Integer, _>(stored.code)
         .bind::<Jsonb, _>(&stored.body)
-        .load(conn)
+        .execute(conn)
         .await?;
-    if finished.is_empty() {
+    if finished == 0 {
         return Err(AdminError::Internal(format!(
             "key {} changed while locked; the refund {} is not recorded",
             proven.key_id, refund.id

@@ -1,0 +1,134 @@
+//! The claim's statement, as the engine sees it: a request type brings one SQL statement that
+//! claims keys for several callers at once (CreateRide's is `crate::rides::claim`), and the engine
+//! batches it, reads its rows and decides each claim. A claim alone is a batch of one.
+//!
+//! What every claim statement must do, row for row, so that batching changes no decision: for
+//! each claim, authenticate the caller (a token's digest, or a user id for a call on a user's
+//! behalf, which never inserts a key); return the key row if it exists (a replay, a mismatch or a
+//! resumption is decided from it without a lock); otherwise insert the key, locked by the
+//! claim's fresh token and naming its holder, with the request type's first phase in the same
+//! statement. `ON CONFLICT DO NOTHING` waits for a concurrent inserter of the same key and then
+//! yields to it; that key is newer than the statement's snapshot, so no row comes back and the
+//! claim looks again. Two claims of one key in one batch cannot both win: the row is inserted
+//! once, and only the claim whose token it carries gets it back. Keys are inserted in (user,
+//! key) order so that two batches that share keys wait for each other in one order and cannot
+//! deadlock. A replay writes nothing and burns no sequence value.
+
+use std::future::Future;
+
+use chrono::{DateTime, Utc};
+use diesel::{
+    QueryableByName,
+    result::Error as DieselError,
+    sql_types::{BigInt, Bool, Bytea, Text, Timestamptz, Uuid as SqlUuid},
+};
+use diesel_async::AsyncPgConnection;
+use schema::models::{IdempotencyKeyRow as KeyRow, User};
+use uuid::Uuid;
+
+use crate::{
+    auth::Caller,
+    idempotency::{BatchStatement, LockedBy, RequestSignature},
+};
+
+/// A request type's claim statement.
+pub trait ClaimStatement: Send + Sync + 'static {
+    /// What a fresh key's first phase writes with the key (CreateRide: its ride).
+    type FirstPhase: Clone + Send + Sync + 'static;
+    /// What the statement returns of that phase for a key it inserted.
+    type Written: Send + 'static;
+
+    /// Claims each of `claims`, returning per claim, in order, its row, or `None` for a caller
+    /// that is no user or a key a concurrent claim inserted after the statement's snapshot.
+    fn execute<'a>(
+        &'a self,
+        conn: &'a mut AsyncPgConnection,
+        claims: &'a [ClaimRequest<Self::FirstPhase>],
+    ) -> impl Future<Output = Result<Vec<Option<ClaimRow<Self::Written>>>, DieselError>> + Send + 'a;
+}
+
+/// One claim: who, which key, the lock it takes, the request the key is bound to, and the first
+/// phase it writes if it inserts the key.
+#[derive(Clone, Debug)]
+pub struct ClaimRequest<F> {
+    pub caller: Caller,
+    pub key: String,
+    /// Also how the claim finds its row in the batch's result: the token is fresh per claim.
+    pub lock: LockedBy,
+    pub request: RequestSignature,
+    pub first_phase: F,
+}
+
+/// What a claim statement returns for one claim.
+pub struct ClaimRow<W> {
+    pub user: User,
+    pub key: KeyRow,
+    /// This claim inserted the key: it holds it, with its own lock token.
+    pub inserted: bool,
+    /// What the first phase wrote with a key this claim inserted.
+    pub written: Option<W>,
+}
+
+/// The columns every claim statement returns for the caller, the key and the claim they answer
+/// (`req`, the claim's lock token); a request type's row embeds it.
+#[derive(QueryableByName)]
+pub struct CallerAndKey {
+    #[diesel(sql_type = SqlUuid)]
+    pub req: Uuid,
+    #[diesel(sql_type = BigInt)]
+    caller_id: i64,
+    #[diesel(sql_type = Timestamptz)]
+    caller_created_at: DateTime<Utc>,
+    #[diesel(sql_type = Text)]
+    email: String,
+    #[diesel(sql_type = Text)]
+    stripe_customer_id: String,
+    #[diesel(sql_type = Text)]
+    stripe_payment_method_id: String,
+    #[diesel(sql_type = Bytea)]
+    api_token_digest: Vec<u8>,
+    #[diesel(embed)]
+    key: KeyRow,
+    #[diesel(sql_type = Bool)]
+    inserted: bool,
+}
+
+impl CallerAndKey {
+    /// The claim's row, with what its first phase wrote.
+    pub fn into_row<W>(self, written: Option<W>) -> ClaimRow<W> {
+        ClaimRow {
+            user: User {
+                id: self.caller_id,
+                created_at: self.caller_created_at,
+                email: self.email,
+                stripe_customer_id: self.stripe_customer_id,
+                stripe_payment_method_id: self.stripe_payment_method_id,
+                api_token_digest: self.api_token_digest,
+            },
+            key: self.key,
+            inserted: self.inserted,
+            written,
+        }
+    }
+}
+
+/// A request type's claim statement, batched ([`crate::idempotency::Batcher`]).
+pub struct Claims<S>(pub S);
+
+impl<S: ClaimStatement> BatchStatement for Claims<S> {
+    type Item = ClaimRequest<S::FirstPhase>;
+    type Output = Option<ClaimRow<S::Written>>;
+    const NAME: &'static str = "claim";
+    /// A claim run again after a batch that did commit finds its key, locked by the token the
+    /// batch gave it, which the claim presents again: it goes on as the key's owner, and never
+    /// makes a second key.
+    const REDO_AFTER_CONNECTION_LOSS: bool = true;
+
+    fn execute<'a>(
+        &'a self,
+        conn: &'a mut AsyncPgConnection,
+        items: &'a [Self::Item],
+    ) -> impl Future<Output = Result<Vec<Self::Output>, DieselError>> + Send + 'a {
+        self.0.execute(conn, items)
+    }
+}
