@@ -5,7 +5,7 @@
 # runs the pgbench ceiling and the load generator per scenario, prints the table and writes it to
 # a file, then kills its processes, drops its database and deletes its RabbitMQ queues.
 #
-#   bench/run.sh [all | riders | retry-wait | new | replay | latency | receipts | enqueuer | batched-ceiling | new-1 | new-8 | new-32 | new-64 ...]
+#   bench/run.sh [all | riders | riders-closed | retry-wait | new | replay | latency | receipts | enqueuer | batched-ceiling | new-1 | new-8 | new-32 | new-64 ...]
 #
 # The headline (issue 28) is `riders`: a rider-facing backend at the api-server's production
 # defaults (no limit lifted), RIDERS riders (default 10,000) created cold on a freshly started
@@ -311,6 +311,18 @@ if wants riders; then
         --duration-secs "$DURATION"
     done
   done
+  start_stack 0 16
+fi
+
+# Fresh keys at the production defaults (no limit lifted) from callers of the riders' shape: a
+# pool of RIDERS riders created cold, each call a random one, 64 in flight over one connection
+# from one address, no client retry, and a fast provider (0 ms): a closed loop, so that what it
+# measures is the service, not its clients (the riders scenario above is bounded by 64 calls per
+# 250 ms). Measured like new-64: a pgbench ceiling in the same run, ROUNDS interleaved windows.
+if wants riders-closed; then
+  start_stack 0 16 defaults
+  measure riders-closed bench/pgbench/create_ride.sql 64 --riders "$RIDERS" --clients 64 \
+    --connections 1 --max-attempts 1 --duration-secs "$DURATION"
   start_stack 0 16
 fi
 

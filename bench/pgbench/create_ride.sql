@@ -1,15 +1,15 @@
 -- One CreateRide with a fresh key, statement for statement as the api-server sent it until run
 -- 23 (docs/performance.md): four statements, no explicit transaction, so each is its own implicit
 -- READ COMMITTED transaction. Since run 23 the server's claim of a fresh key also does statement 2
--- (idempotency/claim/first_ride.rs) and waits for the flush; this script stays the reference the
+-- (api-server/src/rides/claim.sql) and waits for the flush; this script stays the reference the
 -- per-ride ceiling has been measured with since run 3:
 --   1. authenticate and claim: the user by token digest, and the key row if it exists, else
---      INSERT ... ON CONFLICT DO NOTHING of the key for that user (ClaimByToken);
+--      INSERT ... ON CONFLICT DO NOTHING of the key for that user (the claim, api-server/src/rides/claim.sql);
 --   2. phase started: fence (SELECT ... FOR NO KEY UPDATE), INSERT ride, INSERT audit record,
 --      UPDATE key to ride_created, returning the ride (CreateRideRecord);
 --   (the provider call, which is not database work and is left out)
---   3. charge recorded: fence, UPDATE ride's charge id, UPDATE key to charge_created (RecordCharge
---      until run 24; since then RecordCharge does statement 4 as well, in one flushed commit);
+--   3. charge recorded: fence, UPDATE ride's charge id, UPDATE key to charge_created (the charge's record
+--      until run 24; since then the record does statement 4 as well, in one flushed commit);
 --   4. phase charge_created: fence, INSERT staged job, UPDATE key finished with the stored
 --      response and unlocked (StageReceipt).
 -- The ride is not read back: the server keeps the one statement 2 returned (an attempt that

@@ -4,16 +4,16 @@
 -- of each phase and sent a lone request as a batch of one. Run beside create_ride.sql (same
 -- values, same variables, same fixtures) to measure that cost. Four statements, no explicit
 -- transaction, so each is its own implicit READ COMMITTED transaction:
---   1. authenticate and claim (ClaimBatchByToken, api-server/src/idempotency/claim/batched.rs):
+--   1. authenticate and claim (the claim, api-server/src/rides/claim.sql):
 --      input unnested from the arrays, the user by a LATERAL probe on the token digest, the key
 --      row by a LATERAL probe if it exists, else INSERT ... ORDER BY ... ON CONFLICT DO NOTHING
 --      of the key with the claim's lock token, which also identifies the claim (req);
 --   2. phase started (CreateRideRecordBatch, retired with the older-server paths, issue 30):
---      contract::batch_fence! (input, then each key locked FOR NO KEY UPDATE in key id order),
+--      the fence (contract/src/writes) (input, then each key locked FOR NO KEY UPDATE in key id order),
 --      INSERT rides, INSERT audit_records, UPDATE keys to ride_created by = ANY(ARRAY(...)),
 --      returning the rides;
 --   (the provider call, which is not database work and is left out)
---   3. charge recorded (RecordChargeBatch, api-server/src/rides/ride_created.rs, as it was until
+--   3. charge recorded (the charge's record, contract/src/writes/record_charge.sql, as it was until
 --      run 24; since then it also stages the receipt and finishes the key): batch fence,
 --      UPDATE rides' charge ids, UPDATE keys to charge_created;
 --   4. phase charge_created (StageReceiptBatch, retired with the older-server paths): batch

@@ -3,12 +3,12 @@
 -- when :batch requests shared every phase (docs/performance.md, "The batched ceiling"; since run
 -- 23 a fresh key's claim also does statement 2, as create_ride_batched_merged.sql). Four statements, no
 -- explicit transaction, so each is its own implicit READ COMMITTED transaction and its own commit:
---   1. authenticate and claim :batch keys (ClaimBatchByToken, idempotency/claim/batched.rs);
+--   1. authenticate and claim :batch keys (the claim, api-server/src/rides/claim.sql);
 --   2. phase started for all of them (CreateRideRecordBatch, a statement of its own until the older-server
 --      paths were retired, issue 30):
---      contract::batch_fence!, INSERT rides, INSERT audit_records, keys to ride_created;
+--      the fence (contract/src/writes), INSERT rides, INSERT audit_records, keys to ride_created;
 --   (the provider calls, which are not database work, are left out)
---   3. charges recorded (RecordChargeBatch, rides/ride_created.rs, until run 24; since then it does
+--   3. charges recorded (the charge's record, contract/src/writes/record_charge.sql, until run 24; since then it does
 --      statement 4 as well, as create_ride_batched_merged.sql);
 --   4. receipts staged and keys finished (StageReceiptBatch, retired with the older-server paths).
 -- Rides per second = pgbench's tps x :batch (bench-report multiplies).

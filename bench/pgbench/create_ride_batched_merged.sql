@@ -1,9 +1,9 @@
 -- The merged batched ceiling: create_ride_batched.sql with its statements merged as the api-server
 -- sends a fresh key's since run 24: two statements for :batch rides, each waiting for the WAL flush:
---   1. authenticate, claim :batch keys and create their rides (ClaimBatchByToken: the claim inserts
---      each key at ride_created with its ride and audit record, idempotency/claim/first_ride.rs);
+--   1. authenticate, claim :batch keys and create their rides (the claim, rides/claim.sql, inserts
+--      each key at ride_created with its ride and audit record, rides/claim.sql);
 --   (the provider calls, which are not database work, are left out)
---   2. charges recorded, receipts staged and keys finished (RecordChargeBatch,
+--   2. charges recorded, receipts staged and keys finished (contract/src/writes/record_charge.sql,
 --      rides/ride_created.rs).
 -- In run 23 this script was three statements (the charges recorded on their own, unflushed, then
 -- the receipts); its figures in docs/performance.md are for that version.

@@ -1,5 +1,5 @@
 -- A replay exactly as the api-server serves it (for comparison with replay_reads.sql): ONE
--- statement that authenticates and claims (ClaimByToken); it finds the finished key and so
+-- statement that authenticates and claims (the claim, api-server/src/rides/claim.sql); it finds the finished key and so
 -- inserts nothing: no row lock, no transaction id, no WAL, no sequence value.
 \set uid :user_base + :client_id
 \set n random(1, :keys_per_user)
