@@ -2,7 +2,7 @@
 //! it was sent already, what became of an earlier attempt's mail ([`EarlierMail`]), and the send
 //! with its record.
 
-use contract::message::ReceiptMessage;
+use contract::ReceiptJob;
 use diesel::{ExpressionMethods, OptionalExtension, QueryDsl};
 use diesel_async::RunQueryDsl;
 use schema::{
@@ -38,15 +38,15 @@ enum EarlierMail {
 impl ReceiptWorker {
     pub(super) async fn send_once(
         &self,
-        message: &ReceiptMessage,
+        job: &ReceiptJob,
         message_id: &str,
         shutdown: &CancellationToken,
     ) -> Result<Disposition, HandleError> {
-        let receipt = match self.owed(message).await? {
+        let receipt = match self.owed(job).await? {
             Owed::Receipt(receipt) => receipt,
             Owed::Nothing(reason) => return Ok(Disposition::DeadLetter(reason)),
         };
-        let Some(claim) = self.claim(message.ride_id, message_id, shutdown).await? else {
+        let Some(claim) = self.claim(job.ride_id, message_id, shutdown).await? else {
             return Ok(Disposition::Retry(
                 "shutting down while another attempt holds the receipt".into(),
             ));
@@ -65,12 +65,12 @@ impl ReceiptWorker {
 
     /// What the message's ride is owed: nothing when the ride does not exist, is not the
     /// message's user's, or does not record the message's charge.
-    async fn owed(&self, message: &ReceiptMessage) -> Result<Owed, HandleError> {
+    async fn owed(&self, job: &ReceiptJob) -> Result<Owed, HandleError> {
         let mut conn = self.pool.get().await?;
         let ride = rides::table
             .inner_join(users::table)
-            .filter(rides::id.eq(message.ride_id))
-            .filter(rides::user_id.eq(message.user_id))
+            .filter(rides::id.eq(job.ride_id))
+            .filter(rides::user_id.eq(job.user_id))
             .select((
                 rides::amount,
                 rides::currency,
@@ -90,25 +90,27 @@ impl ReceiptWorker {
         let Some((amount, currency, charge_id, created_at, email)) = ride else {
             return Ok(Owed::Nothing(format!(
                 "unknown ride {} of user {}",
-                message.ride_id, message.user_id
+                job.ride_id, job.user_id
             )));
         };
         // A ride that records no charge was not paid (a charge never recorded, or refunded); one
         // that records another charge than the message's is not what the message was staged for.
+        // A decoded receipt message always names a charge.
+        let named = job.charge_id.as_deref().unwrap_or_default();
         let Some(charge_id) = charge_id else {
             return Ok(Owed::Nothing(format!(
-                "ride {} records no charge (the message names {})",
-                message.ride_id, message.charge_id
+                "ride {} records no charge (the message names {named})",
+                job.ride_id
             )));
         };
-        if charge_id != message.charge_id {
+        if charge_id != named {
             return Ok(Owed::Nothing(format!(
-                "ride {} records charge {charge_id}, not the message's {}",
-                message.ride_id, message.charge_id
+                "ride {} records charge {charge_id}, not the message's {named}",
+                job.ride_id
             )));
         }
         Ok(Owed::Receipt(Receipt {
-            ride_id: message.ride_id,
+            ride_id: job.ride_id,
             to: email,
             amount,
             currency,

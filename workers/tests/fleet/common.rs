@@ -69,8 +69,13 @@ impl TestBroker {
 
     /// A topology of its own on the broker at `url`.
     pub async fn at(url: &str, limit: u32) -> TestBroker {
+        TestBroker::declaring(url, limit, workers::jobs::registry()).await
+    }
+
+    /// A topology of its own that declares the queues of `jobs` (a test's own job types).
+    pub async fn declaring(url: &str, limit: u32, jobs: workers::jobs::Registry) -> TestBroker {
         let prefix = format!("test-{}", uuid::Uuid::new_v4().simple());
-        let topology = Topology::from_prefix(&prefix, limit);
+        let topology = Topology::with_jobs(&prefix, limit, jobs);
         let session = AmqpSession::open(url, &topology).await.unwrap();
         TestBroker {
             topology,

@@ -9,6 +9,7 @@ mod common;
 mod completer;
 mod end_to_end;
 mod enqueuer;
+mod jobs;
 mod reaper;
 mod receipts;
 mod reconciler;
