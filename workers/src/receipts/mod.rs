@@ -33,7 +33,9 @@
 //! attempt's mail, the send); [`claim`] is the `receipt_claims` row that fences attempts;
 //! [`summary`] counts outcomes.
 
+mod batch;
 mod claim;
+mod claims;
 mod send;
 mod summary;
 
@@ -106,7 +108,7 @@ impl ReceiptWorker {
     pub fn consumer(self: &Arc<Self>) -> JobConsumer<ReceiptWorker> {
         let settings = ConsumerSettings {
             prefetch: self.config.prefetch,
-            batch_size: self.config.prefetch,
+            batch_size: self.config.batch_size,
             retry_base_delay: self.config.retry_base_delay,
             retry_max_delay: self.config.retry_max_delay,
         };
@@ -149,9 +151,9 @@ impl JobHandler for ReceiptWorker {
             .unwrap_or_else(HandleError::disposition)
     }
 
-    /// The batch's rides at once; a ride delivered twice in the batch (a duplicate message) only
-    /// after its first delivery is done, so that the second finds the first's record instead of
-    /// waiting out its lease.
+    /// The batch's distinct rides as one batch ([`batch`]); a ride delivered twice in the batch
+    /// (a duplicate message) only after its first delivery is done, on its own, so that the
+    /// second finds the first's record instead of waiting out its lease.
     async fn run_batch(
         &self,
         jobs: Vec<Delivered<ReceiptJob>>,
@@ -162,12 +164,11 @@ impl JobHandler for ReceiptWorker {
             .into_iter()
             .enumerate()
             .partition(|(_, delivered)| seen.insert(delivered.job.ride_id));
-        let mut outcomes: Vec<(usize, Disposition)> = futures_util::future::join_all(
-            first
-                .into_iter()
-                .map(|(at, delivered)| async move { (at, self.run(delivered, shutdown).await) }),
-        )
-        .await;
+        let (at, first): (Vec<usize>, Vec<_>) = first.into_iter().unzip();
+        let mut outcomes: Vec<(usize, Disposition)> = at
+            .into_iter()
+            .zip(self.send_batch(first, shutdown).await)
+            .collect();
         for (at, delivered) in repeats {
             outcomes.push((at, self.run(delivered, shutdown).await));
         }

@@ -11,6 +11,7 @@ mod end_to_end;
 mod enqueuer;
 mod jobs;
 mod reaper;
+mod receipt_batches;
 mod receipts;
 mod reconciler;
 mod smtp_relay;
