@@ -1,4 +1,4 @@
-//! What the clients saw around each `--ha` fault, per kind of call (issue 32): the outage after
+//! What the clients saw around each `--ha` fault, per kind of call: the outage after
 //! every fault, and its spread over the faults of one class (primary kills, planned switchovers,
 //! broker-node kills). The report prints both; `invariants::failover` judges them.
 

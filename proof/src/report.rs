@@ -401,8 +401,8 @@ fn text_ha_faults(text: &mut String, report: &Value) {
     }
 }
 
-/// Unavailability past this gets its explanation printed under its fault: the goal for
-/// fresh work at p99.
+/// Unavailability past this gets its explanation printed under its fault: the goal for fresh
+/// work at p99 (`invariants::failover`).
 const LONG_OUTAGE_MS: u64 = 5_000;
 
 /// For each kind of call unavailable for longer than [`LONG_OUTAGE_MS`] after `event`: when it

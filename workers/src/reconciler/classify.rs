@@ -487,7 +487,7 @@ mod tests {
 
     #[test]
     fn look_alikes_of_another_product_are_counted_and_left_alone() {
-        // The three, on a ride and key of ours: a bare user_id, our ride id with another
+        // The three look-alikes, on a ride and key of ours: a bare user_id, our ride id with another
         // customer and amount, our key id without our marker.
         let mut user_only = intent("pi_u", None, None);
         user_only
