@@ -30,7 +30,7 @@ pub(crate) enum FaultClass {
 }
 
 impl FaultClass {
-    /// The class of a fault from its timeline label (`faults::HaFaults`).
+    /// The class of a fault from its timeline label (`faults::ha::HaFaults`).
     fn of(label: &str) -> Option<FaultClass> {
         if label == PRIMARY_KILL {
             Some(FaultClass::PrimaryKill)
