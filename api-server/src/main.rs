@@ -8,7 +8,7 @@ use clap::{Parser, Subcommand};
 /// Every request allocates and frees a few hundred small objects (HTTP/2 frames, protobuf
 /// messages, span data, rows) across tasks: glibc's malloc and free were 13 % of the api-server's
 /// CPU at 500 clients, and mimalloc cut its CPU per request by 13–20 % (25 % per replay) for
-/// about 20 MB more RSS (`docs/history/performance.md`, run 9 and session 4's A/B).
+/// about 20 MB more RSS, measured A/B on the same machine and load (docs/performance.md).
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 

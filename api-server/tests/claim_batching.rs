@@ -12,7 +12,9 @@ use std::{sync::Arc, time::Duration};
 use api_server::{
     auth::{self, Caller},
     grpc::reason,
-    idempotency::{self, Batcher, Batching, Claims, Decision, IdempotencyKey, Unlock},
+    idempotency::{
+        self, Batcher, Batching, Claims, Decision, IdempotencyKey, RequestSignature, Unlock,
+    },
     rides::{FirstRide, RideClaim, RideParams},
     testing::*,
 };
@@ -58,6 +60,10 @@ enum Decided {
     Mismatch,
 }
 
+/// One claim of the batch: the caller's token, the key, the request, and what kind of answer it
+/// must get ("replay", "mismatch", "new", "shared" or "unknown").
+type Claim = (String, String, CreateRideRequest, &'static str);
+
 #[tokio::test(flavor = "multi_thread")]
 async fn claims_queued_together_share_a_statement_and_each_get_their_own_answer() {
     let app = TestApp::spawn().await;
@@ -70,48 +76,8 @@ async fn claims_queued_together_share_a_statement_and_each_get_their_own_answer(
     }
     let rides_before = app.rides().await.len();
     let keys_before = app.key_count().await;
-
-    let other_params = CreateRideRequest {
-        origin_lat: Some(1.0),
-        ..ride_request()
-    };
     let shared_new_key = new_key();
-    let mut claims: Vec<(String, String, CreateRideRequest, &str)> = Vec::new();
-    for key in &finished {
-        claims.push((alice.token.clone(), key.clone(), ride_request(), "replay"));
-    }
-    claims.push((
-        alice.token.clone(),
-        finished[0].clone(),
-        other_params,
-        "mismatch",
-    ));
-    // Six new keys.
-    for _ in 0..6 {
-        claims.push((bob.token.clone(), new_key(), ride_request(), "new"));
-    }
-    // The same new key twice in one batch: one claim inserts it, the other finds it locked.
-    for _ in 0..2 {
-        claims.push((
-            bob.token.clone(),
-            shared_new_key.clone(),
-            ride_request(),
-            "shared",
-        ));
-    }
-    // Alice's key string, but for bob: a different key, so a new one.
-    claims.push((
-        bob.token.clone(),
-        finished[1].clone(),
-        ride_request(),
-        "new",
-    ));
-    claims.push((
-        "rr_no-such-token-0123456789".to_owned(),
-        new_key(),
-        ride_request(),
-        "unknown",
-    ));
+    let claims = mixed_claims(&alice, &bob, &finished, &shared_new_key);
 
     // One batch at a time, on a pool of one connection that the test holds: the first claim's
     // batch waits for that connection while every other claim is submitted (all in the first
@@ -128,41 +94,11 @@ async fn claims_queued_together_share_a_statement_and_each_get_their_own_answer(
         },
     ));
     let runs = claims.iter().map(|(token, key, request, _)| {
-        let batcher = Arc::clone(&batcher);
         let digest = auth::token_digest(token);
         let key = IdempotencyKey::parse(key).unwrap();
         let signature = params(*request).signature();
         let first_ride = first_ride(params(*request));
-        async move {
-            let claimed = idempotency::claim(
-                &batcher,
-                Caller::Token(digest),
-                &key,
-                &signature,
-                &first_ride,
-                &locking(),
-                Uuid::new_v4(),
-            )
-            .await
-            .unwrap();
-            match claimed {
-                None => Decided::NoSuchUser,
-                Some((user, claimed)) => match claimed.decision {
-                    Decision::Execute(lease) => {
-                        assert_eq!(lease.user_id, user.id);
-                        // Born at `ride_created`: its claim wrote the first ride.
-                        let ride = claimed.first_phase.expect("the claim's ride");
-                        assert_eq!(ride.idempotency_key_id, Some(lease.key_id));
-                        assert_eq!(ride.user_id, user.id);
-                        assert_eq!(lease.recovery_point, RecoveryPoint::RideCreated);
-                        Decided::Execute { user_id: user.id }
-                    }
-                    Decision::InUse => Decided::InUse,
-                    Decision::Replay(stored) => Decided::Replay { code: stored.code },
-                    Decision::Mismatch => Decided::Mismatch,
-                },
-            }
-        }
+        claim_one(Arc::clone(&batcher), digest, key, signature, first_ride)
     });
     let mut all = std::pin::pin!(futures_util::future::join_all(runs));
     assert!(
@@ -181,12 +117,115 @@ async fn claims_queued_together_share_a_statement_and_each_get_their_own_answer(
         (2..=3).contains(&counts.statements),
         "the claims shared statements: {counts:?}"
     );
+    assert_each_answer(&claims, decided, bob.id);
+    // Eight new keys for bob (six, the shared one, alice's key string), and nothing for the
+    // unknown token, the replays or the mismatch, though their claims carried first rides too.
+    assert_eq!(app.key_count().await, keys_before + 8);
+    let shared_row = app.key_row(&bob, &shared_new_key).await.unwrap();
+    assert_eq!(shared_row.recovery_point, RecoveryPoint::RideCreated);
+    assert!(shared_row.lock_token.is_some());
+    assert_new_keys_have_their_rides(&app, &bob, &claims, rides_before).await;
+}
+
+/// Replays of alice's finished keys, one mismatch, six new keys for bob, one new key twice,
+/// alice's key string for bob, and an unknown token.
+fn mixed_claims(
+    alice: &TestUser,
+    bob: &TestUser,
+    finished: &[String],
+    shared_new_key: &str,
+) -> Vec<Claim> {
+    let other_params = CreateRideRequest {
+        origin_lat: Some(1.0),
+        ..ride_request()
+    };
+    let mut claims: Vec<Claim> = Vec::new();
+    for key in finished {
+        claims.push((alice.token.clone(), key.clone(), ride_request(), "replay"));
+    }
+    claims.push((
+        alice.token.clone(),
+        finished[0].clone(),
+        other_params,
+        "mismatch",
+    ));
+    // Six new keys.
+    for _ in 0..6 {
+        claims.push((bob.token.clone(), new_key(), ride_request(), "new"));
+    }
+    // The same new key twice in one batch: one claim inserts it, the other finds it locked.
+    for _ in 0..2 {
+        claims.push((
+            bob.token.clone(),
+            shared_new_key.to_owned(),
+            ride_request(),
+            "shared",
+        ));
+    }
+    // Alice's key string, but for bob: a different key, so a new one.
+    claims.push((
+        bob.token.clone(),
+        finished[1].clone(),
+        ride_request(),
+        "new",
+    ));
+    claims.push((
+        "rr_no-such-token-0123456789".to_owned(),
+        new_key(),
+        ride_request(),
+        "unknown",
+    ));
+    claims
+}
+
+/// Submits one claim to `batcher` and reduces its outcome to a [`Decided`], checking that a
+/// claim that owns its key was born at `ride_created` with its first ride.
+async fn claim_one(
+    batcher: Arc<Batcher<Claims<RideClaim>>>,
+    digest: [u8; 32],
+    key: IdempotencyKey,
+    signature: RequestSignature,
+    first_ride: FirstRide,
+) -> Decided {
+    let claimed = idempotency::claim(
+        &batcher,
+        Caller::Token(digest),
+        &key,
+        &signature,
+        &first_ride,
+        &locking(),
+        Uuid::new_v4(),
+    )
+    .await
+    .unwrap();
+    match claimed {
+        None => Decided::NoSuchUser,
+        Some((user, claimed)) => match claimed.decision {
+            Decision::Execute(lease) => {
+                assert_eq!(lease.user_id, user.id);
+                // Born at `ride_created`: its claim wrote the first ride.
+                let ride = claimed.first_phase.expect("the claim's ride");
+                assert_eq!(ride.idempotency_key_id, Some(lease.key_id));
+                assert_eq!(ride.user_id, user.id);
+                assert_eq!(lease.recovery_point, RecoveryPoint::RideCreated);
+                Decided::Execute { user_id: user.id }
+            }
+            Decision::InUse => Decided::InUse,
+            Decision::Replay(stored) => Decided::Replay { code: stored.code },
+            Decision::Mismatch => Decided::Mismatch,
+        },
+    }
+}
+
+/// Each claim got the answer of its kind, and exactly one of the two claims of the shared new
+/// key owns it.
+fn assert_each_answer(claims: &[Claim], decided: Vec<Decided>, bob_id: i64) {
     let mut shared = Vec::new();
     for ((_, key, _, kind), decided) in claims.iter().zip(decided) {
         match *kind {
             "replay" => assert_eq!(decided, Decided::Replay { code: 0 }, "{key}"),
             "mismatch" => assert_eq!(decided, Decided::Mismatch),
-            "new" => assert_eq!(decided, Decided::Execute { user_id: bob.id }, "{key}"),
+            "new" => assert_eq!(decided, Decided::Execute { user_id: bob_id }, "{key}"),
             "shared" => shared.push(decided),
             "unknown" => assert_eq!(decided, Decided::NoSuchUser),
             other => unreachable!("{other}"),
@@ -195,26 +234,28 @@ async fn claims_queued_together_share_a_statement_and_each_get_their_own_answer(
     shared.sort_by_key(|decided| matches!(decided, Decided::InUse));
     assert_eq!(
         shared,
-        [Decided::Execute { user_id: bob.id }, Decided::InUse],
+        [Decided::Execute { user_id: bob_id }, Decided::InUse],
         "exactly one of two claims of one new key owns it"
     );
-    // Eight new keys for bob (six, the shared one, alice's key string), and nothing for the
-    // unknown token, the replays or the mismatch, though their claims carried first rides too.
-    assert_eq!(app.key_count().await, keys_before + 8);
-    let shared_row = app.key_row(&bob, &shared_new_key).await.unwrap();
-    assert_eq!(shared_row.recovery_point, RecoveryPoint::RideCreated);
-    assert!(shared_row.lock_token.is_some());
-    // A ride and its audit record for each of the eight new keys: the six, the shared key once,
-    // alice's key string; each key at `ride_created` with its ride.
+}
+
+/// A ride and its audit record for each of the eight new keys: the six, the shared key once,
+/// alice's key string; each key at `ride_created` with its ride.
+async fn assert_new_keys_have_their_rides(
+    app: &TestApp,
+    bob: &TestUser,
+    claims: &[Claim],
+    rides_before: usize,
+) {
     let rides = app.rides().await;
     let new_rides: Vec<_> = rides.iter().filter(|r| r.user_id == bob.id).collect();
     assert_eq!(rides.len(), rides_before + 8);
     assert_eq!(new_rides.len(), 8);
-    for (_, key, _, kind) in &claims {
+    for (_, key, _, kind) in claims {
         if !matches!(*kind, "new" | "shared") {
             continue;
         }
-        let row = app.key_row(&bob, key).await.unwrap();
+        let row = app.key_row(bob, key).await.unwrap();
         assert_eq!(row.recovery_point, RecoveryPoint::RideCreated, "{key}");
         let ride = new_rides
             .iter()

@@ -208,6 +208,41 @@ async fn the_binary_serves_metrics_logs_trace_ids_and_drains_on_sigterm() {
         .unwrap_err();
     assert_eq!(unavailable.code(), Code::Unavailable);
 
+    assert_serves_the_metrics(metrics_port).await;
+
+    // SIGHUP reloads certificates; without TLS it must not end the process (its default).
+    Command::new("kill")
+        .args(["-HUP", &child.id().to_string()])
+        .status()
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        child.try_wait().unwrap().is_none(),
+        "SIGHUP ended the server"
+    );
+    client
+        .create_ride(authed(&token, Some(&new_key()), ride_request()))
+        .await
+        .unwrap();
+
+    let status = terminate(&mut child).await;
+    assert!(status.success(), "clean exit on SIGTERM: {status:?}");
+
+    let mut logs = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut logs).unwrap();
+    assert_logs_carry_trace_ids_and_no_secret(
+        &logs,
+        &[
+            token.as_str(),
+            key.as_str(),
+            "sk_test_binary_secret",
+            INTERNAL_SECRET,
+        ],
+    );
+}
+
+/// The metrics endpoint serves the RPC, phase, provider and pool series, labelled by method.
+async fn assert_serves_the_metrics(metrics_port: u16) {
     let metrics = reqwest::get(format!("http://127.0.0.1:{metrics_port}/metrics"))
         .await
         .unwrap()
@@ -226,41 +261,30 @@ async fn the_binary_serves_metrics_logs_trace_ids_and_drains_on_sigterm() {
         );
     }
     assert!(metrics.contains("rpc_method=\"CreateRide\""), "{metrics}");
+}
 
-    // SIGHUP reloads certificates; without TLS it must not end the process (its default).
-    Command::new("kill")
-        .args(["-HUP", &child.id().to_string()])
-        .status()
-        .unwrap();
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    assert!(
-        child.try_wait().unwrap().is_none(),
-        "SIGHUP ended the server"
-    );
-    client
-        .create_ride(authed(&token, Some(&new_key()), ride_request()))
-        .await
-        .unwrap();
-
+/// Sends SIGTERM and waits up to 20 s for the process to exit.
+async fn terminate(child: &mut std::process::Child) -> std::process::ExitStatus {
     Command::new("kill")
         .args(["-TERM", &child.id().to_string()])
         .status()
         .unwrap();
     let deadline = Instant::now() + Duration::from_secs(20);
-    let status = loop {
+    loop {
         if let Some(status) = child.try_wait().unwrap() {
-            break status;
+            return status;
         }
         assert!(
             Instant::now() < deadline,
             "the server did not stop on SIGTERM"
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
-    };
-    assert!(status.success(), "clean exit on SIGTERM: {status:?}");
+    }
+}
 
-    let mut logs = String::new();
-    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut logs).unwrap();
+/// The provider outage's line carries its request's trace id, shutdown and the reload without
+/// TLS are logged, and none of `secrets` is.
+fn assert_logs_carry_trace_ids_and_no_secret(logs: &str, secrets: &[&str]) {
     let outage = logs
         .lines()
         .find(|line| line.contains("payment provider unavailable"))
@@ -270,12 +294,7 @@ async fn the_binary_serves_metrics_logs_trace_ids_and_drains_on_sigterm() {
     assert_eq!(trace_id.len(), 32, "trace id on the line: {outage}");
     assert!(logs.contains("shutting down"), "{logs}");
     assert!(logs.contains("nothing to reload"), "{logs}");
-    for secret in [
-        token.as_str(),
-        key.as_str(),
-        "sk_test_binary_secret",
-        INTERNAL_SECRET,
-    ] {
+    for secret in secrets {
         assert!(!logs.contains(secret), "a secret reached the logs");
     }
 }

@@ -53,7 +53,22 @@ async fn one_trace_covers_the_request_its_phases_the_charge_and_the_staged_recei
         .filter(|span| span.span_context.trace_id().to_string() == TRACE_ID)
         .collect();
 
-    let root = named(&ours, "rides.v1.RideService/CreateRide");
+    let root = the_server_span(&ours);
+    assert_the_claim_phase_and_charge_descend_from(&ours, root);
+
+    // The receipt job carries the trace on to the enqueuer and the receipt worker.
+    let jobs = app.staged_jobs().await;
+    let traceparent = jobs[0].trace_context["traceparent"].as_str().unwrap();
+    assert!(
+        traceparent.starts_with(&format!("00-{TRACE_ID}-")),
+        "{traceparent}"
+    );
+}
+
+/// The one server span of the caller's trace, a child of the caller's span with the RPC's
+/// attributes.
+fn the_server_span(ours: &[SpanData]) -> &SpanData {
+    let root = named(ours, "rides.v1.RideService/CreateRide");
     assert_eq!(
         root.len(),
         1,
@@ -72,8 +87,13 @@ async fn one_trace_covers_the_request_its_phases_the_charge_and_the_staged_recei
         Some(&Value::I64(0))
     );
     assert_eq!(attribute(root, "rides.replayed"), Some(&Value::Bool(false)));
+    root
+}
 
-    let claim = named(&ours, "claim idempotency key");
+/// The claim and the charging phase are children of the server span, the Stripe call a child of
+/// the phase, and no span stands for a phase that commits with another.
+fn assert_the_claim_phase_and_charge_descend_from(ours: &[SpanData], root: &SpanData) {
+    let claim = named(ours, "claim idempotency key");
     assert_eq!(claim.len(), 1);
     assert_eq!(claim[0].parent_span_id, root.span_context.span_id());
     assert_eq!(
@@ -85,11 +105,11 @@ async fn one_trace_covers_the_request_its_phases_the_charge_and_the_staged_recei
         attribute(claim[0], "rides.recovery_point.to"),
         Some(&Value::from("ride_created"))
     );
-    assert!(named(&ours, "phase started").is_empty());
+    assert!(named(ours, "phase started").is_empty());
     // And the charge's record finishes it: no `phase charge_created` either.
-    assert!(named(&ours, "phase charge_created").is_empty());
+    assert!(named(ours, "phase charge_created").is_empty());
 
-    let phase = named(&ours, "phase ride_created");
+    let phase = named(ours, "phase ride_created");
     assert_eq!(phase.len(), 1);
     assert_eq!(phase[0].parent_span_id, root.span_context.span_id());
     assert_eq!(
@@ -101,9 +121,9 @@ async fn one_trace_covers_the_request_its_phases_the_charge_and_the_staged_recei
         Some(&Value::from("postgresql"))
     );
 
-    let charge = named(&ours, "POST /v1/payment_intents");
+    let charge = named(ours, "POST /v1/payment_intents");
     assert_eq!(charge.len(), 1);
-    let charging_phase = named(&ours, "phase ride_created")[0];
+    let charging_phase = named(ours, "phase ride_created")[0];
     assert_eq!(
         charge[0].parent_span_id,
         charging_phase.span_context.span_id()
@@ -116,14 +136,6 @@ async fn one_trace_covers_the_request_its_phases_the_charge_and_the_staged_recei
     assert_eq!(
         attribute(charge[0], "http.response.status_code"),
         Some(&Value::I64(200))
-    );
-
-    // The receipt job carries the trace on to the enqueuer and the receipt worker.
-    let jobs = app.staged_jobs().await;
-    let traceparent = jobs[0].trace_context["traceparent"].as_str().unwrap();
-    assert!(
-        traceparent.starts_with(&format!("00-{TRACE_ID}-")),
-        "{traceparent}"
     );
 }
 

@@ -2,7 +2,7 @@
 //! how full each batched statement ran (the api-server's `rides.idempotency.batch.size`
 //! histogram, from its Prometheus endpoint) and how many transactions the database committed
 //! (`pg_stat_database.xact_commit`). Divided by the window's requests they give the batch fill
-//! per statement and the commits per ride that the performance issue asks for beside throughput.
+//! per statement and the commits per ride, which explain a throughput figure.
 
 use std::collections::BTreeMap;
 

@@ -236,7 +236,7 @@ mod tests {
     #[test]
     fn look_alike_metadata_proves_nothing() {
         let key = key(Some("prod"));
-        // The three: a bare user_id, a ride id of ours, a key id of ours.
+        // The three look-alikes: a bare user_id, a ride id of ours, a key id of ours.
         for pairs in [
             &[(METADATA_USER_ID, "7")][..],
             &[(METADATA_RIDE_ID, "5")][..],

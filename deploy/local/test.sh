@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Runs every check the project has: formatting, clippy, the full test suite under nextest
+# Runs every check the project has: formatting, the house rules (deploy/local/house.sh: no Rust
+# file over 500 lines), clippy, the full test suite under nextest
 # against real PostgreSQL and RabbitMQ (started or installed here when absent), then a two-minute
 # soak (bench/soak.sh: every call answered, every ride charged, receipted and mailed once), the short
 # crash-and-fault campaign with the money campaign at the production defaults and once with the
@@ -44,6 +45,7 @@ ensure_nextest
 
 log "cargo fmt --check"
 cargo fmt --all -- --check
+deploy/local/house.sh
 log "cargo clippy (warnings are errors)"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 log "deploy/validate.sh (Dockerfile, compose, Kubernetes manifests, offline)"

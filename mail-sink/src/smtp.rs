@@ -134,26 +134,8 @@ async fn conversation<S: AsyncRead + AsyncWrite + Unpin>(
                 (Some(_), None) => b"501 5.5.4 syntax: RCPT TO:<address>\r\n",
             },
             "DATA" => {
-                let Some(from) = mail_from.take().filter(|_| !rcpt_to.is_empty()) else {
-                    reply(&mut conn, b"503 5.5.1 MAIL and RCPT first\r\n").await?;
-                    continue;
-                };
-                reply(&mut conn, b"354 end with <CRLF>.<CRLF>\r\n").await?;
-                let data = read_data(&mut conn).await?;
-                let rcpt_to = std::mem::take(&mut rcpt_to);
-                let text = match data {
-                    None => "552 5.3.4 message too big\r\n".to_owned(),
-                    Some(data) => {
-                        let mail = ReceivedMail {
-                            mail_from: from,
-                            rcpt_to,
-                            data,
-                            over_tls: secure,
-                        };
-                        deliver(state, dir, mail).await?
-                    }
-                };
-                reply(&mut conn, text.as_bytes()).await?;
+                let envelope = (&mut mail_from, &mut rcpt_to);
+                receive_data(&mut conn, state, dir, envelope, secure).await?;
                 continue;
             }
             "RSET" => {
@@ -171,6 +153,36 @@ async fn conversation<S: AsyncRead + AsyncWrite + Unpin>(
         };
         reply(&mut conn, answer).await?;
     }
+}
+
+/// DATA: refused unless MAIL and RCPT came first; otherwise the message after `354` is read and
+/// delivered to the envelope's recipients (or refused as too big), and the envelope emptied.
+async fn receive_data<S: AsyncRead + AsyncWrite + Unpin>(
+    conn: &mut BufReader<S>,
+    state: &State,
+    dir: Option<&Path>,
+    (mail_from, rcpt_to): (&mut Option<String>, &mut Vec<String>),
+    secure: bool,
+) -> std::io::Result<()> {
+    let Some(from) = mail_from.take().filter(|_| !rcpt_to.is_empty()) else {
+        return reply(conn, b"503 5.5.1 MAIL and RCPT first\r\n").await;
+    };
+    reply(conn, b"354 end with <CRLF>.<CRLF>\r\n").await?;
+    let data = read_data(conn).await?;
+    let rcpt_to = std::mem::take(rcpt_to);
+    let text = match data {
+        None => "552 5.3.4 message too big\r\n".to_owned(),
+        Some(data) => {
+            let mail = ReceivedMail {
+                mail_from: from,
+                rcpt_to,
+                data,
+                over_tls: secure,
+            };
+            deliver(state, dir, mail).await?
+        }
+    };
+    reply(conn, text.as_bytes()).await
 }
 
 /// `AUTH PLAIN [initial-response]` (RFC 4954, RFC 4616): any user and password are accepted

@@ -1,14 +1,14 @@
 //! The campaign's clients: concurrent closed loops, one user each (or, with
 //! `--riders-per-client`, backends each carrying many riders over connections all of them share),
 //! that send CreateRide with an idempotency key through `rides-client`, the client real services
-//! use, and let it retry (or
-//! drop the call mid-request, or give up after one try), recording the final answer each key got
-//! ([`KeyRecord`]). Their records are what the database, the ledger and the mail are later
-//! checked against. Beside each charging user's client runs a replay loop ([`replay_loop`]) that
-//! sends that user's answered keys again during the traffic and its faults, as a caller that lost
-//! an answer does, so that an outage can be measured for replays and fresh work apart. The
-//! replays after the drain reuse [`user_client`] and [`classify`], so that a replay is judged by
-//! the rules of a first answer.
+//! use, and let it retry (or drop the call mid-request, or give up after one try), recording the
+//! final answer each key got ([`KeyRecord`]). Their records are what the database, the ledger and
+//! the mail are later checked against. Beside each charging user's client runs a replay loop
+//! ([`live_replays::replay_loop`]) that sends that user's answered keys again during the traffic
+//! and its faults, as a caller that lost an answer does, so that an outage can be measured for
+//! replays and fresh work apart. The replays after the drain reuse [`user_client`] and
+//! [`classify`], so that a replay is judged by the rules of a first answer. The traffic as a
+//! whole (users, window, start and finish) is [`traffic`]'s.
 
 use std::{
     collections::VecDeque,
@@ -19,7 +19,6 @@ use std::{
     time::{Duration, Instant, SystemTime},
 };
 
-use anyhow::Context;
 use prost::Message;
 use proto::v1::CreateRideRequest;
 use rand::{Rng, SeedableRng, rngs::StdRng};
@@ -27,14 +26,18 @@ use rides_client::{
     AttemptObserver, AttemptRecord, CallError, Created, Credential, RetryPolicy, RidesClient,
     RidesError,
 };
-use tokio::task::JoinHandle;
 use tonic::transport::Channel;
 
 use crate::{
     args::Args,
-    counters::{CallKind, Counters, LiveReplays, Tallies, Timeline},
-    setup::{Plan, Wiring},
+    counters::{CallKind, Counters, LiveReplays, Timeline},
 };
+
+mod live_replays;
+mod traffic;
+
+use live_replays::replay_loop;
+pub(crate) use traffic::{Traffic, Window, create_users};
 
 #[derive(Clone)]
 pub(crate) struct User {
@@ -171,10 +174,6 @@ type Answered = Arc<std::sync::Mutex<VecDeque<(usize, String, CreateRideRequest,
 
 const ANSWERED_KEPT: usize = 512;
 
-/// How long a replay loop waits between two replays: a few per second per user, so that the
-/// replays are sampled as densely as the fresh calls without doubling the load.
-const REPLAY_PAUSE_MS: std::ops::Range<u64> = 100..400;
-
 /// A user and its client of both api-servers; each attempt picks one at random.
 struct Rider {
     user: User,
@@ -213,61 +212,17 @@ async fn run_client(ctx: ClientCtx, seed: u64) -> Vec<KeyRecord> {
         n += 1;
         let rider = rng.random_range(0..ctx.riders.len());
         let key = format!("proof-{}-c{:02}-{n:07}", ctx.run_id, ctx.id);
-        let params = CreateRideRequest {
-            origin_lat: Some(rng.random_range(-80.0..80.0)),
-            origin_lon: Some(rng.random_range(-170.0..170.0)),
-            target_lat: Some(rng.random_range(-80.0..80.0)),
-            target_lon: Some(rng.random_range(-170.0..170.0)),
-        };
-        let mode: f64 = rng.random();
-        let drop_mid = mode < ctx.args.drop_ratio;
-        let no_retry = !drop_mid && mode < ctx.args.drop_ratio + ctx.args.no_retry_ratio;
-        // A dropping client gives its one attempt 2-300 ms, then drops the call (RST_STREAM):
-        // the server's attempt runs on detached.
-        let drop_after = Duration::from_millis(rng.random_range(2..300));
-        let policy = if drop_mid {
-            RetryPolicy::single_attempt(drop_after)
-        } else if no_retry {
-            RetryPolicy::single_attempt(Duration::from_secs(20))
-        } else {
-            let impatient = rng.random_bool(IMPATIENT_RATIO);
-            retrying(&ctx.args, ctx.hard_end, impatient)
-        };
+        let params = random_params(&mut rng);
+        let (plan, policy) = CallPlan::draw(&ctx.args, ctx.hard_end, &mut rng);
         let sent_at = SystemTime::now();
         let result = ctx.riders[rider]
             .client
             .clone()
             .with_policy(policy)
-            .on_attempt(observer(&ctx, &key, drop_mid, kind))
+            .on_attempt(observer(&ctx, &key, plan.drop_mid, kind))
             .create_ride_with_key(key.as_str(), params)
             .await;
-        let attempts = match &result {
-            Ok(created) => created.attempts(),
-            Err(call) => call.attempts(),
-        };
-        // Only for a retrying call that ended without a final answer: a key given up.
-        let history = match &result {
-            Err(call)
-                if !drop_mid
-                    && !no_retry
-                    && call.log.last().is_some_and(|a| !is_final(&a.outcome)) =>
-            {
-                attempt_history(sent_at, &call.log)
-            }
-            _ => String::new(),
-        };
-        let seen = match classify(result) {
-            Answer::Final(seen) => seen,
-            Answer::Retry(label) if drop_mid && label == TIMEOUT => {
-                Seen::Abandoned(format!("dropped after {}ms", drop_after.as_millis()))
-            }
-            Answer::Retry(label) if drop_mid || no_retry => {
-                Seen::Abandoned(format!("no retry after {label}"))
-            }
-            Answer::Retry(label) => {
-                Seen::GaveUp(format!("{attempts} tries, last {label}; {history}"))
-            }
-        };
+        let (attempts, seen) = plan.seen(result, sent_at);
         if matches!(seen, Seen::Abandoned(_) | Seen::GaveUp(_)) {
             ctx.timeline.key_left();
         }
@@ -291,6 +246,85 @@ async fn run_client(ctx: ClientCtx, seed: u64) -> Vec<KeyRecord> {
         }
     }
     records
+}
+
+/// A ride between two random points away from the poles and the antimeridian.
+fn random_params(rng: &mut StdRng) -> CreateRideRequest {
+    CreateRideRequest {
+        origin_lat: Some(rng.random_range(-80.0..80.0)),
+        origin_lon: Some(rng.random_range(-170.0..170.0)),
+        target_lat: Some(rng.random_range(-80.0..80.0)),
+        target_lon: Some(rng.random_range(-170.0..170.0)),
+    }
+}
+
+/// How one key's call is sent: dropped mid-request, given a single try, or retried as
+/// `rides-client` retries.
+struct CallPlan {
+    drop_mid: bool,
+    no_retry: bool,
+    /// How long a dropping call's one attempt gets before it is dropped.
+    drop_after: Duration,
+}
+
+impl CallPlan {
+    /// Draws the plan of the next call by `--drop-ratio` and `--no-retry-ratio`, with the retry
+    /// policy it is sent under.
+    fn draw(args: &Args, hard_end: Instant, rng: &mut StdRng) -> (Self, RetryPolicy) {
+        let mode: f64 = rng.random();
+        let drop_mid = mode < args.drop_ratio;
+        let no_retry = !drop_mid && mode < args.drop_ratio + args.no_retry_ratio;
+        // A dropping client gives its one attempt 2-300 ms, then drops the call (RST_STREAM):
+        // the server's attempt runs on detached.
+        let drop_after = Duration::from_millis(rng.random_range(2..300));
+        let policy = if drop_mid {
+            RetryPolicy::single_attempt(drop_after)
+        } else if no_retry {
+            RetryPolicy::single_attempt(Duration::from_secs(20))
+        } else {
+            let impatient = rng.random_bool(IMPATIENT_RATIO);
+            retrying(args, hard_end, impatient)
+        };
+        let plan = CallPlan {
+            drop_mid,
+            no_retry,
+            drop_after,
+        };
+        (plan, policy)
+    }
+
+    /// The attempts the call made and what its caller saw: a final answer, a call this plan
+    /// abandoned on purpose, or a key given up (with its attempts' history).
+    fn seen(&self, result: Result<Created, CallError>, sent_at: SystemTime) -> (u32, Seen) {
+        let attempts = match &result {
+            Ok(created) => created.attempts(),
+            Err(call) => call.attempts(),
+        };
+        // Only for a retrying call that ended without a final answer: a key given up.
+        let history = match &result {
+            Err(call)
+                if !self.drop_mid
+                    && !self.no_retry
+                    && call.log.last().is_some_and(|a| !is_final(&a.outcome)) =>
+            {
+                attempt_history(sent_at, &call.log)
+            }
+            _ => String::new(),
+        };
+        let seen = match classify(result) {
+            Answer::Final(seen) => seen,
+            Answer::Retry(label) if self.drop_mid && label == TIMEOUT => {
+                Seen::Abandoned(format!("dropped after {}ms", self.drop_after.as_millis()))
+            }
+            Answer::Retry(label) if self.drop_mid || self.no_retry => {
+                Seen::Abandoned(format!("no retry after {label}"))
+            }
+            Answer::Retry(label) => {
+                Seen::GaveUp(format!("{attempts} tries, last {label}; {history}"))
+            }
+        };
+        (attempts, seen)
+    }
 }
 
 /// Whether an attempt's outcome is a final answer: a ride, or a stored decline.
@@ -335,62 +369,6 @@ fn attempt_history(sent_at: SystemTime, log: &[AttemptRecord]) -> String {
         total.as_secs_f64(),
         runs.join(", ")
     )
-}
-
-/// A charging user's replays during traffic: one of the user's keys answered OK, picked at
-/// random, sent again with the same parameters by a retrying client. Its answer must be the
-/// first one to the byte, marked `idempotent-replayed: true` ([`LiveReplays`] keeps what was not).
-async fn replay_loop(ctx: ClientCtx, seed: u64) {
-    let mut rng = StdRng::seed_from_u64(seed);
-    while Instant::now() < ctx.traffic_end {
-        tokio::time::sleep(Duration::from_millis(rng.random_range(REPLAY_PAUSE_MS))).await;
-        let picked = ctx.answered.lock().ok().and_then(|answered| {
-            let i = rng.random_range(0..answered.len().max(1));
-            answered.get(i).cloned()
-        });
-        let Some((rider, key, params, first)) = picked else {
-            continue;
-        };
-        let result = ctx.riders[rider]
-            .client
-            .clone()
-            .with_policy(retrying(&ctx.args, ctx.hard_end, false))
-            .on_attempt(observer(&ctx, &key, false, CallKind::Replay))
-            .create_ride_with_key(key.as_str(), params)
-            .await;
-        judge_live_replay(&ctx.live_replays, &key, &first, result);
-    }
-}
-
-fn judge_live_replay(
-    live: &LiveReplays,
-    key: &str,
-    first: &Seen,
-    result: Result<Created, CallError>,
-) {
-    let marked = result.as_ref().is_ok_and(|created| created.replayed);
-    match (first, classify(result)) {
-        (Seen::Ok { bytes, .. }, Answer::Final(Seen::Ok { bytes: again, .. }))
-            if *bytes == again =>
-        {
-            if marked {
-                live.outcomes.add("identical", 1);
-            } else {
-                live.problem("not_marked", format!("key {key}: replay not marked"));
-            }
-        }
-        (_, Answer::Retry(label)) => live.outcomes.add(format!("gave_up/{label}"), 1),
-        (_, Answer::Final(again)) => live.problem(
-            "differs",
-            format!(
-                "key {key}: first {} ({}), replayed {} ({})",
-                first.kind(),
-                first.detail(),
-                again.kind(),
-                again.detail()
-            ),
-        ),
-    }
 }
 
 /// The client's label of an attempt that got no answer in time.
@@ -449,161 +427,6 @@ pub(crate) fn grpc_endpoint(args: &Args, addr: &str) -> anyhow::Result<tonic::tr
         ),
     };
     Ok(proto::client::endpoint(&url, &tls)?)
-}
-
-/// Users: the first `declined_clients` clients decline.
-pub(crate) async fn create_users(
-    args: &Args,
-    plan: &Plan,
-    wiring: &Wiring,
-) -> anyhow::Result<Vec<User>> {
-    let pool = schema::build_pool(
-        &wiring.database_url,
-        4,
-        Duration::from_secs(30),
-        schema::PlanCache::Auto,
-    );
-    let mut users = Vec::new();
-    for i in 0..args.clients {
-        let declining = i < args.declined_clients;
-        let card = if declining {
-            "pm_card_chargeDeclined"
-        } else {
-            "pm_card_visa"
-        };
-        for r in 0..args.riders_per_client.max(1) {
-            let (user, token) = api_server::auth::create_user(
-                &pool,
-                &format!("proof-{}-{i}-{r}@proof.rocketrides.test", plan.run_id),
-                &format!("cus_proof_{}_{i}_{r}", plan.run_id),
-                card,
-            )
-            .await
-            .with_context(|| format!("creating user {r} of client {i}"))?;
-            users.push(User {
-                id: user.id,
-                token,
-                declining,
-                client: i,
-            });
-        }
-    }
-    Ok(users)
-}
-
-/// When traffic runs: clients start no new key after `end`, and stop retrying after `hard_end`.
-#[derive(Clone, Copy)]
-pub(crate) struct Window {
-    pub(crate) start: Instant,
-    pub(crate) end: Instant,
-    hard_end: Instant,
-}
-
-impl Window {
-    pub(crate) fn from_now(duration: Duration) -> Self {
-        let start = Instant::now();
-        let end = start + duration;
-        Window {
-            start,
-            end,
-            hard_end: end + Duration::from_secs(60),
-        }
-    }
-}
-
-/// The running clients; each hands back its keys' records when it is done.
-pub(crate) struct Traffic {
-    clients: Vec<JoinHandle<Vec<KeyRecord>>>,
-    replays: Vec<JoinHandle<()>>,
-}
-
-impl Traffic {
-    /// One client per user (or per `--riders-per-client` users), with its own channel to either
-    /// api-server (or one channel to each that every client shares; with `--lb`, to the proxy
-    /// instead), and a replay loop beside each charging client.
-    pub(crate) fn start(
-        args: &Args,
-        plan: &Plan,
-        users: &[User],
-        tallies: &Tallies,
-        window: Window,
-    ) -> anyhow::Result<Self> {
-        let mut clients: Vec<JoinHandle<Vec<KeyRecord>>> = Vec::new();
-        let mut replays: Vec<JoinHandle<()>> = Vec::new();
-        let channel = |port: u16| -> anyhow::Result<Channel> {
-            Ok(grpc_endpoint(args, &format!("127.0.0.1:{port}"))?
-                .connect_timeout(Duration::from_secs(1))
-                .connect_lazy())
-        };
-        // Through the proxy alone with `--lb`, which spreads the calls; otherwise each attempt
-        // picks an api-server.
-        let targets = || -> anyhow::Result<(Channel, Vec<Channel>)> {
-            if args.lb {
-                Ok((channel(args.lb_port)?, Vec::new()))
-            } else {
-                Ok((channel(args.grpc_port)?, vec![channel(args.grpc_port_b)?]))
-            }
-        };
-        // Backends carrying riders share one connection per target, as a mesh sidecar would.
-        let shared = if args.riders_per_client > 0 {
-            Some(targets()?)
-        } else {
-            None
-        };
-        for (i, group) in users.chunk_by(|a, b| a.client == b.client).enumerate() {
-            let (first, more) = match &shared {
-                Some(shared) => shared.clone(),
-                None => targets()?,
-            };
-            let riders = group
-                .iter()
-                .map(|user| Rider {
-                    user: user.clone(),
-                    client: user_client(user, first.clone(), more.clone()),
-                })
-                .collect();
-            let declining = group.iter().any(|user| user.declining);
-            let ctx = ClientCtx {
-                id: i as u32,
-                riders: Arc::new(riders),
-                declining,
-                faults: Arc::clone(&tallies.faults),
-                run_id: plan.run_id.clone(),
-                traffic_end: window.end,
-                hard_end: window.hard_end,
-                args: args.clone(),
-                attempts: Arc::clone(&tallies.attempts),
-                requests: Arc::clone(&tallies.requests),
-                retries: Arc::clone(&tallies.retries),
-                timeline: Arc::clone(&tallies.timeline),
-                answered: Answered::default(),
-                live_replays: Arc::clone(&tallies.live_replays),
-            };
-            if !declining {
-                replays.push(tokio::spawn(replay_loop(
-                    ctx.clone(),
-                    plan.seed.wrapping_add(2000 + i as u64),
-                )));
-            }
-            clients.push(tokio::spawn(run_client(
-                ctx,
-                plan.seed.wrapping_add(1000 + i as u64),
-            )));
-        }
-        Ok(Traffic { clients, replays })
-    }
-
-    /// Waits for every client to finish its last key, and every replay loop its last replay.
-    pub(crate) async fn finish(self) -> anyhow::Result<Vec<KeyRecord>> {
-        for replay in self.replays {
-            replay.await?;
-        }
-        let mut records: Vec<KeyRecord> = Vec::new();
-        for client in self.clients {
-            records.extend(client.await?);
-        }
-        Ok(records)
-    }
 }
 
 #[cfg(test)]

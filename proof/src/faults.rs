@@ -1,15 +1,16 @@
 //! The faults the campaign injects while traffic runs, each in a task of its own on a seeded
 //! schedule (so `--seed` repeats a run's fault plan): api-server and worker SIGKILLs, api-server
 //! stalls past the lock timeout, PostgreSQL and RabbitMQ restarts, and provider faults through
-//! fake-stripe. Crash points are not here: the api-servers fire them themselves, armed by
-//! [`crate::processes`].
+//! fake-stripe. `--ha`'s faults on the high-availability topology are [`ha`]'s, and `--rolling`'s
+//! rolling deploys, which replace the faults, are [`rolling`]'s. Crash points are not here: the
+//! api-servers fire them themselves, armed by [`crate::processes`].
 
 use std::{
     sync::{
         Arc,
         atomic::{AtomicBool, Ordering},
     },
-    time::{Duration, Instant, SystemTime},
+    time::{Duration, Instant},
 };
 
 use rand::{Rng, SeedableRng, rngs::StdRng};
@@ -18,12 +19,15 @@ use tokio::{sync::Mutex, task::JoinHandle};
 
 use crate::{
     args::Args,
-    counters::{Counters, FaultEvent, Tallies, Timeline},
-    ha_samples,
-    processes::{Children, Proc, TERMINATION_GRACE, Terminated, kill_and_restart, signal},
+    counters::{Counters, Tallies, Timeline},
+    processes::{Children, Proc, kill_and_restart, signal},
     services::{ServerKind, Services},
     setup::{Plan, Wiring},
 };
+
+mod ha;
+mod rolling;
+pub(crate) use ha::{BROKER_KILL, PRIMARY_KILL, SWITCHOVER};
 
 fn exp_delay(rng: &mut StdRng, mean_secs: f64) -> Duration {
     let u: f64 = rng.random_range(0.0001..1.0);
@@ -79,17 +83,8 @@ impl Faults {
         let faults = &tallies.faults;
         let stop = Arc::new(AtomicBool::new(false));
         if args.rolling {
-            let rollouts = rolling_deploys(Rollouts {
-                procs: children.rollout_order(),
-                bin_dir: plan.bin_dir.clone(),
-                migrate_env: args.rolling_from.is_some().then(|| wiring.env.clone()),
-                faults: Arc::clone(faults),
-                stop: Arc::clone(&stop),
-                traffic: plan.duration,
-                rollouts: args.rollouts,
-            });
             return Faults {
-                tasks: vec![tokio::spawn(rollouts)],
+                tasks: vec![rolling::start(args, plan, wiring, children, faults, &stop)],
                 stop,
             };
         }
@@ -175,79 +170,6 @@ impl Faults {
     }
 }
 
-/// What `--rolling` replaces, with what, and when.
-struct Rollouts {
-    procs: Vec<Arc<Mutex<Proc>>>,
-    /// This build's binaries.
-    bin_dir: std::path::PathBuf,
-    /// `--rolling-from`: the environment this build's `api-server migrate` runs with, under
-    /// traffic, before the first rollout (the schema starts as the older build left it).
-    migrate_env: Option<Vec<(String, String)>>,
-    faults: Arc<Counters>,
-    stop: Arc<AtomicBool>,
-    traffic: Duration,
-    rollouts: u32,
-}
-
-/// `--rolling`: `rollouts` times, at even marks of the traffic, every process of `procs`
-/// replaced one at a time, as a Deployment's rolling update replaces its pods: SIGTERM, its
-/// drain and exit waited for, a new one started from this build's binary in `bin_dir` (the first
-/// rollout of `--rolling-from` is the upgrade) and its port waited for, then a second for the
-/// clients to reconnect before the next. The process's lock is held throughout, so the supervisor
-/// never sees it dead. Counted as `rollout/<name>`, and `rollout_killed/<name>` for a process that
-/// had to be killed after [`TERMINATION_GRACE`]. With `--rolling-from`, this build's migrations are
-/// applied first, while the older build serves (the expand step of an expand/contract release:
-/// the release's migrate Job runs before its rollout), counted as `migration/applied`.
-async fn rolling_deploys(plan: Rollouts) -> anyhow::Result<()> {
-    let Rollouts {
-        procs,
-        bin_dir,
-        migrate_env,
-        faults,
-        stop,
-        traffic,
-        rollouts,
-    } = plan;
-    // Each round at its own mark of the traffic, whatever the last one took: a drain delay
-    // lengthens every replacement.
-    let gap = traffic / (rollouts + 1);
-    let start = Instant::now();
-    for round in 1..=rollouts {
-        let due = (start + gap * round).saturating_duration_since(Instant::now());
-        if !sleep_unless_stopped(&stop, due).await {
-            break;
-        }
-        if round == 1
-            && let Some(env) = &migrate_env
-        {
-            let started = std::time::Instant::now();
-            crate::setup::migrate(&bin_dir.join("api-server"), env).await?;
-            println!(
-                "proof: this build's migrations applied under traffic in {:.1} s",
-                started.elapsed().as_secs_f64()
-            );
-            faults.add("migration/applied", 1);
-            tokio::time::sleep(Duration::from_secs(1)).await;
-        }
-        println!("proof: rollout {round} of {rollouts}");
-        for proc in &procs {
-            let mut proc = proc.lock().await;
-            let name = proc.name;
-            match proc.terminate(TERMINATION_GRACE).await {
-                Terminated::Exited(status) => println!("proof: rollout: {name} exited ({status})"),
-                Terminated::Killed => faults.add(format!("rollout_killed/{name}"), 1),
-                Terminated::NotRunning => println!("proof: rollout: {name} was not running"),
-            }
-            proc.use_build(&bin_dir);
-            proc.start().await?;
-            faults.add(format!("rollout/{name}"), 1);
-            drop(proc);
-            tokio::time::sleep(Duration::from_secs(1)).await;
-        }
-    }
-    Ok(())
-}
-
 /// Fault: PostgreSQL crash (immediate shutdown) or fast shutdown, alternately, and restart under
 /// load; RabbitMQ stop and start during drains and consumption. On the `--ha` topology: primary
 /// failovers and switchovers, and broker node kills. Returns the PostgreSQL and RabbitMQ tasks.
@@ -261,21 +183,7 @@ fn server_faults(
 ) -> (FaultTask, FaultTask) {
     let faults = &tallies.faults;
     if services.ha.is_some() {
-        let ha = HaFaults {
-            services: Arc::clone(services),
-            faults: Arc::clone(faults),
-            timeline: Arc::clone(&tallies.timeline),
-            stop: Arc::clone(stop),
-            traffic: plan.duration,
-        };
-        return (
-            tokio::spawn(ha.clone().fail_over(
-                rng(6),
-                args.pg_restart_every_secs,
-                args.switchover_ratio,
-            )),
-            tokio::spawn(ha.kill_brokers(rng(7), args.rabbit_restart_every_secs)),
-        );
+        return ha::start(args, plan, services, tallies, stop, rng);
     }
     let restarter = |kind: ServerKind, mean: f64, salt: u64| {
         tokio::spawn(restart_at_random(
@@ -394,97 +302,6 @@ async fn restart_at_random(
         services.start_server(kind).await?;
     }
     Ok(())
-}
-
-/// The timeline's labels of `--ha`'s faults (`outages::FaultClass` sorts them by these).
-pub(crate) const PRIMARY_KILL: &str = "failover/postgresql primary SIGKILL";
-pub(crate) const SWITCHOVER: &str = "failover/postgresql planned switchover";
-/// Followed by the node's number.
-pub(crate) const BROKER_KILL: &str = "sigkill/rabbitmq node";
-
-/// `--ha`'s faults on the high-availability topology, one at a time per kind, each only once the
-/// last has healed (a primary with a synchronous standby, three brokers), and each logged on
-/// the timeline so that the report can say what the clients saw around it.
-#[derive(Clone)]
-struct HaFaults {
-    services: Arc<Services>,
-    faults: Arc<Counters>,
-    timeline: Arc<Timeline>,
-    stop: Arc<AtomicBool>,
-    traffic: Duration,
-}
-
-impl HaFaults {
-    /// PostgreSQL: SIGKILL of the primary's postmaster (Patroni promotes the synchronous standby
-    /// and re-joins the old primary with pg_rewind), or a planned switchover.
-    async fn fail_over(
-        self,
-        mut rng: StdRng,
-        mean: f64,
-        switchover_ratio: f64,
-    ) -> anyhow::Result<()> {
-        let Some(ha) = &self.services.ha else {
-            return Ok(());
-        };
-        tokio::spawn(ha_samples::primary_sessions(
-            ha.admin_url.clone(),
-            Arc::clone(&self.timeline),
-            Arc::clone(&self.stop),
-        ));
-        tokio::spawn(ha_samples::own_clock(
-            Arc::clone(&self.timeline),
-            Arc::clone(&self.stop),
-        ));
-        let mut first = true;
-        while self.wait_next(&mut rng, &mut first, mean).await {
-            let at = Instant::now();
-            let label = if rng.random_bool(switchover_ratio.clamp(0.0, 1.0)) {
-                ha.switchover().await?;
-                SWITCHOVER
-            } else {
-                ha.kill_primary().await?;
-                PRIMARY_KILL
-            };
-            self.faults.add(label, 1);
-            ha.wait_healthy().await?;
-            self.log(label.to_owned(), at);
-        }
-        Ok(())
-    }
-
-    /// RabbitMQ: SIGKILL of one node of three, started again after a few seconds.
-    async fn kill_brokers(self, mut rng: StdRng, mean: f64) -> anyhow::Result<()> {
-        let Some(ha) = &self.services.ha else {
-            return Ok(());
-        };
-        let mut first = true;
-        while self.wait_next(&mut rng, &mut first, mean).await {
-            let node: u8 = rng.random_range(1..=3);
-            let at = Instant::now();
-            ha.kill_broker(node).await?;
-            self.faults
-                .add("sigkill/rabbitmq node (of a cluster of 3)", 1);
-            tokio::time::sleep(Duration::from_millis(rng.random_range(1000..5000))).await;
-            ha.start_broker(node).await?;
-            ha.wait_healthy().await?;
-            self.log(format!("{BROKER_KILL} {node}"), at);
-        }
-        Ok(())
-    }
-
-    /// Sleeps until the next fault is due; false once traffic stops.
-    async fn wait_next(&self, rng: &mut StdRng, first: &mut bool, mean: f64) -> bool {
-        sleep_unless_stopped(&self.stop, rare_fault_delay(rng, first, self.traffic, mean)).await
-    }
-
-    fn log(&self, label: String, at: Instant) {
-        self.timeline.fault(FaultEvent {
-            label,
-            at,
-            at_wall: SystemTime::now() - at.elapsed(),
-            healed: Instant::now(),
-        });
-    }
 }
 
 /// Fault: provider faults through fake-stripe's HTTP API.

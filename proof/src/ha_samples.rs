@@ -1,6 +1,5 @@
-//! What is sampled while `--ha` runs so that a long outage after a fault can be explained
-//! (issue 32), kept by [`crate::counters::Timeline`] and summed by the report over each long
-//! outage:
+//! What is sampled while `--ha` runs so that a long outage after a fault can be explained, kept
+//! by [`crate::counters::Timeline`] and summed by the report over each long outage:
 //!
 //! - [`primary_sessions`]: what the primary's sessions were waiting on, twice a second: commits
 //!   waiting for the synchronous standby (`IPC/SyncRep`), row locks (`Lock/transactionid`), or no

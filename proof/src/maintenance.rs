@@ -217,7 +217,7 @@ struct ReceiptsLeft {
 
 /// Drain 2: enqueuer and receipts, for as long as receipts keep going out: a run without faults
 /// (`--rolling`) ends its traffic with thousands still to mail at the worker's few hundred a
-/// second (run e49c19c0 stopped a fixed 40 s wait with 4,257 unmailed and failed `one_receipt`).
+/// second, so a fixed wait would stop with thousands unmailed and fail `one_receipt`.
 /// It stops once everything charged is sent and mailed, after a stall of 40 s (120 s `--long`)
 /// without a new receipt sent, or after ten minutes in all.
 async fn drain_receipts(

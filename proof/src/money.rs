@@ -1,4 +1,4 @@
-//! The money campaign (issue 29, with `--money`): refunds only of our own charges, no ride
+//! The money campaign (with `--money`): refunds only of our own charges, no ride
 //! paid after its refund, every refund audited, no receipt for an unrecorded charge, under the
 //! campaign's usual crashes and faults. Three things run beside the clients:
 //!

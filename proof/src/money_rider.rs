@@ -24,7 +24,7 @@ const KEY_TIME: Duration = Duration::from_secs(20);
 /// How long after the traffic a rider may still wait for its last key's give-up or refund. The
 /// completer's passes run one key after another under the campaign's faults: a pass stalled on a
 /// provider timeout, or killed with its keys leased (`COMPLETER_LEASE_SECS`, 30 s), can hold a
-/// rider's key back for half a minute (run 28e00bb2: no key given up within 10 s of the end).
+/// rider's key back for half a minute, so a shorter overrun ends before the last give-up.
 const OVERRUN: Duration = Duration::from_secs(40);
 
 /// One money rider: its user, its client (one attempt per call: the rider decides when to

@@ -1,4 +1,4 @@
-//! What the clients saw around each `--ha` fault, per kind of call (issue 32): the outage after
+//! What the clients saw around each `--ha` fault, per kind of call: the outage after
 //! every fault, and its spread over the faults of one class (primary kills, planned switchovers,
 //! broker-node kills). The report prints both; `invariants::failover` judges them.
 
@@ -30,7 +30,7 @@ pub(crate) enum FaultClass {
 }
 
 impl FaultClass {
-    /// The class of a fault from its timeline label (`faults::HaFaults`).
+    /// The class of a fault from its timeline label (`faults::ha::HaFaults`).
     fn of(label: &str) -> Option<FaultClass> {
         if label == PRIMARY_KILL {
             Some(FaultClass::PrimaryKill)

@@ -5,6 +5,9 @@
 
 /// Generated messages, `ride_service_client` and `ride_service_server`.
 pub mod rides {
+    // tonic-build's server dispatch is one `call` with a match arm per method: generated code,
+    // not ours to split into steps.
+    #[allow(clippy::too_many_lines)]
     pub mod v1 {
         tonic::include_proto!("rides.v1");
     }

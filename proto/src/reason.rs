@@ -26,8 +26,9 @@ pub const CARD_DECLINED: &str = "CARD_DECLINED";
 pub const PAYMENT_REFUNDED: &str = "PAYMENT_REFUNDED";
 pub const PAYMENT_PROVIDER_UNAVAILABLE: &str = "PAYMENT_PROVIDER_UNAVAILABLE";
 pub const DATABASE_UNAVAILABLE: &str = "DATABASE_UNAVAILABLE";
-/// `UNAVAILABLE`, retryable: the key was left at `started` or `charge_created` by a server from
-/// before run 24 of docs/history/performance.md, which this server does not resume; an older server
+/// `UNAVAILABLE`, retryable: the key was left at `started` or `charge_created` by an older server
+/// (one that committed the charge's record apart from finishing the key), which this server does
+/// not resume; an older server
 /// still running resumes it, and `workers admin keys upgrade` retires or finishes it.
 pub const IDEMPOTENCY_KEY_NEEDS_UPGRADE: &str = "IDEMPOTENCY_KEY_NEEDS_UPGRADE";
 pub const RIDE_NOT_FOUND: &str = "RIDE_NOT_FOUND";

@@ -64,8 +64,8 @@ impl From<DieselError> for StoreError {
 /// SQLSTATE class 08 (connection exception) or 57P01..57P03 (the server is shutting down or
 /// starting up). Every FATAL that starts "terminating connection" ends the session: an
 /// administrator's command, the crash of another backend, and the postmaster's death, which is
-/// what a primary's backends say when its postmaster is SIGKILLed in a failover (HA run 40844b0b
-/// answered 6 attempts `INTERNAL` with it before this was recognised).
+/// what a primary's backends say when its postmaster is SIGKILLed in a failover (unrecognised, it
+/// would answer the attempts in flight `INTERNAL` instead of retrying them on the new primary).
 pub fn is_connection_loss(error: &DieselError) -> bool {
     match error {
         DieselError::DatabaseError(DatabaseErrorKind::ClosedConnection, _)

@@ -1,5 +1,5 @@
 //! The decline budget across replicas. A card tester spreads its calls over every api-server
-//! behind the load balancer (the HPA runs 3 to 12), so a budget counted per process would be 3 to
+//! behind the load balancer (the HPA keeps 3 to 12), so a budget counted per process would be 3 to
 //! 12 times the setting. The count therefore comes from what the database already stores: every
 //! fresh `CARD_DECLINED` answer reads the user's declined keys within the window
 //! (`idempotency_keys_declines_by_user`, a partial index of declined keys only, so the read

@@ -317,8 +317,9 @@ impl TestApp {
         }
     }
 
-    /// Puts the key `lease` holds (just claimed, at `ride_created`) where a server from before run
-    /// 24 of docs/history/performance.md could leave it, which this server never does: at
+    /// Puts the key `lease` holds (just claimed, at `ride_created`) where an older server, one
+    /// that committed the charge's record apart from finishing the key, could leave it, which
+    /// this server never does: at
     /// `started` with no ride yet, or at `charge_created`, charged at the provider (the request
     /// this server makes, under the same idempotency key) and the charge recorded on the ride,
     /// with no receipt staged. The rows only: no older server's code runs.

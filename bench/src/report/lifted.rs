@@ -6,7 +6,7 @@ use crate::ratio::Verdict;
 use super::*;
 
 /// A scenario named `X-lifted` is `X` on an api-server with every defence lifted, and `X` is
-/// judged against it (issue 28): throughput at least this fraction of the lifted run's, p99 at
+/// judged against it, so that the defences cost legitimate callers little: throughput at least this fraction of the lifted run's, p99 at
 /// most this multiple, and no request failed.
 pub const LIFTED_SUFFIX: &str = "-lifted";
 pub const LIFTED_THROUGHPUT_GOAL: f64 = 0.9;

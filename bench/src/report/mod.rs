@@ -122,8 +122,8 @@ pub struct ScenarioGoal {
     pub no_conflicts: bool,
 }
 
-/// Goals from the issues, keyed by the scenario names `bench/run.sh` uses: the earlier ratios to
-/// each scenario's own ceiling, and the performance issue's (#18) bounds beside them: new keys at
+/// The goals, keyed by the scenario names `bench/run.sh` uses: ratios to each scenario's own
+/// ceiling, and absolute bounds beside them: new keys at
 /// 64 clients at least 0.4 of the batched ceiling with p99 <= 100 ms and no conflicts, p99 <= 50 ms
 /// at 32 clients, replays at least 0.9 of their ceiling, and the 250 ms provider at 500 clients at
 /// least twice the per-ride ceiling.

@@ -1,4 +1,4 @@
-//! The goals of `--ha` (issue 32), judged from what the clients saw around each fault
+//! The goals of `--ha`, judged from what the clients saw around each fault
 //! (`crate::outages`): enough primary kills to judge; fresh CreateRides unavailable at most
 //! [`FRESH_P99`] at p99 and [`FRESH_MAX`] at worst after a primary kill; replays unavailable no
 //! longer than fresh work after a primary kill or a broker-node kill. And, in every mode, the

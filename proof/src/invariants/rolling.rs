@@ -1,4 +1,4 @@
-//! The invariants of `--rolling` (issue 32): what callers see while every api-server and worker
+//! The invariants of `--rolling`: what callers see while every api-server and worker
 //! is replaced, one at a time, during traffic. Checked only in that mode; every other invariant
 //! holds there too.
 

@@ -138,7 +138,8 @@ pub enum KeysCommand {
         #[arg(long, default_value_t = 100)]
         limit: i64,
     },
-    /// The upgrade step from a server before run 24 of docs/history/performance.md: retires the
+    /// The upgrade step from an older server (one that committed the charge's record apart from
+    /// finishing the key): retires the
     /// keys it left at `started` (no ride, no charge: a retry starts afresh) and finishes those
     /// at `charge_created` as `key finish --outcome succeeded` does. Keys with a live lock are
     /// left, and the command fails while any key is left.

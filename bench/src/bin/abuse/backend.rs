@@ -1,4 +1,4 @@
-//! The legitimate backend (issue 28): a rider-facing service that carries many riders' tokens
+//! The legitimate backend: a rider-facing service that carries many riders' tokens
 //! over one HTTP/2 connection from one address, the caller this service exists for. Each of its
 //! runs gets riders of its own, created just before it, so every rider is cold (the api-server
 //! has never seen the token) and calls once: the worst case after a restart, a rollout or a
@@ -37,7 +37,8 @@ pub const IN_FLIGHT: usize = 64;
 /// The mail domain of backend riders: the campaign's row counts treat them as legitimate.
 pub const RIDER_DOMAIN: &str = "backend.rocketrides.test";
 
-/// The goals of issue 28 against the same backend on a server with every defence lifted.
+/// The backend's goals, against the same backend on a server with every defence lifted: the
+/// defences may cost the caller this service exists for little throughput and latency.
 pub const THROUGHPUT_GOAL: f64 = 0.9;
 pub const P99_GOAL: f64 = 1.5;
 

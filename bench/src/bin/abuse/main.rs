@@ -1,4 +1,4 @@
-//! The abuse campaign (issue 14, docs/security.md): attacks on a running api-server, one after
+//! The abuse campaign (docs/security.md): attacks on a running api-server, one after
 //! another, while legitimate clients keep creating rides and reading them back. Run it with
 //! `bench/abuse.sh`, which starts the release api-server (production defaults: no limit lifted)
 //! and fake-stripe against a scratch database.
@@ -7,12 +7,12 @@
 //! latency against the quiet baseline measured first in the same run, connections the server
 //! refused (its own metric), rows written by anyone but the legitimate clients, database
 //! transactions, and how long until a new connection was served after the attacker let go.
-//! It judges each attack against the goals of issue 14 and exits 1 if one is missed.
+//! It judges each attack against its goals (docs/security.md) and exits 1 if one is missed.
 //!
 //! Last, with the legitimate clients paused, it runs each unauthenticated attack that speaks
 //! gRPC alone and counts the database transactions it caused (`footprint`).
 //!
-//! Beside the 16 legitimate clients runs a rider-facing backend (issue 28, `backend`): 10,000
+//! Beside the 16 legitimate clients runs a rider-facing backend (`backend`): 10,000
 //! cold riders per run over one connection from its own address. It runs first against
 //! `--reference-target` (an api-server with every defence lifted), then alone against the
 //! defaults (that window is also the quiet baseline), then under every attack, and once more
@@ -81,7 +81,7 @@ struct Args {
     /// reference runs. Without it the backend is judged on its refusals alone.
     #[arg(long)]
     reference_target: Option<SocketAddr>,
-    /// Leave the backend out (the campaign as it was before issue 28).
+    /// Leave the backend out: only the 16 legitimate clients beside the attacks.
     #[arg(long)]
     no_backend: bool,
 }

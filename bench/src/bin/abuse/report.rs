@@ -1,5 +1,5 @@
-//! The campaign's figures per window, the verdict per attack against issue 14's goals, and the
-//! table printed at the end (the one docs/history/security.md publishes).
+//! The campaign's figures per window, the verdict per attack against its goals, and the
+//! table printed at the end (the one docs/security.md publishes).
 
 use std::{
     collections::BTreeMap,
@@ -236,7 +236,7 @@ pub fn print(baseline: &Window, results: &[AttackResult], recovery_goal: Duratio
     all_met
 }
 
-/// The backend's table (issue 28) and its verdicts: every call OK without a retry, and against
+/// The backend's table and its verdicts: every call OK without a retry, and against
 /// the mean of `references` (the runs with every defence lifted) throughput and p99 within the
 /// goals. Whether every goal was met.
 pub fn print_backend(

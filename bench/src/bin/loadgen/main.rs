@@ -15,7 +15,7 @@
 //! With `--riders N` the clients are instead a rider-facing backend: N users are created (their
 //! tokens cold on a freshly started api-server, which has never seen them) and each request
 //! takes a random one of them, so each rider calls rarely, as real riders do. That is the shape
-//! the api-server's defaults are meant to serve (issue 28), and `bench/run.sh` measures it at
+//! the api-server's defaults are meant to serve, and `bench/run.sh` measures it at
 //! the defaults.
 //!
 //! While the load runs it samples the scratch database's `pg_stat_activity` (what the server's

@@ -1,5 +1,6 @@
-//! `workers admin keys upgrade`: the upgrade step for keys a server from before run 24 of
-//! docs/history/performance.md left at `started` or `charge_created`, the two recovery points
+//! `workers admin keys upgrade`: the upgrade step for keys an older server (one that committed the
+//! charge's record apart from finishing the key) left at `started` or `charge_created`, the two
+//! recovery points
 //! today's api-server has no phase for (it answers such a key `IDEMPOTENCY_KEY_NEEDS_UPGRADE`).
 //!
 //! - A key at `started` holds nothing but itself: the phase that would have written its ride

@@ -1,4 +1,4 @@
-//! One rider of a backend flooding CreateRide (issue 28): a valid token, new keys as fast as 64
+//! One rider of a backend flooding CreateRide: a valid token, new keys as fast as 64
 //! concurrent callers on one connection can send them. Its per-user limits must refuse its
 //! excess, and nobody else's calls: not those of the backend it shares an address with
 //! (`--only rider-flood-own`), nor anyone's from elsewhere (`rider-flood`).
