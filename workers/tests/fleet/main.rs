@@ -13,6 +13,7 @@ mod jobs;
 mod reaper;
 mod receipt_batches;
 mod receipts;
+mod receipts_restarts;
 mod reconciler;
 mod smtp_relay;
 mod smtp_tls;
