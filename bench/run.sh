@@ -314,7 +314,8 @@ if wants riders; then
   start_stack 0 16
 fi
 
-# Fresh keys at the production defaults (no limit lifted) from callers of the riders' shape: a
+# Fresh keys at the production defaults (no limit lifted) from callers of the riders' shape (also
+# run by `bench/run.sh riders`, as every scenario named riders-*): a
 # pool of RIDERS riders created cold, each call a random one, 64 in flight over one connection
 # from one address, no client retry, and a fast provider (0 ms): a closed loop, so that what it
 # measures is the service, not its clients (the riders scenario above is bounded by 64 calls per

@@ -19,9 +19,9 @@
 //! 3. So batching never adds a wait: a request that arrives while a runner is idle is sent at
 //!    once, alone if need be. Requests queue only while every runner is busy, and the next free
 //!    runner takes them all.
-//! 4. Each batch runs in a task of its own (`tokio::spawn`), so that a panic in it ends that
-//!    batch only: its requests hear [`Verdict::RunAlone`] (their `oneshot` is dropped) and the
-//!    runner goes on with the next batch.
+//! 4. Each batch's statement runs in a task of its own (`tokio::spawn`), so that a panic in it
+//!    ends that run only: the runner hands each request its item back ([`Verdict::RunAlone`])
+//!    and goes on with the next batch.
 //!
 //! A batch is one statement, so one implicit transaction: it commits whole or not at all. Each
 //! request's rows in it are decided as they would be alone (the statements say how), so a
@@ -73,9 +73,8 @@ impl Default for Batching {
 
 /// One statement over arrays that does for several requests what it does for one.
 pub trait BatchStatement: Send + Sync + 'static {
-    /// What one request contributes. `Clone` so that a request keeps its item to run it alone
-    /// when its batch could not decide it.
-    type Item: Clone + Send + Sync + 'static;
+    /// What one request contributes.
+    type Item: Send + Sync + 'static;
     /// What the statement decided for one request.
     type Output: Send + 'static;
     /// The statement's name in metrics and logs.
@@ -120,15 +119,15 @@ pub struct BatchCounts {
 /// One request waiting for its batch.
 struct Pending<S: BatchStatement> {
     item: S::Item,
-    verdict: oneshot::Sender<Verdict<S::Output>>,
+    verdict: oneshot::Sender<Verdict<S::Item, S::Output>>,
 }
 
 /// What a batch says about one of its requests.
-enum Verdict<T> {
+enum Verdict<I, T> {
     Decided(T),
-    /// The batch could not decide it (a statement error, or a panic, which drops the sender):
-    /// the request runs alone.
-    RunAlone,
+    /// The batch could not decide it (a statement error or a panic): the request runs alone
+    /// with its item, handed back.
+    RunAlone(I),
     /// No connection came free within the pool's timeout.
     PoolTimedOut,
     /// The connection failed mid-statement: the batch may or may not have committed.
@@ -177,33 +176,31 @@ impl<S: BatchStatement> Batcher<S> {
     /// What the statement decided for `item`: in a batch with other requests when batching is
     /// on, else (or when its batch could not decide it) alone.
     pub async fn run(&self, item: S::Item) -> Result<S::Output, StoreError> {
-        if self.shared.max_size > 1 {
-            let (verdict, decided) = oneshot::channel();
-            let pending = Pending {
-                item: item.clone(),
-                verdict,
-            };
-            if self.queue.send(pending).is_ok() {
-                match decided.await.unwrap_or(Verdict::RunAlone) {
-                    Verdict::Decided(output) => return Ok(output),
-                    Verdict::RunAlone => {}
-                    Verdict::PoolTimedOut => {
-                        return Err(StoreError::Unavailable(bb8::RunError::TimedOut));
-                    }
-                    Verdict::ConnectionLost(message) => {
-                        return Err(StoreError::ConnectionLost(DieselError::DatabaseError(
-                            DatabaseErrorKind::ClosedConnection,
-                            Box::new(message),
-                        )));
-                    }
-                }
-            }
+        if self.shared.max_size == 1 {
+            return self.shared.alone(item).await;
         }
-        self.shared.alone(item).await
+        let (verdict, decided) = oneshot::channel();
+        let verdict = match self.queue.send(Pending { item, verdict }) {
+            // A runner always answers: it hands a batch it could not decide back item by item.
+            Ok(()) => decided
+                .await
+                .map_err(|_| StoreError::Database(DieselError::NotFound))?,
+            // No runner is left (the batcher is being dropped): the request keeps its item.
+            Err(mpsc::error::SendError(pending)) => Verdict::RunAlone(pending.item),
+        };
+        match verdict {
+            Verdict::Decided(output) => Ok(output),
+            Verdict::RunAlone(item) => self.shared.alone(item).await,
+            Verdict::PoolTimedOut => Err(StoreError::Unavailable(bb8::RunError::TimedOut)),
+            Verdict::ConnectionLost(message) => Err(StoreError::ConnectionLost(
+                DieselError::DatabaseError(DatabaseErrorKind::ClosedConnection, Box::new(message)),
+            )),
+        }
     }
 }
 
-/// A runner: takes the next batch whenever it is idle, and runs it in a task of its own.
+/// A runner: takes the next batch whenever it is idle, runs its statement in a task of its own
+/// (so that a panic ends that run only), and hands each request its verdict.
 async fn run_batches<S: BatchStatement>(
     shared: Arc<Shared<S>>,
     receiver: Arc<Mutex<mpsc::UnboundedReceiver<Pending<S>>>>,
@@ -219,20 +216,39 @@ async fn run_batches<S: BatchStatement>(
             // Every sender is gone: the batcher was dropped.
             return;
         }
-        let decide = tokio::spawn(Arc::clone(&shared).decide(std::mem::take(&mut batch)));
-        // A panic ended that batch only; its requests run alone.
-        let _ = decide.await;
+        let (items, verdicts): (Vec<S::Item>, Vec<_>) = batch
+            .drain(..)
+            .map(|pending| (pending.item, pending.verdict))
+            .unzip();
+        let items = Arc::new(items);
+        let run = tokio::spawn({
+            let (shared, items) = (Arc::clone(&shared), Arc::clone(&items));
+            async move { shared.execute(&items).await }
+        });
+        // A panic is a failed run: its requests run alone.
+        let outputs = run.await.unwrap_or_else(|panic| {
+            Err(StoreError::Database(DieselError::QueryBuilderError(
+                panic.to_string().into(),
+            )))
+        });
+        // The task has ended, and its clone of the items with it.
+        match Arc::try_unwrap(items) {
+            Ok(items) => shared.settle(outputs, items, verdicts),
+            Err(_) => tracing::error!(statement = S::NAME, "a batch's items outlived its run"),
+        }
     }
 }
 
 impl<S: BatchStatement> Shared<S> {
-    /// Runs the statement for one batch and hands each request its verdict.
-    async fn decide(self: Arc<Self>, batch: Vec<Pending<S>>) {
-        let (items, verdicts): (Vec<S::Item>, Vec<_>) = batch
-            .into_iter()
-            .map(|pending| (pending.item, pending.verdict))
-            .unzip();
-        let verdict_for_all: fn() -> Verdict<S::Output> = match self.execute(&items).await {
+    /// Hands each request of a batch its verdict: its output, or its item back to run alone.
+    fn settle(
+        &self,
+        outputs: Result<Vec<S::Output>, StoreError>,
+        items: Vec<S::Item>,
+        verdicts: Vec<oneshot::Sender<Verdict<S::Item, S::Output>>>,
+    ) {
+        // A request that is gone no longer needs its verdict.
+        match outputs {
             Ok(outputs) => {
                 let size = verdicts.len() as u64;
                 self.statements.fetch_add(1, Ordering::Relaxed);
@@ -241,15 +257,19 @@ impl<S: BatchStatement> Shared<S> {
                     .batch_size
                     .record(size, &[attr("rides.batch.statement", S::NAME)]);
                 for (verdict, output) in verdicts.into_iter().zip(outputs) {
-                    // A request that is gone no longer needs its verdict.
                     let _ = verdict.send(Verdict::Decided(output));
                 }
-                return;
             }
-            Err(StoreError::Unavailable(bb8::RunError::TimedOut)) => || Verdict::PoolTimedOut,
+            Err(StoreError::Unavailable(bb8::RunError::TimedOut)) => {
+                for verdict in verdicts {
+                    let _ = verdict.send(Verdict::PoolTimedOut);
+                }
+            }
             Err(StoreError::ConnectionLost(error)) if !S::REDO_AFTER_CONNECTION_LOSS => {
                 let message = error.to_string();
-                return send_all(verdicts, || Verdict::ConnectionLost(message.clone()));
+                for verdict in verdicts {
+                    let _ = verdict.send(Verdict::ConnectionLost(message.clone()));
+                }
             }
             Err(error) => {
                 tracing::debug!(
@@ -258,10 +278,11 @@ impl<S: BatchStatement> Shared<S> {
                     items = verdicts.len(),
                     "a batch failed; its requests run alone"
                 );
-                || Verdict::RunAlone
+                for (verdict, item) in verdicts.into_iter().zip(items) {
+                    let _ = verdict.send(Verdict::RunAlone(item));
+                }
             }
-        };
-        send_all(verdicts, verdict_for_all);
+        }
     }
 
     /// One run of the statement for `items` on a pooled connection, retried on transient
@@ -283,11 +304,5 @@ impl<S: BatchStatement> Shared<S> {
             .into_iter()
             .next()
             .ok_or(StoreError::Database(DieselError::NotFound))
-    }
-}
-
-fn send_all<T>(verdicts: Vec<oneshot::Sender<Verdict<T>>>, verdict: impl Fn() -> Verdict<T>) {
-    for sender in verdicts {
-        let _ = sender.send(verdict());
     }
 }
