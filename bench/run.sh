@@ -389,7 +389,7 @@ if wants receipts; then
   done
   t1=$(now)
   stop receipts
-  drain_record receipts "$sent" "$(elapsed "$t0" "$t1")" "$load -> $(la)" "workers receipts (RECEIPTS_PREFETCH default 16) -> mail sink; $(ls "$OUT/mail" | wc -l) .eml files"
+  drain_record receipts "$sent" "$(elapsed "$t0" "$t1")" "$load -> $(la)" "workers receipts (defaults: RECEIPTS_PREFETCH 256, RECEIPTS_BATCH_SIZE 64, SMTP_POOL_SIZE 32) -> mail sink; $(ls "$OUT/mail" | wc -l) .eml files"
   stop mail-sink
 fi
 

@@ -56,6 +56,10 @@ pub struct ReceiptsConfig {
     pub smtp_timeout: Duration,
     /// Unacknowledged deliveries in flight per worker.
     pub prefetch: u16,
+    /// The most deliveries handled as one batch (one claim and one record statement).
+    pub batch_size: u16,
+    /// SMTP connections kept open to the relay, and conversations at once.
+    pub smtp_connections: u32,
     /// Delay before a temporarily failed delivery is requeued, doubled per redelivery.
     pub retry_base_delay: Duration,
     pub retry_max_delay: Duration,
@@ -198,7 +202,10 @@ fn receipts(vars: &Vars<'_>) -> Result<ReceiptsConfig, ConfigError> {
         smtp_url: Secret::new(vars.string("SMTP_URL", DEFAULT_SMTP_URL)),
         from: vars.string("RECEIPT_FROM", DEFAULT_RECEIPT_FROM),
         smtp_timeout,
-        prefetch: vars.positive("RECEIPTS_PREFETCH", 16)?,
+        prefetch: vars.positive("RECEIPTS_PREFETCH", 256)?,
+        batch_size: vars.positive("RECEIPTS_BATCH_SIZE", 64)?,
+        smtp_connections: vars
+            .positive("SMTP_POOL_SIZE", crate::mailer::DEFAULT_SMTP_CONNECTIONS)?,
         retry_base_delay: vars.millis("RECEIPTS_RETRY_BASE_MS", 5000)?,
         retry_max_delay: vars.millis("RECEIPTS_RETRY_MAX_MS", 60_000)?,
         mail_search_url: vars.raw("MAIL_SEARCH_URL"),
@@ -267,7 +274,9 @@ mod tests {
         assert_eq!(config.enqueuer.max_attempts, 20);
         assert_eq!(config.enqueuer.backoff_base, Duration::from_millis(1000));
         assert_eq!(config.enqueuer.backoff_max, Duration::from_secs(300));
-        assert_eq!(config.receipts.prefetch, 16);
+        assert_eq!(config.receipts.prefetch, 256);
+        assert_eq!(config.receipts.batch_size, 64);
+        assert_eq!(config.receipts.smtp_connections, 32);
         assert_eq!(config.completer.batch_size, 100);
         assert_eq!(config.completer.max_attempts, 8);
         assert_eq!(config.completer.min_age, Duration::from_secs(300));

@@ -1,12 +1,24 @@
-//! The job registry: every job type the enqueuer publishes, with the routing key it is published
-//! under and the queue it lands in. The enqueuer dispatches on it ([`find`]) and the topology
-//! declares and binds one queue per entry ([`REGISTRY`]), so a new job type is its struct in
-//! `contract/src/jobs.rs`, one entry here and its consumer (docs/architecture.md).
+//! The job registry: every job type the fleet publishes and consumes. A job type is two things,
+//! as in crates.io's `BackgroundJob`:
+//!
+//! 1. its contract type (`contract/src/jobs.rs`: the struct, its `JOB_NAME`, and where it differs
+//!    from the defaults its routing key, queue and message body) and, in this crate, a handler
+//!    with `run` ([`crate::consumer::JobHandler`]);
+//! 2. one line in [`registry`].
+//!
+//! Everything else derives from the registration: the enqueuer encodes and routes staged jobs by
+//! it ([`Registry::find`]), the topology declares and binds one queue per registered type, and
+//! the generic consumer ([`crate::consumer::JobConsumer`]) takes deliveries off that queue.
 
-use contract::{BackgroundJob, ReceiptJob, message::ReceiptMessage};
+use contract::{BackgroundJob, ReceiptJob};
 
-/// One job type, as the broker sees it.
-#[derive(Debug)]
+/// Every job type of the fleet. A new job type is one `.register::<…>()` here.
+pub fn registry() -> Registry {
+    Registry::default().register::<ReceiptJob>()
+}
+
+/// One job type, as the broker sees it: what its registration derives from the contract type.
+#[derive(Clone, Copy)]
 pub struct JobType {
     /// `staged_jobs.job_name` (the contract's `BackgroundJob::JOB_NAME`).
     pub job_name: &'static str,
@@ -20,69 +32,126 @@ pub struct JobType {
     pub encode: fn(&serde_json::Value) -> Option<Vec<u8>>,
 }
 
-/// Receipts: the versioned [`ReceiptMessage`] (docs/asyncapi.yaml).
-pub const RECEIPT: JobType = JobType {
-    job_name: ReceiptJob::JOB_NAME,
-    routing_key: "ride.receipt",
-    queue_suffix: "receipts",
-    encode: encode_receipt,
-};
-
-/// Every job type; the topology declares a queue for each.
-pub const REGISTRY: &[JobType] = &[RECEIPT];
-
-/// The registered type of a staged job; `None` for a name nothing registers (the enqueuer routes
-/// it by its name, nothing is bound to that, the broker returns it and it is set aside).
-pub fn find(job_name: &str) -> Option<&'static JobType> {
-    REGISTRY.iter().find(|kind| kind.job_name == job_name)
+impl JobType {
+    /// The job type of `J`.
+    pub fn of<J: BackgroundJob>() -> JobType {
+        JobType {
+            job_name: J::JOB_NAME,
+            routing_key: J::ROUTING_KEY,
+            queue_suffix: J::QUEUE,
+            encode: J::message_body,
+        }
+    }
 }
 
-fn encode_receipt(args: &serde_json::Value) -> Option<Vec<u8>> {
-    ReceiptJob::from_args(args)
-        .ok()
-        .and_then(ReceiptMessage::from_job)
-        .and_then(|message| message.encode().ok())
+impl std::fmt::Debug for JobType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("JobType")
+            .field("job_name", &self.job_name)
+            .field("routing_key", &self.routing_key)
+            .field("queue_suffix", &self.queue_suffix)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Job types are equal when they are published and queued alike (the encoder is a function and
+/// is not compared).
+impl PartialEq for JobType {
+    fn eq(&self, other: &JobType) -> bool {
+        (self.job_name, self.routing_key, self.queue_suffix)
+            == (other.job_name, other.routing_key, other.queue_suffix)
+    }
+}
+
+impl Eq for JobType {}
+
+/// The registered job types, in registration order.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Registry {
+    types: Vec<JobType>,
+}
+
+impl Registry {
+    /// Adds `J`. Two types must not share a name, routing key or queue (nor take the dead-letter
+    /// queue's name): [`Registry::clashes`] says whether they do, and a unit test checks
+    /// [`registry`].
+    #[must_use]
+    pub fn register<J: BackgroundJob>(mut self) -> Registry {
+        self.types.push(JobType::of::<J>());
+        self
+    }
+
+    /// Whether two registered types would share a name, a route or a queue, or a type would take
+    /// the dead-letter queue's name (`{prefix}.dead-letter`).
+    pub fn clashes(&self) -> bool {
+        let distinct = |part: fn(&JobType) -> &'static str| {
+            let mut seen: Vec<&str> = self.types.iter().map(part).collect();
+            seen.sort_unstable();
+            seen.dedup();
+            seen.len() == self.types.len()
+        };
+        !(distinct(|kind| kind.job_name)
+            && distinct(|kind| kind.routing_key)
+            && distinct(|kind| kind.queue_suffix))
+            || self
+                .types
+                .iter()
+                .any(|kind| kind.queue_suffix == "dead-letter")
+    }
+
+    /// The registered type of a staged job; `None` for a name nothing registers (the enqueuer
+    /// routes it by its name, nothing is bound to that, the broker returns it and it is set aside).
+    pub fn find(&self, job_name: &str) -> Option<&JobType> {
+        self.types.iter().find(|kind| kind.job_name == job_name)
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = &JobType> {
+        self.types.iter()
+    }
 }
 
 #[cfg(test)]
 mod tests {
-    use std::collections::HashSet;
-
     use super::*;
 
-    #[test]
-    fn names_routing_keys_and_queues_are_each_registered_once() {
-        let names: HashSet<_> = REGISTRY.iter().map(|kind| kind.job_name).collect();
-        let keys: HashSet<_> = REGISTRY.iter().map(|kind| kind.routing_key).collect();
-        let queues: HashSet<_> = REGISTRY.iter().map(|kind| kind.queue_suffix).collect();
-        assert_eq!(names.len(), REGISTRY.len());
-        assert_eq!(keys.len(), REGISTRY.len());
-        assert_eq!(queues.len(), REGISTRY.len());
-        // The dead-letter queue is `{prefix}.dead-letter`: no job queue may take its name.
-        assert!(!queues.contains("dead-letter"));
+    #[derive(serde::Serialize, serde::Deserialize)]
+    struct Other {
+        n: i64,
+    }
+
+    impl BackgroundJob for Other {
+        const JOB_NAME: &'static str = "other";
+    }
+
+    #[derive(serde::Serialize, serde::Deserialize)]
+    struct SameQueue;
+
+    impl BackgroundJob for SameQueue {
+        const JOB_NAME: &'static str = "same_queue";
+        const QUEUE: &'static str = "receipts";
     }
 
     #[test]
-    fn a_receipt_job_becomes_its_message_and_other_args_do_not() {
-        let job = ReceiptJob {
-            ride_id: 7,
-            user_id: 3,
-            charge_id: Some("pi_1".into()),
-            amount: 2000,
-            currency: "usd".into(),
-            created_at: chrono::DateTime::from_timestamp(1_800_000_000, 0).unwrap(),
-        };
-        let kind = find(ReceiptJob::JOB_NAME).unwrap();
-        let body = (kind.encode)(&job.to_args()).unwrap();
-        let message = ReceiptMessage::decode(&body).unwrap();
-        assert_eq!((message.ride_id, message.charge_id.as_str()), (7, "pi_1"));
-        // A receipt for no charge is not a receipt message.
-        let uncharged = ReceiptJob {
-            charge_id: None,
-            ..job
-        };
-        assert_eq!((kind.encode)(&uncharged.to_args()), None);
-        assert_eq!((kind.encode)(&serde_json::json!({"ride_id": 7})), None);
-        assert!(find("no_such_job").is_none());
+    fn a_registered_type_is_found_by_name_with_its_route() {
+        let registry = registry().register::<Other>();
+        let receipt = registry.find(ReceiptJob::JOB_NAME).unwrap();
+        assert_eq!(
+            (receipt.routing_key, receipt.queue_suffix),
+            ("ride.receipt", "receipts")
+        );
+        let other = registry.find("other").unwrap();
+        assert_eq!((other.routing_key, other.queue_suffix), ("other", "other"));
+        let body = (other.encode)(&serde_json::json!({"n": 3})).unwrap();
+        assert_eq!(body, br#"{"n":3}"#);
+        assert_eq!((other.encode)(&serde_json::json!({"m": 3})), None);
+        assert!(registry.find("no_such_job").is_none());
+    }
+
+    #[test]
+    fn the_fleet_registers_each_name_route_and_queue_once() {
+        assert!(!registry().clashes());
+        assert!(!registry().register::<Other>().clashes());
+        assert!(registry().register::<SameQueue>().clashes());
+        assert!(registry().register::<ReceiptJob>().clashes());
     }
 }

@@ -6,7 +6,10 @@
 //! - [`topology`]: the RabbitMQ layout (exchange, queues, dead-lettering); the versioned receipt
 //!   message other teams consume is `contract::message`, shared with the api-server.
 //! - [`amqp`]: connecting to RabbitMQ with back-off.
+//! - [`jobs`]: the job registry: each job type's contract type and its one registration line.
 //! - [`enqueuer`]: the transactionally-staged job drain, `staged_jobs` → RabbitMQ.
+//! - [`consumer`]: the consumer every job type's queue shares (prefetch, batches, ack, nack,
+//!   dead-letter, reconnect); a job type's worker is its [`consumer::JobHandler`].
 //! - [`receipts`]: the receipt worker, RabbitMQ → SMTP, claimed in `receipt_claims` and
 //!   deduplicated in `sent_receipts`.
 //! - [`mailer`]: receipt e-mails over SMTP (lettre).
@@ -30,6 +33,7 @@ pub mod amqp;
 pub mod backoff;
 pub mod completer;
 pub mod config;
+pub mod consumer;
 pub mod enqueuer;
 pub mod jobs;
 pub mod mailer;

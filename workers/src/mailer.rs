@@ -12,13 +12,14 @@
 //! Credentials (percent-encoded in the URL) are only accepted with TLS required, so a password
 //! never crosses the network in the clear; they are never logged (the URL is a `Secret`).
 
-use std::{path::PathBuf, time::Duration};
+use std::{path::PathBuf, sync::Arc, time::Duration};
 
 use chrono::{DateTime, Utc};
 use lettre::{
     AsyncSmtpTransport, AsyncTransport, Message, Tokio1Executor,
     message::{Mailbox, header::ContentType},
     transport::smtp::{
+        PoolConfig,
         authentication::Credentials,
         client::{Certificate, Tls, TlsParameters},
     },
@@ -76,19 +77,41 @@ pub struct Receipt {
     pub ride_created_at: DateTime<Utc>,
 }
 
+/// SMTP connections a mailer keeps open by default (`SMTP_POOL_SIZE`).
+pub const DEFAULT_SMTP_CONNECTIONS: u32 = 32;
+
+/// One relay's transport: a pool of open SMTP connections, each reused for mail after mail (a
+/// `NOOP` checks a parked one before reuse; one the relay closed is replaced), and at most
+/// `connections` conversations at once ([`Mailer::connection`]).
 #[derive(Clone)]
 pub struct Mailer {
     transport: AsyncSmtpTransport<Tokio1Executor>,
     from: Mailbox,
+    conversations: Arc<tokio::sync::Semaphore>,
 }
 
 impl Mailer {
     pub fn new(smtp_url: &str, from: &str, timeout: Duration) -> Result<Mailer, MailerConfigError> {
+        Mailer::with_connections(smtp_url, from, timeout, DEFAULT_SMTP_CONNECTIONS)
+    }
+
+    /// A mailer keeping up to `connections` SMTP connections open.
+    pub fn with_connections(
+        smtp_url: &str,
+        from: &str,
+        timeout: Duration,
+        connections: u32,
+    ) -> Result<Mailer, MailerConfigError> {
+        let connections = connections.max(1);
         let relay = parse_smtp_url(smtp_url).map_err(MailerConfigError::Url)?;
         let from: Mailbox = from.parse().map_err(|_| MailerConfigError::From)?;
         let mut builder = AsyncSmtpTransport::<Tokio1Executor>::builder_dangerous(&relay.host)
             .port(relay.port)
-            .timeout(Some(timeout));
+            .timeout(Some(timeout))
+            // Twice the conversations: lettre parks a connection again from a task of its own,
+            // so the next conversation may start before it is back; kept rather than closed,
+            // it is reused instead of a connection opened and closed per mail.
+            .pool_config(PoolConfig::new().max_size(connections * 2).min_idle(0));
         if relay.security != Security::Plain {
             let tls = tls_parameters(&relay)?;
             builder = builder.tls(match relay.security {
@@ -103,7 +126,16 @@ impl Mailer {
         Ok(Mailer {
             transport: builder.build(),
             from,
+            conversations: Arc::new(tokio::sync::Semaphore::new(connections as usize)),
         })
+    }
+
+    /// Waits for one of the pool's connections to be free for a conversation: held while
+    /// sending, so that a burst of mail queues here rather than opening a connection per mail
+    /// (lettre's pool caps the connections it keeps, not the ones it opens). `None` never
+    /// happens: the semaphore is never closed.
+    pub async fn connection(&self) -> Option<tokio::sync::OwnedSemaphorePermit> {
+        Arc::clone(&self.conversations).acquire_owned().await.ok()
     }
 
     pub async fn send(&self, receipt: &Receipt) -> Result<(), MailError> {

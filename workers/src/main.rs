@@ -125,10 +125,11 @@ async fn receipt_worker(
     shutdown: tokio_util::sync::CancellationToken,
 ) -> anyhow::Result<Option<serde_json::Value>> {
     let amqp_url = config.amqp_url.expose();
-    let mailer = Mailer::new(
+    let mailer = Mailer::with_connections(
         config.receipts.smtp_url.expose(),
         &config.receipts.from,
         config.receipts.smtp_timeout,
+        config.receipts.smtp_connections,
     )?;
     let relay_search = config
         .receipts

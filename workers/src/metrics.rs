@@ -19,6 +19,7 @@ struct Instruments {
     set_aside: Gauge<u64>,
     parked: Gauge<u64>,
     receipts: Counter<u64>,
+    jobs: Counter<u64>,
     completer: Counter<u64>,
     needing_attention: Gauge<u64>,
     reaped: Counter<u64>,
@@ -52,6 +53,10 @@ static INSTRUMENTS: LazyLock<Instruments> = LazyLock::new(|| {
         receipts: meter
             .u64_counter("rides.receipts.messages")
             .with_description("Receipt messages handled, by outcome")
+            .build(),
+        jobs: meter
+            .u64_counter("rides.jobs.messages")
+            .with_description("Job deliveries settled by a consumer, by job and settlement")
             .build(),
         completer: meter
             .u64_counter("rides.completer.keys")
@@ -97,6 +102,14 @@ pub fn count(counter: Handled, outcome: &'static str, count: u64) {
     if count > 0 {
         counter.add(count, &[attr("outcome", outcome)]);
     }
+}
+
+/// Counts one delivery of `job` settled as `settlement` (`ack`, `dead_letter`, `retry`): the
+/// generic consumer's counter, the same for every job type.
+pub fn count_settled(job: &'static str, settlement: &'static str) {
+    INSTRUMENTS
+        .jobs
+        .add(1, &[attr("job", job), attr("settlement", settlement)]);
 }
 
 #[derive(QueryableByName)]

@@ -10,8 +10,9 @@
 //! ```
 //!
 //! Every name derives from one prefix so that each test can own a private copy. Each job type of
-//! the registry ([`crate::jobs::REGISTRY`]) gets its queue, declared and bound as the receipts
-//! queue above is.
+//! the registry ([`crate::jobs::registry`], or the one given to [`Topology::with_jobs`]) gets its
+//! queue, `{prefix}.{QUEUE}`, declared and bound with its routing key as the receipts queue above
+//! is.
 
 use lapin::{
     Channel, ExchangeKind,
@@ -22,10 +23,12 @@ use lapin::{
     types::{AMQPValue, FieldTable, LongString, ShortString},
 };
 
-use crate::jobs::{JobType, RECEIPT, REGISTRY};
+use contract::{BackgroundJob, ReceiptJob};
 
-/// Routing key of `contract::message::ReceiptMessage` (the registry's [`RECEIPT`]).
-pub const RECEIPT_ROUTING_KEY: &str = RECEIPT.routing_key;
+use crate::jobs::{self, JobType, Registry};
+
+/// Routing key of `contract::message::ReceiptMessage`.
+pub const RECEIPT_ROUTING_KEY: &str = ReceiptJob::ROUTING_KEY;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Topology {
@@ -35,17 +38,31 @@ pub struct Topology {
     pub dead_letter_queue: String,
     /// Deliveries of one message before the quorum queue dead-letters it.
     pub delivery_limit: u32,
+    /// The job types whose queues this topology declares.
+    pub jobs: Registry,
 }
 
 impl Topology {
+    /// The fleet's topology: the queues of [`jobs::registry`].
     pub fn from_prefix(prefix: &str, delivery_limit: u32) -> Topology {
+        Topology::with_jobs(prefix, delivery_limit, jobs::registry())
+    }
+
+    /// A topology declaring the queues of `jobs` (a test adds a job type of its own).
+    pub fn with_jobs(prefix: &str, delivery_limit: u32, jobs: Registry) -> Topology {
         Topology {
             exchange: prefix.to_owned(),
-            receipts_queue: job_queue(prefix, &RECEIPT),
+            receipts_queue: job_queue(prefix, &JobType::of::<ReceiptJob>()),
             dead_letter_exchange: format!("{prefix}.dead-letter"),
             dead_letter_queue: format!("{prefix}.dead-letter"),
             delivery_limit,
+            jobs,
         }
+    }
+
+    /// The queue a job type's messages land in.
+    pub fn queue_of(&self, kind: &JobType) -> String {
+        job_queue(&self.exchange, kind)
     }
 
     /// Declares exchanges, queues and bindings. Idempotent.
@@ -93,7 +110,7 @@ impl Topology {
                 FieldTable::default(),
             )
             .await?;
-        for kind in REGISTRY {
+        for kind in self.jobs.iter() {
             let queue = job_queue(&self.exchange, kind);
             channel
                 .queue_declare(
@@ -140,7 +157,7 @@ impl Topology {
 
     /// Deletes everything [`Topology::declare`] created. For tests and teardown scripts.
     pub async fn delete(&self, channel: &Channel) -> lapin::Result<()> {
-        let job_queues = REGISTRY.iter().map(|kind| job_queue(&self.exchange, kind));
+        let job_queues = self.jobs.iter().map(|kind| job_queue(&self.exchange, kind));
         for queue in job_queues.chain([self.dead_letter_queue.clone()]) {
             channel
                 .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())

@@ -9,7 +9,7 @@ use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use lapin::Channel;
 use schema::{models::StagedJob, schema::staged_jobs};
 
-use crate::{backoff::exponential, config::EnqueuerConfig};
+use crate::{backoff::exponential, config::EnqueuerConfig, topology::Topology};
 
 use super::*;
 
@@ -18,7 +18,7 @@ use super::*;
 pub(super) async fn batch_in(
     conn: &mut AsyncPgConnection,
     channel: &Channel,
-    exchange: &str,
+    topology: &Topology,
     config: &EnqueuerConfig,
 ) -> Result<BatchOutcome, EnqueueError> {
     let jobs: Vec<StagedJob> = staged_jobs::table
@@ -43,7 +43,7 @@ pub(super) async fn batch_in(
             error: None,
         });
     }
-    let published = publish_all(channel, exchange, &jobs, config.confirm_timeout).await;
+    let published = publish_all(channel, topology, &jobs, config.confirm_timeout).await;
     if !published.confirmed.is_empty() {
         diesel::delete(staged_jobs::table.filter(staged_jobs::id.eq_any(&published.confirmed)))
             .execute(conn)

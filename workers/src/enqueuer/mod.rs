@@ -211,11 +211,11 @@ impl Enqueuer {
 
     async fn drain_batch(&mut self) -> Result<BatchOutcome, EnqueueError> {
         let channel = self.channel().await?;
-        let exchange = self.topology.exchange.clone();
+        let topology = &self.topology;
         let config = &self.config;
         let mut conn = self.pool.get().await?;
         let outcome = conn
-            .transaction(async |conn| batch_in(conn, &channel, &exchange, config).await)
+            .transaction(async |conn| batch_in(conn, &channel, topology, config).await)
             .await?;
         if outcome.error.is_some()
             && let Some(session) = self.session.take()

@@ -10,6 +10,8 @@ use lapin::{
 };
 use schema::models::StagedJob;
 
+use crate::{jobs::Registry, topology::Topology};
+
 use super::*;
 
 pub(super) struct Published {
@@ -25,7 +27,7 @@ pub(super) struct Published {
 /// the batch pipelined (one round trip, not one per job).
 pub(super) async fn publish_all(
     channel: &Channel,
-    exchange: &str,
+    topology: &Topology,
     jobs: &[StagedJob],
     confirm_timeout: Duration,
 ) -> Published {
@@ -36,7 +38,7 @@ pub(super) async fn publish_all(
         nacked: 0,
         error: None,
     };
-    let pending = send_all(channel, exchange, jobs, &mut published).await;
+    let pending = send_all(channel, topology, jobs, &mut published).await;
     let (acked, returns) = await_confirms(pending, confirm_timeout, &mut published).await;
     settle_acked(acked, &returns, &mut published);
     published
@@ -46,13 +48,14 @@ pub(super) async fn publish_all(
 /// error; the confirms still to come, by job id.
 async fn send_all(
     channel: &Channel,
-    exchange: &str,
+    topology: &Topology,
     jobs: &[StagedJob],
     published: &mut Published,
 ) -> Vec<(i64, PublisherConfirm)> {
+    let exchange = topology.exchange.as_str();
     let mut pending = Vec::with_capacity(jobs.len());
     for job in jobs {
-        let (routing_key, body) = encode(job);
+        let (routing_key, body) = encode(job, &topology.jobs);
         let result = channel
             .basic_publish(
                 exchange.into(),
@@ -199,9 +202,9 @@ impl Returns {
 /// fit their type's message are published as they are, so that the consumer rejects them into the
 /// dead-letter queue where a person sees them, instead of blocking the drain. Unknown job names
 /// are routed by name: with no queue bound they are returned and set aside.
-pub(super) fn encode(job: &StagedJob) -> (String, Vec<u8>) {
+pub(super) fn encode(job: &StagedJob, registry: &Registry) -> (String, Vec<u8>) {
     let raw = || job.job_args.to_string().into_bytes();
-    let Some(kind) = crate::jobs::find(&job.job_name) else {
+    let Some(kind) = registry.find(&job.job_name) else {
         return (job.job_name.clone(), raw());
     };
     let body = (kind.encode)(&job.job_args).unwrap_or_else(|| {

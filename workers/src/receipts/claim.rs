@@ -67,6 +67,10 @@ pub(super) struct Claim {
     pub(super) ride_id: i64,
     pub(super) message_id: String,
     pub(super) attempts: i32,
+    /// When the lease ends at the latest, by this process's clock (measured from before the
+    /// claim was sent, so never later than the database's `claimed_until`): a conversation
+    /// that could outlast it is not started.
+    pub(super) deadline: tokio::time::Instant,
 }
 
 #[derive(QueryableByName)]
@@ -90,6 +94,7 @@ impl Claim {
         message_id: &str,
         lease: Duration,
     ) -> Result<Result<Claim, Duration>, diesel::result::Error> {
+        let deadline = Claim::deadline_from_now(lease);
         let taken = diesel::sql_query(
             "INSERT INTO receipt_claims (ride_id, message_id, claimed_until) \
              VALUES ($1, $2, now() + make_interval(secs => $3)) \
@@ -111,6 +116,7 @@ impl Claim {
                 ride_id,
                 message_id: message_id.to_owned(),
                 attempts,
+                deadline,
             }));
         }
         let remaining = diesel::sql_query(
@@ -148,15 +154,25 @@ impl Claim {
                 self.delete(conn).await
             })
             .await?;
+        self.report_recorded(released);
+        Ok(())
+    }
+
+    /// The deadline of a claim about to be taken with `lease`.
+    pub(super) fn deadline_from_now(lease: Duration) -> tokio::time::Instant {
+        tokio::time::Instant::now() + lease
+    }
+
+    /// Says so if the record found the claim taken over.
+    pub(super) fn report_recorded(&self, released: bool) {
         if !released {
             // Only possible if a send outlived the lease, which the configuration check
-            // (lease > SMTP timeout) and the send's own timeout rule out.
+            // (lease > SMTP timeout), the send's own timeout and the deadline rule out.
             tracing::error!(
                 ride_id = self.ride_id,
                 "a receipt claim was taken over while its mail was being sent; the rider may get it twice"
             );
         }
-        Ok(())
     }
 
     /// Deletes the claim if it is still this attempt's; also how a claim is dropped without a

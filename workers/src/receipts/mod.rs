@@ -27,43 +27,37 @@
 //! system can drop it). Sending again is the deliberate choice over never sending. With the
 //! search configured, the relay's own record decides.
 //!
-//! Layout: [`consume`] takes deliveries from the broker and settles each as its [`Disposition`]
-//! says; [`send`] decides that disposition in named steps (what the ride is owed, the claim, an
-//! earlier attempt's mail, the send); [`claim`] is the `receipt_claims` row that fences
-//! attempts; [`summary`] counts outcomes.
+//! Layout: the generic consumer ([`crate::consumer`]) takes deliveries of [`ReceiptJob`] from the
+//! broker and settles each as its [`Disposition`] says; this module is the job's handler:
+//! [`send`] decides that disposition in named steps (what the ride is owed, the claim, an earlier
+//! attempt's mail, the send); [`claim`] is the `receipt_claims` row that fences attempts;
+//! [`summary`] counts outcomes.
 
+mod batch;
 mod claim;
-mod consume;
+mod claims;
 mod send;
 mod summary;
 
 use std::sync::Arc;
 
-use contract::message::ReceiptMessage;
+use contract::ReceiptJob;
+use lapin::Channel;
 use schema::{Pool, PoolError};
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 pub use self::summary::{Disposition, ReceiptSummary};
 use crate::{
     config::ReceiptsConfig,
+    consumer::{ConsumeError, ConsumerSettings, Delivered, JobConsumer, JobHandler},
     mailer::{MailError, Mailer},
     relay_search::RelaySearch,
     topology::Topology,
 };
 
-#[derive(Debug, thiserror::Error)]
-pub enum ReceiptError {
-    #[error("RabbitMQ error")]
-    Broker(#[from] lapin::Error),
-    /// The connection stopped being usable while the consumer waited: lapin does not always end
-    /// a consumer's stream, or answer an ack, once its connection is reset.
-    #[error("the RabbitMQ connection was lost")]
-    ConnectionLost,
-    /// A settle (ack, nack, reject) got no answer in time; the delivery returns to the queue with
-    /// the connection.
-    #[error("settling a delivery got no answer within {0:?}")]
-    SettleTimedOut(std::time::Duration),
-}
+/// What can stop the receipt consumer: the generic consumer's errors.
+pub type ReceiptError = ConsumeError;
 
 #[derive(Debug, thiserror::Error)]
 enum HandleError {
@@ -73,6 +67,16 @@ enum HandleError {
     Database(#[from] diesel::result::Error),
     #[error("{0}")]
     Mail(#[from] MailError),
+}
+
+impl HandleError {
+    /// A permanent mail failure dead-letters the delivery; anything else is worth a retry.
+    fn disposition(self) -> Disposition {
+        match self {
+            HandleError::Mail(MailError::Permanent(error)) => Disposition::DeadLetter(error),
+            error => Disposition::Retry(error.to_string()),
+        }
+    }
 }
 
 pub struct ReceiptWorker {
@@ -100,21 +104,75 @@ impl ReceiptWorker {
         })
     }
 
-    /// Decides a delivery's fate, sending the mail if it is due.
-    pub async fn handle(
-        &self,
-        body: &[u8],
-        message_id: &str,
-        shutdown: &CancellationToken,
-    ) -> Disposition {
-        let message = match ReceiptMessage::decode(body) {
-            Ok(message) => message,
-            Err(error) => return Disposition::DeadLetter(error.to_string()),
+    /// The receipts queue's consumer, running this handler.
+    pub fn consumer(self: &Arc<Self>) -> JobConsumer<ReceiptWorker> {
+        let settings = ConsumerSettings {
+            prefetch: self.config.prefetch,
+            batch_size: self.config.batch_size,
+            retry_base_delay: self.config.retry_base_delay,
+            retry_max_delay: self.config.retry_max_delay,
         };
-        match self.send_once(&message, message_id, shutdown).await {
-            Ok(disposition) => disposition,
-            Err(HandleError::Mail(MailError::Permanent(error))) => Disposition::DeadLetter(error),
-            Err(error) => Disposition::Retry(error.to_string()),
+        JobConsumer::new(Arc::clone(self), self.topology.clone(), settings)
+    }
+
+    /// One pass with `basic.get` until the queue is empty ([`JobConsumer::run_once`]).
+    pub async fn run_once(
+        self: &Arc<Self>,
+        channel: &Channel,
+    ) -> Result<ReceiptSummary, ReceiptError> {
+        self.consumer().run_once(channel).await
+    }
+
+    /// Consumes until `shutdown` ([`JobConsumer::run`]).
+    pub async fn run(
+        self: Arc<Self>,
+        amqp_url: &str,
+        shutdown: CancellationToken,
+    ) -> ReceiptSummary {
+        Arc::new(self.consumer()).run(amqp_url, shutdown).await
+    }
+}
+
+impl JobHandler for ReceiptWorker {
+    type Job = ReceiptJob;
+    type Outcome = Disposition;
+    type Summary = ReceiptSummary;
+
+    /// Decides a delivery's fate, sending the mail if it is due.
+    async fn run(&self, job: Delivered<ReceiptJob>, shutdown: &CancellationToken) -> Disposition {
+        let Delivered {
+            job,
+            message_id,
+            span,
+        } = job;
+        self.send_once(&job, &message_id, shutdown)
+            .instrument(span)
+            .await
+            .unwrap_or_else(HandleError::disposition)
+    }
+
+    /// The batch's distinct rides as one batch ([`batch`]); a ride delivered twice in the batch
+    /// (a duplicate message) only after its first delivery is done, on its own, so that the
+    /// second finds the first's record instead of waiting out its lease.
+    async fn run_batch(
+        &self,
+        jobs: Vec<Delivered<ReceiptJob>>,
+        shutdown: &CancellationToken,
+    ) -> Vec<Disposition> {
+        let mut seen = std::collections::HashSet::new();
+        let (first, repeats): (Vec<_>, Vec<_>) = jobs
+            .into_iter()
+            .enumerate()
+            .partition(|(_, delivered)| seen.insert(delivered.job.ride_id));
+        let (at, first): (Vec<usize>, Vec<_>) = first.into_iter().unzip();
+        let mut outcomes: Vec<(usize, Disposition)> = at
+            .into_iter()
+            .zip(self.send_batch(first, shutdown).await)
+            .collect();
+        for (at, delivered) in repeats {
+            outcomes.push((at, self.run(delivered, shutdown).await));
         }
+        outcomes.sort_by_key(|(at, _)| *at);
+        outcomes.into_iter().map(|(_, outcome)| outcome).collect()
     }
 }

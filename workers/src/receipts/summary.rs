@@ -2,7 +2,10 @@
 
 use serde::Serialize;
 
-use crate::metrics::{self, Handled};
+use crate::{
+    consumer::{Settle, Settlement, Tally},
+    metrics::{self, Handled},
+};
 
 /// Counts of one pass or of a loop's lifetime.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
@@ -39,8 +42,8 @@ impl ReceiptSummary {
     }
 }
 
-impl ReceiptSummary {
-    pub(super) fn count(&mut self, disposition: &Disposition) {
+impl Tally<Disposition> for ReceiptSummary {
+    fn count(&mut self, disposition: &Disposition) {
         let mut one = ReceiptSummary {
             received: 1,
             ..ReceiptSummary::default()
@@ -60,7 +63,7 @@ impl ReceiptSummary {
         self.add(&one);
     }
 
-    pub(super) fn add(&mut self, other: &ReceiptSummary) {
+    fn add(&mut self, other: &ReceiptSummary) {
         self.received += other.received;
         self.sent += other.sent;
         self.duplicates += other.duplicates;
@@ -83,4 +86,24 @@ pub enum Disposition {
     Recovered,
     DeadLetter(String),
     Retry(String),
+}
+
+impl Settle for Disposition {
+    fn settlement(&self) -> Settlement<'_> {
+        match self {
+            Disposition::Sent { .. } | Disposition::Duplicate | Disposition::Recovered => {
+                Settlement::Ack
+            }
+            Disposition::DeadLetter(reason) => Settlement::DeadLetter(reason),
+            Disposition::Retry(reason) => Settlement::Retry(reason),
+        }
+    }
+
+    fn undecodable(reason: String) -> Disposition {
+        Disposition::DeadLetter(reason)
+    }
+
+    fn unanswered() -> Disposition {
+        Disposition::Retry("the handler gave no outcome".into())
+    }
 }

@@ -5,7 +5,7 @@ use std::{
     net::SocketAddr,
     sync::{
         Arc, Mutex,
-        atomic::{AtomicBool, AtomicI64, Ordering},
+        atomic::{AtomicBool, AtomicI64, AtomicUsize, Ordering},
     },
     time::Duration,
 };
@@ -69,8 +69,13 @@ impl TestBroker {
 
     /// A topology of its own on the broker at `url`.
     pub async fn at(url: &str, limit: u32) -> TestBroker {
+        TestBroker::declaring(url, limit, workers::jobs::registry()).await
+    }
+
+    /// A topology of its own that declares the queues of `jobs` (a test's own job types).
+    pub async fn declaring(url: &str, limit: u32, jobs: workers::jobs::Registry) -> TestBroker {
         let prefix = format!("test-{}", uuid::Uuid::new_v4().simple());
-        let topology = Topology::from_prefix(&prefix, limit);
+        let topology = Topology::with_jobs(&prefix, limit, jobs);
         let session = AmqpSession::open(url, &topology).await.unwrap();
         TestBroker {
             topology,
@@ -260,6 +265,8 @@ pub fn receipts_config(smtp_url: &str) -> ReceiptsConfig {
         from: workers::config::DEFAULT_RECEIPT_FROM.to_owned(),
         smtp_timeout: Duration::from_secs(10),
         prefetch: 4,
+        batch_size: 4,
+        smtp_connections: 4,
         retry_base_delay: Duration::from_millis(20),
         retry_max_delay: Duration::from_millis(200),
         mail_search_url: None,
@@ -298,7 +305,13 @@ pub fn receipt_worker_configured(
     let mut config = receipts_config(&sink.smtp_url());
     adjust(&mut config);
     config.mail_search_url = search_url.map(str::to_owned);
-    let mailer = Mailer::new(config.smtp_url.expose(), &config.from, config.smtp_timeout).unwrap();
+    let mailer = Mailer::with_connections(
+        config.smtp_url.expose(),
+        &config.from,
+        config.smtp_timeout,
+        config.smtp_connections,
+    )
+    .unwrap();
     let search = search_url.map(|url| RelaySearch::new(url, Duration::from_secs(5)).unwrap());
     ReceiptWorker::new(
         pool.clone(),
@@ -317,6 +330,7 @@ pub struct Proxy {
     severed: Arc<AtomicBool>,
     budget: Arc<AtomicI64>,
     connections: Arc<Mutex<Vec<AbortHandle>>>,
+    accepted: Arc<AtomicUsize>,
     accept: AbortHandle,
 }
 
@@ -327,9 +341,14 @@ impl Proxy {
         let severed = Arc::new(AtomicBool::new(false));
         let budget = Arc::new(AtomicI64::new(i64::MAX));
         let connections: Arc<Mutex<Vec<AbortHandle>>> = Arc::default();
+        let accepted = Arc::new(AtomicUsize::new(0));
         let accept = {
-            let (severed, budget, connections) =
-                (severed.clone(), budget.clone(), connections.clone());
+            let (severed, budget, connections, accepted) = (
+                severed.clone(),
+                budget.clone(),
+                connections.clone(),
+                accepted.clone(),
+            );
             tokio::spawn(async move {
                 loop {
                     let Ok((client, _)) = listener.accept().await else {
@@ -342,6 +361,7 @@ impl Proxy {
                     let Ok(server) = TcpStream::connect(upstream).await else {
                         continue;
                     };
+                    accepted.fetch_add(1, Ordering::SeqCst);
                     let task = tokio::spawn(pipe(
                         client,
                         server,
@@ -359,7 +379,20 @@ impl Proxy {
             severed,
             budget,
             connections,
+            accepted,
             accept,
+        }
+    }
+
+    /// Connections forwarded so far.
+    pub fn accepted(&self) -> usize {
+        AtomicUsize::load(&self.accepted, Ordering::SeqCst)
+    }
+
+    /// Closes every open connection, as a server dropping its clients; new ones still pass.
+    pub fn drop_connections(&self) {
+        for connection in self.connections.lock().unwrap().drain(..) {
+            connection.abort();
         }
     }
 

@@ -1,0 +1,209 @@
+//! The long-lived consumer: `basic.consume` with the prefetch, batches of what has arrived, each in
+//! its own task, and a reconnect when the connection is lost.
+
+use std::{sync::Arc, time::Duration};
+
+use futures_util::{FutureExt, StreamExt};
+use lapin::{
+    message::Delivery,
+    options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions},
+    types::FieldTable,
+};
+use tokio::{sync::Semaphore, task::JoinSet};
+use tokio_util::sync::CancellationToken;
+
+use super::{ConsumeError, JobConsumer, JobHandler, Tally};
+use crate::amqp::{self, AmqpSession};
+
+/// How long a settle may wait for lapin, and how long the in-flight deliveries of a consumer
+/// whose connection is gone may take to finish, before the consumer gives up on them and
+/// reconnects. Without these bounds a consumer was seen to hang for good after a broker node's
+/// reset (no receipt mailed for the last 12 minutes of an HA run).
+pub(super) const SETTLE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How often a waiting consumer looks at its connection's state.
+const LIVENESS_CHECK: Duration = Duration::from_millis(500);
+
+/// The outcomes of one batch's task.
+type BatchResults<O> = Vec<Result<O, ConsumeError>>;
+
+/// Resolves once `session` is no longer usable.
+async fn connection_lost(session: &AmqpSession) {
+    let mut tick = tokio::time::interval(LIVENESS_CHECK);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        if !session.is_usable() {
+            return;
+        }
+    }
+}
+
+/// What ended the wait for the next delivery.
+enum Next {
+    Batch(Vec<Delivery>),
+    Stop(Result<(), ConsumeError>),
+}
+
+impl<H: JobHandler> JobConsumer<H> {
+    /// Consumes until `shutdown` is cancelled, reconnecting with back-off when the connection is
+    /// lost (unacked deliveries return to the queue with the connection). On shutdown the
+    /// consumer is cancelled first, then in-flight deliveries finish and are settled.
+    pub async fn run(self: Arc<Self>, amqp_url: &str, shutdown: CancellationToken) -> H::Summary {
+        let mut total = H::Summary::default();
+        while !shutdown.is_cancelled() {
+            let Some(session) =
+                amqp::connect_with_backoff(amqp_url, &self.topology, &shutdown).await
+            else {
+                break;
+            };
+            match Arc::clone(&self).consume(&session, &shutdown).await {
+                Ok(summary) => total.add(&summary),
+                Err(error) => {
+                    tracing::warn!(%error, queue = self.queue, "consumer stopped, reconnecting");
+                }
+            }
+            // A polite close on a dead connection may never be answered either.
+            let _ = tokio::time::timeout(SETTLE_TIMEOUT, session.close()).await;
+        }
+        total
+    }
+
+    async fn consume(
+        self: Arc<Self>,
+        session: &AmqpSession,
+        shutdown: &CancellationToken,
+    ) -> Result<H::Summary, ConsumeError> {
+        let channel = &session.channel;
+        channel
+            .basic_qos(self.settings.prefetch, BasicQosOptions::default())
+            .await?;
+        let mut consumer = channel
+            .basic_consume(
+                self.queue.as_str().into(),
+                "".into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await?;
+        let in_flight = Arc::new(Semaphore::new(usize::from(self.settings.prefetch.max(1))));
+        let mut tasks: JoinSet<BatchResults<H::Outcome>> = JoinSet::new();
+        let mut summary = H::Summary::default();
+        let mut result = Ok(());
+        loop {
+            // Reap finished tasks as we go so the set does not grow.
+            while let Some(done) = tasks.try_join_next() {
+                record(&mut summary, done, &mut result);
+            }
+            let deliveries = match self.next_batch(&mut consumer, session, shutdown).await {
+                Next::Batch(deliveries) => deliveries,
+                Next::Stop(stopped) => {
+                    result = result.and(stopped);
+                    break;
+                }
+            };
+            // Every permit may be held by a delivery whose settle hangs on a dead connection.
+            let wanted = u32::try_from(deliveries.len()).unwrap_or(u32::MAX);
+            let permit = tokio::select! {
+                permit = Arc::clone(&in_flight).acquire_many_owned(wanted) => match permit {
+                    Ok(permit) => permit,
+                    Err(_) => break,
+                },
+                () = connection_lost(session) => {
+                    result = Err(ConsumeError::ConnectionLost);
+                    break;
+                }
+            };
+            let worker = Arc::clone(&self);
+            let shutdown = shutdown.clone();
+            tasks.spawn(async move {
+                let settled = worker.process(deliveries, &shutdown).await;
+                drop(permit);
+                settled
+            });
+        }
+        // Stop receiving first, then let in-flight deliveries finish and be settled.
+        let cancel = channel.basic_cancel(consumer.tag(), BasicCancelOptions::default());
+        let _ = tokio::time::timeout(SETTLE_TIMEOUT, cancel).await;
+        let finished = async {
+            while let Some(done) = tasks.join_next().await {
+                record(&mut summary, done, &mut result);
+            }
+        };
+        // Each task's own steps are bounded (the handler's, and every settle); this bound is for
+        // what is not. Detached, not aborted: a task cut mid-transaction is a crash the handler
+        // must survive anyway, but one left to finish is cleaner.
+        if tokio::time::timeout(SETTLE_TIMEOUT * 3, finished)
+            .await
+            .is_err()
+        {
+            tracing::warn!(
+                unfinished = tasks.len(),
+                "in-flight jobs did not finish; left to finish on their own, their deliveries \
+                 return to the queue with the connection"
+            );
+            tasks.detach_all();
+        }
+        result.map(|()| summary)
+    }
+
+    /// Waits for a delivery, then takes whatever else the broker has already sent, up to the
+    /// batch size: a busy queue fills batches, an idle one is not held back waiting for them.
+    async fn next_batch(
+        &self,
+        consumer: &mut lapin::Consumer,
+        session: &AmqpSession,
+        shutdown: &CancellationToken,
+    ) -> Next {
+        let next = tokio::select! {
+            () = shutdown.cancelled() => return Next::Stop(Ok(())),
+            () = connection_lost(session) => return Next::Stop(Err(ConsumeError::ConnectionLost)),
+            next = consumer.next() => next,
+        };
+        let first = match next {
+            Some(Ok(delivery)) => delivery,
+            Some(Err(error)) => return Next::Stop(Err(error.into())),
+            None => return Next::Stop(Ok(())),
+        };
+        let mut deliveries = vec![first];
+        while deliveries.len() < self.batch_size() {
+            match consumer.next().now_or_never() {
+                Some(Some(Ok(delivery))) => deliveries.push(delivery),
+                // The connection is failing: the liveness check ends the consumer at its next
+                // wait, once this batch is handed on.
+                Some(Some(Err(error))) => {
+                    tracing::warn!(%error, queue = self.queue, "the consumer's stream failed");
+                    break;
+                }
+                Some(None) | None => break,
+            }
+        }
+        Next::Batch(deliveries)
+    }
+}
+
+fn record<O, S: Tally<O>>(
+    summary: &mut S,
+    done: Result<BatchResults<O>, tokio::task::JoinError>,
+    result: &mut Result<(), ConsumeError>,
+) {
+    let settled = match done {
+        Ok(settled) => settled,
+        Err(error) => {
+            tracing::error!(%error, "a job batch's task failed");
+            return;
+        }
+    };
+    for one in settled {
+        match one {
+            Ok(outcome) => summary.count(&outcome),
+            Err(error) => {
+                // Settling failed: the connection is gone and the broker requeues the delivery.
+                tracing::warn!(%error, "could not settle a delivery");
+                if result.is_ok() {
+                    *result = Err(error);
+                }
+            }
+        }
+    }
+}
