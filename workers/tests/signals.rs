@@ -1,6 +1,7 @@
-//! SIGTERM to the real `workers` binaries: the enqueuer finishes its batch, not its backlog, and
+//! The real `workers` binaries. SIGTERM: the enqueuer finishes its batch, not its backlog, and
 //! loses no job; the receipt worker stops consuming, finishes what is in flight, and loses no
-//! receipt.
+//! receipt. `/metrics`: the receipt worker's outcome counter counts every mail of a drained queue
+//! while it keeps running (not only when another delivery arrives, or at shutdown).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 #[path = "fleet/common.rs"]
@@ -169,5 +170,70 @@ async fn sigterm_lets_the_receipt_worker_finish_in_flight_mail_and_loses_none() 
             .is_empty(),
         "nothing dead-lettered by the shutdown"
     );
+    broker.cleanup().await;
+}
+
+/// `rides_receipts_messages_total{outcome="sent"}` as the worker's `/metrics` shows it now.
+async fn receipts_sent_counter(metrics_port: u16) -> u64 {
+    let Ok(response) = reqwest::get(format!("http://127.0.0.1:{metrics_port}/metrics")).await
+    else {
+        return 0;
+    };
+    let text = response.text().await.unwrap_or_default();
+    text.lines()
+        .filter(|line| {
+            line.starts_with("rides_receipts_messages_total{") && line.contains(r#"outcome="sent""#)
+        })
+        .filter_map(|line| line.rsplit(' ').next()?.parse::<u64>().ok())
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_receipt_workers_metrics_count_every_mail_once_the_queue_is_drained() {
+    let app = TestApp::spawn().await;
+    let broker = TestBroker::new().await;
+    let sink = common::mail_sink().await;
+    let user = app.create_user(GOOD_CARD).await;
+    const RIDES: usize = 40;
+    for _ in 0..RIDES {
+        app.create_ride(&user, &new_key(), ride_request())
+            .await
+            .unwrap();
+    }
+    let enqueued = common::enqueuer(&app.pool, &broker, 100)
+        .run_once()
+        .await
+        .unwrap();
+    assert_eq!(enqueued.published, RIDES as u64);
+    let metrics_port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let metrics_addr = format!("127.0.0.1:{metrics_port}");
+    let child = spawn_worker(
+        "receipts",
+        app.db.url(),
+        &broker,
+        &[
+            ("SMTP_URL", &sink.smtp_url()),
+            ("METRICS_LISTEN_ADDR", &metrics_addr),
+        ],
+    );
+    // Nothing more arrives once these are mailed: the counter must still reach every one.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut counted = 0;
+    while sink.received().len() < RIDES || counted < RIDES as u64 {
+        assert!(
+            Instant::now() < deadline,
+            "{} of {RIDES} mailed, {counted} counted as sent by /metrics",
+            sink.received().len()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        counted = receipts_sent_counter(metrics_port).await;
+    }
+    assert_eq!(counted, RIDES as u64, "each mail counted once");
+
+    terminate(child).await;
     broker.cleanup().await;
 }

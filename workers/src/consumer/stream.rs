@@ -91,11 +91,18 @@ impl<H: JobHandler> JobConsumer<H> {
         let mut summary = H::Summary::default();
         let mut result = Ok(());
         loop {
-            // Reap finished tasks as we go so the set does not grow.
-            while let Some(done) = tasks.try_join_next() {
-                record(&mut summary, done, &mut result);
-            }
-            let deliveries = match self.next_batch(&mut consumer, session, shutdown).await {
+            // A batch is counted (its summary and the outcome metric) as soon as its task ends,
+            // not when the next delivery happens to arrive: a drained queue must not hide the
+            // last batches' outcomes from the metrics until shutdown. Waiting for the next batch
+            // is cancel-safe (its only await is the stream's `next`).
+            let next = tokio::select! {
+                Some(done) = tasks.join_next(), if !tasks.is_empty() => {
+                    record(&mut summary, done, &mut result);
+                    continue;
+                }
+                next = self.next_batch(&mut consumer, session, shutdown) => next,
+            };
+            let deliveries = match next {
                 Next::Batch(deliveries) => deliveries,
                 Next::Stop(stopped) => {
                     result = result.and(stopped);
