@@ -80,6 +80,8 @@ schema::statement! {
         audit_data: Array<Jsonb> = Vec<serde_json::Value>,
         origin_ips: Array<Cidr> = Vec<IpNet>,
         deployment_ids: Array<Text> = Vec<String>,
+        lock_timeouts: Array<Double> = Vec<f64>,
+        holder_takeovers: Array<Double> = Vec<f64>,
     }
 }
 
@@ -104,6 +106,8 @@ impl ClaimRides {
             audit_data: rides().map(|r| r.audit_data.clone()).collect(),
             origin_ips: rides().map(|r| r.origin_ip).collect(),
             deployment_ids: rides().map(|r| r.deployment_id.clone()).collect(),
+            lock_timeouts: claims.iter().map(|c| c.rule.secs().0).collect(),
+            holder_takeovers: claims.iter().map(|c| c.rule.secs().1).collect(),
         }
     }
 }

@@ -1,9 +1,11 @@
 -- CreateRide's claim, for one claim or many (see `crate::idempotency::claim::statement` for what
 -- every claim statement must do). Per claim: the caller, authenticated by the digest of its API
 -- token or, for a call on a user's behalf, by user id (which never inserts a key); the key row
--- if it exists; otherwise the key inserted at `ride_created`, locked by the claim's token and
--- naming its holder, with its ride and the ride's audit record (phase `started`, merged into
--- the claim: a fresh key has no earlier attempt to resume). That commit waits for the WAL flush,
+-- if it exists, with its lock's state by the claim's lock rule (`idempotency_lock_state`: a
+-- retry that finds another attempt's live lock is refused from this read alone); otherwise the
+-- key inserted at `ride_created`, locked by the claim's token and naming its holder, with its
+-- ride and the ride's audit record (phase `started`, merged into the claim: a fresh key has no
+-- earlier attempt to resume). That commit waits for the WAL flush,
 -- as `ride_created` must be durable before the charge. Lookups are `LATERAL … LIMIT 1` so that
 -- the generic plan, which cannot know how many claims a batch holds, stays one index probe per
 -- claim instead of hashing whole tables.
@@ -13,13 +15,15 @@ WITH input AS (
         $holders::int8[], $methods::text[], $paths::text[], $params::jsonb[],
         $origin_lats::float8[], $origin_lons::float8[], $target_lats::float8[],
         $target_lons::float8[], $amounts::int8[], $currencies::text[],
-        $audit_data::jsonb[], $origin_ips::cidr[], $deployment_ids::text[]
+        $audit_data::jsonb[], $origin_ips::cidr[], $deployment_ids::text[],
+        $lock_timeouts::float8[], $holder_takeovers::float8[]
     ) AS i (digest, caller_id, key, token, holder, method, path, params,
             origin_lat, origin_lon, target_lat, target_lon, amount, currency,
-            audit_data, origin_ip, deployment_id)
+            audit_data, origin_ip, deployment_id, lock_timeout, holder_takeover)
 ),
 caller AS (
-    SELECT input.token AS req, input.key AS req_key, input.digest IS NOT NULL AS may_insert, u.*
+    SELECT input.token AS req, input.key AS req_key, input.digest IS NOT NULL AS may_insert,
+           input.lock_timeout, input.holder_takeover, u.*
     FROM input
     CROSS JOIN LATERAL (
         SELECT id, created_at, email, stripe_customer_id, stripe_payment_method_id,
@@ -82,7 +86,11 @@ found AS (
 )
 SELECT caller.req, caller.id AS caller_id, caller.created_at AS caller_created_at,
        caller.email, caller.stripe_customer_id, caller.stripe_payment_method_id,
-       caller.api_token_digest, found.*, ride.id AS ride_id, ride.created_at AS ride_created_at
+       caller.api_token_digest, found.*, ride.id AS ride_id, ride.created_at AS ride_created_at,
+       CASE WHEN found.inserted THEN 'live'
+            ELSE idempotency_lock_state(found.locked_at, found.lock_holder, found.created_at,
+                                        caller.lock_timeout, caller.holder_takeover)
+       END AS lock_state
 FROM caller
 JOIN found ON found.found_req = caller.req
 LEFT JOIN ride ON ride.idempotency_key_id = found.id

@@ -1,11 +1,11 @@
-//! Deciding a claim from what its statement found: at once for a new key, a replay or a
-//! mismatch, under the key row's lock for a key that may need work.
+//! Deciding a claim from what its statement found: at once for a new key, a replay, a mismatch
+//! or another attempt's live lock, under the key row's lock for a key that may need work.
 
 use std::sync::Arc;
 
 use contract::{
     StoredResponse,
-    key::{LockRule, LockState, lock_state_of_key},
+    key::{LockState, lock_state_of_key},
 };
 use diesel::{ExpressionMethods, OptionalExtension, QueryDsl, SelectableHelper};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
@@ -15,6 +15,7 @@ use schema::{
     schema::idempotency_keys,
     store::{StoreError, retry_transient},
 };
+use uuid::Uuid;
 
 use super::{ClaimRequest, ClaimRow, ClaimStatement, Claimed, Claims, Decision, count_statement};
 use crate::idempotency::{Batcher, Lease, RequestSignature};
@@ -28,14 +29,13 @@ pub(super) struct ClaimContext<'a, S: ClaimStatement> {
     /// The lock of every statement of this claim: one that finds the key locked by its token
     /// finds its own earlier statement's lock, committed though its answer was lost.
     pub claim: ClaimRequest<S::FirstPhase>,
-    pub rule: LockRule,
 }
 
 /// What a claim's statement found: the key it inserted (so this attempt owns it), or the key
-/// that was already there, to be decided.
+/// that was already there with its lock's state, to be decided.
 pub(super) enum KeyFound<W> {
     Inserted(Box<Claimed<W>>),
-    Existing(Box<KeyRow>),
+    Existing(Box<KeyRow>, LockState),
 }
 
 impl<S: ClaimStatement> ClaimContext<'_, S> {
@@ -49,8 +49,8 @@ impl<S: ClaimStatement> ClaimContext<'_, S> {
 
     /// Claims the key again until a round decides it.
     pub async fn rounds(&self, user_id: i64) -> Result<Claimed<S::Written>, StoreError> {
-        // Each round pays only for what the key needs: a new key, a replay and a mismatch are one
-        // statement; only a key that may need work takes the row lock. A round ends without a
+        // Each round pays only for what the key needs: a new key, a replay, a mismatch and a key
+        // in use are one statement; only a key that may need work takes the row lock. A round ends without a
         // decision only if another claim inserted the key after this one's snapshot, or the key
         // was reaped between two steps, so a few rounds suffice.
         for _ in 0..CLAIM_ROUNDS {
@@ -64,18 +64,18 @@ impl<S: ClaimStatement> ClaimContext<'_, S> {
         Err(StoreError::KeyVanished)
     }
 
-    /// What a claim's statement found, decided: at once for a new key, a replay or a mismatch,
-    /// under the row lock otherwise. `None` if the key was reaped meanwhile.
+    /// What a claim's statement found, decided: at once for a new key, a replay, a mismatch or
+    /// a key in use, under the row lock otherwise. `None` if the key was reaped meanwhile.
     pub async fn decide(
         &self,
         user_id: i64,
         found: KeyFound<S::Written>,
     ) -> Result<Option<Claimed<S::Written>>, StoreError> {
-        let row = match found {
+        let (row, lock_state) = match found {
             KeyFound::Inserted(claimed) => return Ok(Some(*claimed)),
-            KeyFound::Existing(row) => row,
+            KeyFound::Existing(row, lock_state) => (row, lock_state),
         };
-        if let Some(claimed) = decide_without_lock(*row, &self.claim.request)? {
+        if let Some(claimed) = decide_without_lock(*row, lock_state, &self.claim)? {
             return Ok(Some(claimed));
         }
         let (pool, policy) = (self.claims.pool(), self.claims.policy());
@@ -107,7 +107,7 @@ impl<S: ClaimStatement> ClaimContext<'_, S> {
                 first_phase: row.written,
             }))
         } else {
-            KeyFound::Existing(Box::new(row.key))
+            KeyFound::Existing(Box::new(row.key), row.lock_state)
         };
         (row.user, found)
     }
@@ -128,21 +128,17 @@ impl<S: ClaimStatement> ClaimContext<'_, S> {
             .filter(idempotency_keys::user_id.eq(user_id))
             .filter(idempotency_keys::idempotency_key.eq(&self.claim.key))
             .for_update()
-            .select((KeyRow::as_select(), lock_state_of_key(self.rule)))
+            .select((KeyRow::as_select(), lock_state_of_key(self.claim.rule)))
             .first::<(KeyRow, String)>(conn)
             .await
             .optional()?;
-        let Some((row, state)) = existing else {
+        let Some((mut row, state)) = existing else {
             return Ok(None);
         };
         let state = LockState::parse(&state);
-        let someone_elses = row.lock_token.is_some() && row.lock_token != Some(lock.token);
-        let decision = if !binds(&row, request) {
-            Decision::Mismatch
-        } else if row.recovery_point == RecoveryPoint::Finished {
-            Decision::Replay(stored_response(row.response_code, row.response_body)?)
-        } else if someone_elses && state.is_live() {
-            Decision::InUse
+        let someone_elses = held_by_another(&row, lock.token);
+        let decision = if let Some(decision) = decide_from(&mut row, state, request, lock.token)? {
+            decision
         } else {
             diesel::update(idempotency_keys::table.find(row.id))
                 .filter(idempotency_keys::user_id.eq(user_id))
@@ -178,17 +174,18 @@ impl<S: ClaimStatement> ClaimContext<'_, S> {
 
 /// The read-only decisions of a claim. A finished key never changes again, and neither do the
 /// parameters a key is bound to, so a replay or a mismatch can be decided from a plain read: no
-/// row lock, no transaction id, no WAL flush. `None` for a key that may need work, which goes
-/// through the locking claim.
-fn decide_without_lock<W>(
-    row: KeyRow,
-    request: &RequestSignature,
+/// row lock, no transaction id, no WAL flush. Nor is a refusal a write: another attempt's lock
+/// that was live when the statement read it answers `InUse` (the same answer the caller would
+/// have had a moment earlier; nothing is taken over, nothing moves). `None` for a key that may
+/// need work (free, this claim's own, or a lock the rule lets it take over), which goes through
+/// the locking claim.
+fn decide_without_lock<F, W>(
+    mut row: KeyRow,
+    lock_state: LockState,
+    claim: &ClaimRequest<F>,
 ) -> Result<Option<Claimed<W>>, StoreError> {
-    let decision = if !binds(&row, request) {
-        Decision::Mismatch
-    } else if row.recovery_point == RecoveryPoint::Finished {
-        Decision::Replay(stored_response(row.response_code, row.response_body)?)
-    } else {
+    let Some(decision) = decide_from(&mut row, lock_state, &claim.request, claim.lock.token)?
+    else {
         return Ok(None);
     };
     Ok(Some(Claimed {
@@ -196,6 +193,36 @@ fn decide_without_lock<W>(
         key_created_at: row.created_at,
         first_phase: None,
     }))
+}
+
+/// The decisions that take nothing, in the design's order of precedence: a mismatch, a replay,
+/// a key in use. `None` when this claim may take the key. The one rule for the claim's read and
+/// for its locking inspection.
+fn decide_from(
+    row: &mut KeyRow,
+    lock_state: LockState,
+    request: &RequestSignature,
+    token: Uuid,
+) -> Result<Option<Decision>, StoreError> {
+    Ok(Some(if !binds(row, request) {
+        Decision::Mismatch
+    } else if row.recovery_point == RecoveryPoint::Finished {
+        // Taken, not cloned: a replay's body can be large, and the row is not read again.
+        Decision::Replay(stored_response(
+            row.response_code,
+            row.response_body.take(),
+        )?)
+    } else if held_by_another(row, token) && lock_state.is_live() {
+        Decision::InUse
+    } else {
+        return Ok(None);
+    }))
+}
+
+/// Whether another attempt than the one with `token` holds the key's lock. A key locked by this
+/// claim's own token is this claim's (its earlier statement committed and the answer was lost).
+fn held_by_another(row: &KeyRow, token: Uuid) -> bool {
+    row.lock_token.is_some_and(|held| held != token)
 }
 
 /// The outcome stored on a finished key (the schema guarantees both parts are present).
@@ -214,4 +241,75 @@ fn binds(row: &KeyRow, request: &RequestSignature) -> bool {
     row.request_method == request.method
         && row.request_path == request.path
         && row.request_params == request.params
+}
+
+#[cfg(test)]
+mod tests {
+    use chrono::Utc;
+    use serde_json::json;
+
+    use super::*;
+
+    const MINE: Uuid = Uuid::from_u128(1);
+    const THEIRS: Uuid = Uuid::from_u128(2);
+
+    fn request() -> RequestSignature {
+        RequestSignature {
+            method: "POST",
+            path: "/rides",
+            params: json!({"origin_lat": 1.0}),
+        }
+    }
+
+    fn key(lock_token: Option<Uuid>, recovery_point: RecoveryPoint) -> KeyRow {
+        KeyRow {
+            id: 7,
+            created_at: Utc::now(),
+            idempotency_key: "k".into(),
+            last_run_at: Utc::now(),
+            locked_at: lock_token.map(|_| Utc::now()),
+            lock_token,
+            lock_holder: None,
+            request_method: "POST".into(),
+            request_path: "/rides".into(),
+            request_params: request().params,
+            response_code: None,
+            response_body: None,
+            recovery_point,
+            user_id: 1,
+        }
+    }
+
+    fn decided(mut row: KeyRow, state: LockState) -> Option<&'static str> {
+        decide_from(&mut row, state, &request(), MINE)
+            .unwrap()
+            .map(|decision| decision.name())
+    }
+
+    #[test]
+    fn another_attempts_live_lock_is_in_use_from_the_read_alone() {
+        let held = key(Some(THEIRS), RecoveryPoint::RideCreated);
+        assert_eq!(decided(held, LockState::Live), Some("in_use"));
+    }
+
+    #[test]
+    fn a_key_the_claim_may_take_goes_to_the_locking_inspection() {
+        let row = |token| key(token, RecoveryPoint::RideCreated);
+        assert_eq!(decided(row(None), LockState::Free), None, "free");
+        assert_eq!(decided(row(Some(MINE)), LockState::Live), None, "its own");
+        for state in [LockState::Expired, LockState::HolderGone] {
+            assert_eq!(decided(row(Some(THEIRS)), state), None, "{state:?}");
+        }
+    }
+
+    #[test]
+    fn a_mismatch_and_a_replay_come_before_a_lock() {
+        let mut other = key(Some(THEIRS), RecoveryPoint::RideCreated);
+        other.request_params = json!({"origin_lat": 2.0});
+        assert_eq!(decided(other, LockState::Live), Some("mismatch"));
+        let mut finished = key(None, RecoveryPoint::Finished);
+        finished.response_code = Some(0);
+        finished.response_body = Some(json!({"ride_id": 1}));
+        assert_eq!(decided(finished, LockState::Free), Some("replay"));
+    }
 }

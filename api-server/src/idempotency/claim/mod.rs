@@ -1,5 +1,6 @@
 //! Claiming a key: the first step of every request. A claim inserts the key, or decides a
-//! replay or a mismatch from the row that is already there, or locks and inspects that row. Every
+//! replay, a mismatch or another attempt's live lock from the row that is already there, or locks
+//! and inspects that row. Every
 //! decision is arbitrated by PostgreSQL: the unique index for a new key, the row lock for one that
 //! may need work. The claim authenticates its caller in the same statement (the `users` row by
 //! token digest or by id), so a new key, a replay or a mismatch costs one round trip, and every
@@ -97,8 +98,8 @@ pub async fn claim<S: ClaimStatement>(
             lock,
             request: request.clone(),
             first_phase: first_phase.clone(),
+            rule: locking.rule,
         },
-        rule: locking.rule,
     };
     let (user, decided) = match context.insert_or_read().await? {
         Some((user, found)) => {

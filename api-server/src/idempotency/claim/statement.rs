@@ -4,8 +4,9 @@
 //!
 //! What every claim statement must do, row for row, so that batching changes no decision: for
 //! each claim, authenticate the caller (a token's digest, or a user id for a call on a user's
-//! behalf, which never inserts a key); return the key row if it exists (a replay, a mismatch or a
-//! resumption is decided from it without a lock); otherwise insert the key, locked by the
+//! behalf, which never inserts a key); return the key row if it exists, with its lock's state by
+//! the claim's rule (a replay, a mismatch, or another attempt's live lock is decided from it
+//! without a lock; only a key that may need work is locked and inspected again); otherwise insert the key, locked by the
 //! claim's fresh token and naming its holder, with the request type's first phase in the same
 //! statement. `ON CONFLICT DO NOTHING` waits for a concurrent inserter of the same key and then
 //! yields to it; that key is newer than the statement's snapshot, so no row comes back and the
@@ -17,6 +18,7 @@
 use std::future::Future;
 
 use chrono::{DateTime, Utc};
+use contract::key::{LockRule, LockState};
 use diesel::{
     QueryableByName,
     result::Error as DieselError,
@@ -57,12 +59,16 @@ pub struct ClaimRequest<F> {
     pub lock: LockedBy,
     pub request: RequestSignature,
     pub first_phase: F,
+    /// How the statement judges the lock of a key it finds.
+    pub rule: LockRule,
 }
 
 /// What a claim statement returns for one claim.
 pub struct ClaimRow<W> {
     pub user: User,
     pub key: KeyRow,
+    /// The found key's lock by the claim's rule (`Live` for a key this claim inserted).
+    pub lock_state: LockState,
     /// This claim inserted the key: it holds it, with its own lock token.
     pub inserted: bool,
     /// What the first phase wrote with a key this claim inserted.
@@ -91,6 +97,8 @@ pub struct CallerAndKey {
     key: KeyRow,
     #[diesel(sql_type = Bool)]
     inserted: bool,
+    #[diesel(sql_type = Text)]
+    lock_state: String,
 }
 
 impl CallerAndKey {
@@ -106,6 +114,7 @@ impl CallerAndKey {
                 api_token_digest: self.api_token_digest,
             },
             key: self.key,
+            lock_state: LockState::parse(&self.lock_state),
             inserted: self.inserted,
             written,
         }
