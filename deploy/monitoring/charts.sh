@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # Draws the Grafana dashboard's panels (deploy/monitoring/dashboards/rocket-rides.json) as PNGs in
 # docs/monitoring/ from a real run: deploy/monitoring/live-check.sh starts the processes and a
-# Prometheus, checks every query, runs a minute of load, then deploy/monitoring/charts.py queries
-# that Prometheus. matplotlib (PyPI) lives in target/charts-venv, installed on the first run.
-# Usage: deploy/monitoring/charts.sh   (about three minutes after the build)
+# Prometheus, checks every query, runs 15 minutes of load shaped like the production callers (a
+# 10,000-rider pool, 64 calls in flight over one connection, the api-server at its defaults, a
+# 250 ms provider), then deploy/monitoring/charts.py queries that Prometheus. matplotlib (PyPI)
+# lives in target/charts-venv, installed on the first run.
+# Usage: deploy/monitoring/charts.sh   (about 17 minutes after the build; LIVE_CHECK_CHARTS_SECS,
+# LIVE_CHECK_CHARTS_RIDERS and LIVE_CHECK_PROVIDER_LATENCY_MS change the run)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 VENV="$ROOT/target/charts-venv"
@@ -17,4 +20,5 @@ if ! "$VENV/bin/python" -c 'import matplotlib, yaml' 2>/dev/null; then
   "$VENV/bin/pip" install -q matplotlib==3.10.7 PyYAML==6.0.3
 fi
 CHARTS_PYTHON="$VENV/bin/python" LIVE_CHECK_CHARTS="$ROOT/docs/monitoring" \
+  LIVE_CHECK_PROVIDER_LATENCY_MS="${LIVE_CHECK_PROVIDER_LATENCY_MS:-250}" \
   "$ROOT/deploy/monitoring/live-check.sh"

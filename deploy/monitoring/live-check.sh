@@ -20,9 +20,15 @@
 #   LIVE_CHECK_KEEP=1  keep the logs and Prometheus's data (.run/live-check) and the database
 #                      (kept on failure too); the queues of the topology prefix
 #                      monitoring-live-check stay on the broker, reused by the next run
-#   LIVE_CHECK_CHARTS=DIR  after the checks pass, run a minute of load (8 clients, replays, three
-#                      calls with a bad token, one burst of provider errors) and draw the dashboard's panels from this
-#                      Prometheus into DIR as PNGs (deploy/monitoring/charts.py; deploy/monitoring/charts.sh)
+#   LIVE_CHECK_CHARTS=DIR  after the checks pass, run LIVE_CHECK_CHARTS_SECS of load shaped like the
+#                      production callers (a rider pool of LIVE_CHECK_CHARTS_RIDERS, 64 calls in
+#                      flight over one connection, no client retry; a few replays from other riders
+#                      every 10 s; three calls with a bad token at a quarter of the run, a burst of
+#                      provider errors at half) and draw the dashboard's panels from this Prometheus
+#                      into DIR as PNGs (deploy/monitoring/charts.py; deploy/monitoring/charts.sh)
+#   LIVE_CHECK_CHARTS_SECS   the load run's length (default 900)
+#   LIVE_CHECK_CHARTS_RIDERS the rider pool (default 10000)
+#   LIVE_CHECK_PROVIDER_LATENCY_MS  fake-stripe's latency per charge (default 0)
 #   RULES=FILE         check another rule file (path from the repository root; default the one
 #                      compose loads, deploy/monitoring/prometheus/rules/rocket-rides.rules.yaml),
 #                      e.g. a copy with a metric renamed, which must fail
@@ -106,7 +112,7 @@ log "database $DATABASE (dropped and created)"
 psql "$ADMIN_URL" -Xq -c "DROP DATABASE IF EXISTS $DATABASE WITH (FORCE)" -c "CREATE DATABASE $DATABASE" >/dev/null
 "$bin/api-server" migrate >"$WORK/logs/migrate.log" 2>&1
 
-start fake-stripe "$bin/fake-stripe" --listen "$STRIPE_ADDR"
+start fake-stripe "$bin/fake-stripe" --listen "$STRIPE_ADDR" --latency-ms "${LIVE_CHECK_PROVIDER_LATENCY_MS:-0}"
 start mail-sink "$bin/mail-sink" --listen "$SMTP_ADDR" --dir "$WORK/mail" --http-listen "$MAIL_HTTP_ADDR"
 wait_for_port "${STRIPE_ADDR%:*}" "${STRIPE_ADDR##*:}" fake-stripe 30
 wait_for_port "${SMTP_ADDR%:*}" "${SMTP_ADDR##*:}" mail-sink 30
@@ -181,18 +187,35 @@ log "waiting for Prometheus to scrape and evaluate (assertions: deploy/monitorin
 echo "deploy/monitoring/live-check.sh: every metric and label the rules and the dashboard name is exported" >&2
 
 if [ -n "${LIVE_CHECK_CHARTS:-}" ]; then
+  charts_secs=${LIVE_CHECK_CHARTS_SECS:-900}
+  riders=${LIVE_CHECK_CHARTS_RIDERS:-10000}
+  log "load run for the charts: $riders riders, 64 calls in flight, ${charts_secs} s (users created first)"
+  # The riders are created before the window: the charts begin with the load, not the setup.
+  charts_load=("$bin/loadgen" --target "http://$GRPC_ADDR" --stripe-base "http://$STRIPE_ADDR"
+    --database-url "$DATABASE_URL" --riders "$riders" --clients 64 --connections 1 --max-attempts 1
+    --duration-secs "$charts_secs" --warmup-secs 0 --scenario live-check-charts --no-check)
+  "${charts_load[@]}" >"$WORK/logs/loadgen-charts.log" 2>&1 &
+  charts_loadgen=$!
+  pids+=("$charts_loadgen")
+  until grep -q '^created [0-9]* riders' "$WORK/logs/loadgen-charts.log" 2>/dev/null; do
+    kill -0 "$charts_loadgen" 2>/dev/null || die "loadgen failed: $WORK/logs/loadgen-charts.log"
+    sleep 1
+  done
   charts_start=$(date +%s)
-  log "load run for the charts: 8 clients for 60 s with replays, a burst of provider errors at 30 s"
-  (sleep 15; for _ in 1 2 3; do bad_token_call || true; done) &
+  (sleep $((charts_secs / 4)); for _ in 1 2 3; do bad_token_call || true; done) &
   pids+=($!)
-  (sleep 30; curl -fsS -X POST "http://$STRIPE_ADDR/_faults" -H 'content-type: application/json' \
-    -d '{"mode": "error_500", "count": 20}' >/dev/null) &
+  (sleep $((charts_secs / 2)); curl -fsS -X POST "http://$STRIPE_ADDR/_faults" \
+    -H 'content-type: application/json' -d '{"mode": "error_500", "count": 20}' >/dev/null) &
   pids+=($!)
-  "$bin/loadgen" --target "http://$GRPC_ADDR" --stripe-base "http://$STRIPE_ADDR" \
-    --database-url "$DATABASE_URL" --clients 8 --duration-secs 60 --warmup-secs 0 --replay-ratio 0.1 \
-    --seed-keys-per-client 2 --scenario live-check-charts --no-check >"$WORK/logs/loadgen-charts.log" 2>&1 \
-    || die "loadgen failed: $WORK/logs/loadgen-charts.log"
-  sleep 20 # the workers drain what the load left; Prometheus scrapes it
+  # Replays, rider-shaped: every 10 s two new riders each make and replay a few keys.
+  (while kill -0 "$charts_loadgen" 2>/dev/null; do
+    loadgen --requests 8 --replay-ratio 0.5 --seed-keys-per-client 2 --scenario live-check-replays \
+      --no-check >>"$WORK/logs/loadgen-replays.log" 2>&1 || true
+    sleep 10
+  done) &
+  pids+=($!)
+  wait "$charts_loadgen" || die "loadgen failed: $WORK/logs/loadgen-charts.log"
+  sleep 30 # the workers drain what the load left; Prometheus scrapes it
   "${CHARTS_PYTHON:-$PYTHON}" deploy/monitoring/charts.py --prometheus "http://$PROM_ADDR" \
     --start "$charts_start" --end "$(date +%s)" --out "$LIVE_CHECK_CHARTS" "$DASHBOARD"
 fi
