@@ -58,6 +58,8 @@ pub struct ReceiptsConfig {
     pub prefetch: u16,
     /// The most deliveries handled as one batch (one claim and one record statement).
     pub batch_size: u16,
+    /// How long a batch may wait to fill while others are in flight.
+    pub batch_wait: Duration,
     /// SMTP connections kept open to the relay, and conversations at once.
     pub smtp_connections: u32,
     /// Delay before a temporarily failed delivery is requeued, doubled per redelivery.
@@ -204,6 +206,7 @@ fn receipts(vars: &Vars<'_>) -> Result<ReceiptsConfig, ConfigError> {
         smtp_timeout,
         prefetch: vars.positive("RECEIPTS_PREFETCH", 256)?,
         batch_size: vars.positive("RECEIPTS_BATCH_SIZE", 64)?,
+        batch_wait: vars.millis("RECEIPTS_BATCH_WAIT_MS", 10)?,
         smtp_connections: vars
             .positive("SMTP_POOL_SIZE", crate::mailer::DEFAULT_SMTP_CONNECTIONS)?,
         retry_base_delay: vars.millis("RECEIPTS_RETRY_BASE_MS", 5000)?,
@@ -276,6 +279,7 @@ mod tests {
         assert_eq!(config.enqueuer.backoff_max, Duration::from_secs(300));
         assert_eq!(config.receipts.prefetch, 256);
         assert_eq!(config.receipts.batch_size, 64);
+        assert_eq!(config.receipts.batch_wait, Duration::from_millis(10));
         assert_eq!(config.receipts.smtp_connections, 32);
         assert_eq!(config.completer.batch_size, 100);
         assert_eq!(config.completer.max_attempts, 8);

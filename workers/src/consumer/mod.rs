@@ -7,8 +7,9 @@
 //!   with it); on shutdown the consumer is cancelled first, then the deliveries in flight finish
 //!   and are settled.
 //! - A single pass ([`JobConsumer::run_once`]) with `basic.get` until the queue is empty.
-//! - Deliveries are handed to the handler in batches of what the broker has already sent (at most
-//!   [`ConsumerSettings::batch_size`]), each batch in its own task; the deliveries in flight are
+//! - Deliveries are handed to the handler in batches (at most [`ConsumerSettings::batch_size`]),
+//!   each in its own task: at once when no other batch is in flight, otherwise when full or
+//!   [`ConsumerSettings::batch_wait`] after its first delivery; the deliveries in flight are
 //!   bounded by the prefetch. A handler that gains nothing from batching runs each job on its own
 //!   (the default [`JobHandler::run_batch`]).
 //! - Per delivery: a `process` span that continues the trace the job was staged under (the
@@ -104,6 +105,9 @@ pub struct ConsumerSettings {
     pub prefetch: u16,
     /// The most deliveries handed to the handler at once (at most the prefetch).
     pub batch_size: u16,
+    /// How long a batch may wait to fill while other batches are in flight (none waits when the
+    /// consumer is idle).
+    pub batch_wait: Duration,
     /// Delay before a temporarily failed delivery is requeued, doubled per redelivery.
     pub retry_base_delay: Duration,
     pub retry_max_delay: Duration,

@@ -9,7 +9,7 @@ use lapin::{
     options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions},
     types::FieldTable,
 };
-use tokio::{sync::Semaphore, task::JoinSet};
+use tokio::{sync::Semaphore, task::JoinSet, time::Instant};
 use tokio_util::sync::CancellationToken;
 
 use super::{ConsumeError, JobConsumer, JobHandler, Tally};
@@ -41,7 +41,7 @@ async fn connection_lost(session: &AmqpSession) {
 
 /// What ended the wait for the next delivery.
 enum Next {
-    Batch(Vec<Delivery>),
+    Delivery(Box<Delivery>),
     Stop(Result<(), ConsumeError>),
 }
 
@@ -90,44 +90,49 @@ impl<H: JobHandler> JobConsumer<H> {
         let mut tasks: JoinSet<BatchResults<H::Outcome>> = JoinSet::new();
         let mut summary = H::Summary::default();
         let mut result = Ok(());
+        let mut forming = Forming::default();
         loop {
+            if forming.ready(self.batch_size(), tasks.is_empty()) {
+                let deliveries = forming.take();
+                if !self
+                    .dispatch(deliveries, &in_flight, &mut tasks, session, shutdown)
+                    .await
+                {
+                    result = result.and(Err(ConsumeError::ConnectionLost));
+                    break;
+                }
+                continue;
+            }
             // A batch is counted (its summary and the outcome metric) as soon as its task ends,
             // not when the next delivery happens to arrive: a drained queue must not hide the
-            // last batches' outcomes from the metrics until shutdown. Waiting for the next batch
-            // is cancel-safe (its only await is the stream's `next`).
-            let next = tokio::select! {
+            // last batches' outcomes from the metrics until shutdown. Every branch is
+            // cancel-safe: the forming batch is the loop's, and the wait for a delivery only
+            // awaits the stream's `next`.
+            let due = forming.due;
+            tokio::select! {
                 Some(done) = tasks.join_next(), if !tasks.is_empty() => {
                     record(&mut summary, done, &mut result);
-                    continue;
                 }
-                next = self.next_batch(&mut consumer, session, shutdown) => next,
-            };
-            let deliveries = match next {
-                Next::Batch(deliveries) => deliveries,
-                Next::Stop(stopped) => {
-                    result = result.and(stopped);
-                    break;
-                }
-            };
-            // Every permit may be held by a delivery whose settle hangs on a dead connection.
-            let wanted = u32::try_from(deliveries.len()).unwrap_or(u32::MAX);
-            let permit = tokio::select! {
-                permit = Arc::clone(&in_flight).acquire_many_owned(wanted) => match permit {
-                    Ok(permit) => permit,
-                    Err(_) => break,
+                // Its wait is over: the next turn hands it on.
+                () = tokio::time::sleep_until(due.unwrap_or_else(Instant::now)), if due.is_some() => {}
+                next = self.next_delivery(&mut consumer, session, shutdown) => match next {
+                    Next::Delivery(delivery) => {
+                        forming.push(*delivery, self.settings.batch_wait);
+                        self.take_ready(&mut consumer, &mut forming);
+                    }
+                    Next::Stop(stopped) => {
+                        // On shutdown the deliveries already taken are run and settled; on a
+                        // lost connection they return to the queue with it.
+                        if stopped.is_ok() && !forming.is_empty() {
+                            let deliveries = forming.take();
+                            self.dispatch(deliveries, &in_flight, &mut tasks, session, shutdown)
+                                .await;
+                        }
+                        result = result.and(stopped);
+                        break;
+                    }
                 },
-                () = connection_lost(session) => {
-                    result = Err(ConsumeError::ConnectionLost);
-                    break;
-                }
-            };
-            let worker = Arc::clone(&self);
-            let shutdown = shutdown.clone();
-            tasks.spawn(async move {
-                let settled = worker.process(deliveries, &shutdown).await;
-                drop(permit);
-                settled
-            });
+            }
         }
         // Stop receiving first, then let in-flight deliveries finish and be settled.
         let cancel = channel.basic_cancel(consumer.tag(), BasicCancelOptions::default());
@@ -154,9 +159,37 @@ impl<H: JobHandler> JobConsumer<H> {
         result.map(|()| summary)
     }
 
-    /// Waits for a delivery, then takes whatever else the broker has already sent, up to the
-    /// batch size: a busy queue fills batches, an idle one is not held back waiting for them.
-    async fn next_batch(
+    /// Hands a batch to a task of its own once its deliveries' permits are free; `false` if the
+    /// connection was lost while waiting (every permit may be held by a delivery whose settle
+    /// hangs on a dead connection).
+    async fn dispatch(
+        self: &Arc<Self>,
+        deliveries: Vec<Delivery>,
+        in_flight: &Arc<Semaphore>,
+        tasks: &mut JoinSet<BatchResults<H::Outcome>>,
+        session: &AmqpSession,
+        shutdown: &CancellationToken,
+    ) -> bool {
+        let wanted = u32::try_from(deliveries.len()).unwrap_or(u32::MAX);
+        let permit = tokio::select! {
+            permit = Arc::clone(in_flight).acquire_many_owned(wanted) => match permit {
+                Ok(permit) => permit,
+                Err(_) => return false,
+            },
+            () = connection_lost(session) => return false,
+        };
+        let worker = Arc::clone(self);
+        let shutdown = shutdown.clone();
+        tasks.spawn(async move {
+            let settled = worker.process(deliveries, &shutdown).await;
+            drop(permit);
+            settled
+        });
+        true
+    }
+
+    /// Waits for the next delivery.
+    async fn next_delivery(
         &self,
         consumer: &mut lapin::Consumer,
         session: &AmqpSession,
@@ -167,17 +200,20 @@ impl<H: JobHandler> JobConsumer<H> {
             () = connection_lost(session) => return Next::Stop(Err(ConsumeError::ConnectionLost)),
             next = consumer.next() => next,
         };
-        let first = match next {
-            Some(Ok(delivery)) => delivery,
-            Some(Err(error)) => return Next::Stop(Err(error.into())),
-            None => return Next::Stop(Ok(())),
-        };
-        let mut deliveries = vec![first];
-        while deliveries.len() < self.batch_size() {
+        match next {
+            Some(Ok(delivery)) => Next::Delivery(Box::new(delivery)),
+            Some(Err(error)) => Next::Stop(Err(error.into())),
+            None => Next::Stop(Ok(())),
+        }
+    }
+
+    /// Adds to the forming batch what the broker has already sent, up to the batch size.
+    fn take_ready(&self, consumer: &mut lapin::Consumer, forming: &mut Forming) {
+        while forming.len() < self.batch_size() {
             match consumer.next().now_or_never() {
-                Some(Some(Ok(delivery))) => deliveries.push(delivery),
-                // The connection is failing: the liveness check ends the consumer at its next
-                // wait, once this batch is handed on.
+                Some(Some(Ok(delivery))) => forming.deliveries.push(delivery),
+                // The connection is failing: the next wait ends the consumer, once this batch
+                // is handed on.
                 Some(Some(Err(error))) => {
                     tracing::warn!(%error, queue = self.queue, "the consumer's stream failed");
                     break;
@@ -185,7 +221,45 @@ impl<H: JobHandler> JobConsumer<H> {
                 Some(None) | None => break,
             }
         }
-        Next::Batch(deliveries)
+    }
+}
+
+/// The batch being gathered. It goes to the handler when it is full, when no other batch is in
+/// flight (an idle queue is not held back), or `batch_wait` after its first delivery. While other
+/// batches run, deliveries arrive one at a time: handed on at once, each would be a batch of one
+/// or two, and the handler's statements per batch would be paid per delivery.
+#[derive(Default)]
+struct Forming {
+    deliveries: Vec<Delivery>,
+    /// When the batch goes even if not full: `batch_wait` after its first delivery; `None`
+    /// while it is empty.
+    due: Option<Instant>,
+}
+
+impl Forming {
+    fn push(&mut self, delivery: Delivery, batch_wait: Duration) {
+        if self.deliveries.is_empty() {
+            self.due = Some(Instant::now() + batch_wait);
+        }
+        self.deliveries.push(delivery);
+    }
+
+    fn len(&self) -> usize {
+        self.deliveries.len()
+    }
+
+    fn is_empty(&self) -> bool {
+        self.deliveries.is_empty()
+    }
+
+    fn ready(&self, batch_size: usize, idle: bool) -> bool {
+        let waited = self.due.is_some_and(|due| Instant::now() >= due);
+        !self.is_empty() && (idle || waited || self.len() >= batch_size)
+    }
+
+    fn take(&mut self) -> Vec<Delivery> {
+        self.due = None;
+        std::mem::take(&mut self.deliveries)
     }
 }
 

@@ -109,6 +109,7 @@ impl ReceiptWorker {
         let settings = ConsumerSettings {
             prefetch: self.config.prefetch,
             batch_size: self.config.batch_size,
+            batch_wait: self.config.batch_wait,
             retry_base_delay: self.config.retry_base_delay,
             retry_max_delay: self.config.retry_max_delay,
         };

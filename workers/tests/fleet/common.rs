@@ -266,6 +266,7 @@ pub fn receipts_config(smtp_url: &str) -> ReceiptsConfig {
         smtp_timeout: Duration::from_secs(10),
         prefetch: 4,
         batch_size: 4,
+        batch_wait: Duration::from_millis(5),
         smtp_connections: 4,
         retry_base_delay: Duration::from_millis(20),
         retry_max_delay: Duration::from_millis(200),

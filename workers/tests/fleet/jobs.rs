@@ -91,6 +91,7 @@ async fn a_second_job_type_is_routed_run_retried_and_dead_lettered_by_the_generi
     let settings = ConsumerSettings {
         prefetch: 8,
         batch_size: 4,
+        batch_wait: Duration::from_millis(5),
         retry_base_delay: Duration::from_millis(20),
         retry_max_delay: Duration::from_millis(100),
     };

@@ -7,6 +7,7 @@ mod admin;
 mod amqp_tls;
 mod common;
 mod completer;
+mod consumer_batches;
 mod end_to_end;
 mod enqueuer;
 mod jobs;
