@@ -221,7 +221,7 @@ batched_ceiling() { # scenario script
 fresh_keys_wanted() {
   local clients
   for clients in 1 8 32 64; do wants "new-$clients" && return 0; done
-  wants latency250-500
+  wants latency250-500 || wants riders-closed
 }
 if wants batched-ceiling || fresh_keys_wanted; then
   batched_ceiling batched-ceiling create_ride_batched.sql

@@ -125,8 +125,10 @@ pub struct ScenarioGoal {
 /// The goals, keyed by the scenario names `bench/run.sh` uses: ratios to each scenario's own
 /// ceiling, and absolute bounds beside them: new keys at
 /// 64 clients at least 0.4 of the batched ceiling with p99 <= 100 ms and no conflicts, p99 <= 50 ms
-/// at 32 clients, replays at least 0.9 of their ceiling, and the 250 ms provider at 500 clients at
-/// least twice the per-ride ceiling.
+/// at 32 clients, replays at least 0.9 of their ceiling, the 250 ms provider at 500 clients at
+/// least twice the per-ride ceiling, and new keys at the production defaults from a pool of riders
+/// (`riders-closed`, issue 47) at least 0.6 of the batched ceiling with p99 <= 50 ms and no
+/// conflicts (its own ceiling, `create_ride.sql` at 64 clients, is new-64's, and so is that goal).
 pub fn goal_for(scenario: &str) -> Option<ScenarioGoal> {
     let goal = |ratio| ScenarioGoal {
         ratio: Goal::AtLeast(ratio),
@@ -144,6 +146,12 @@ pub fn goal_for(scenario: &str) -> Option<ScenarioGoal> {
         "new-64" => Some(ScenarioGoal {
             batched: Some(Goal::AtLeast(0.4)),
             p99_ms: Some(Goal::AtMost(100.0)),
+            no_conflicts: true,
+            ..goal(0.75)
+        }),
+        "riders-closed" => Some(ScenarioGoal {
+            batched: Some(Goal::AtLeast(0.6)),
+            p99_ms: Some(Goal::AtMost(50.0)),
             no_conflicts: true,
             ..goal(0.75)
         }),
@@ -353,6 +361,29 @@ mod tests {
             table.contains("batched ceiling (best of the batched-ceiling grid): 4800.0 rides/s")
         );
         assert!(!table.contains("merged ceiling"), "no merged grid ran");
+    }
+
+    #[test]
+    fn riders_closed_is_judged_against_the_batched_ceiling_and_riders_64_is_not() {
+        let records = parse_records(
+            r#"
+{"kind":"pgbench","scenario":"batched-ceiling","script":"create_ride_batched.sql","clients":2,"batch":64,"tps":100.0}
+{"kind":"pgbench","scenario":"riders-closed","script":"create_ride.sql","clients":64,"tps":1000.0}
+{"kind":"loadgen","scenario":"riders-closed","clients":64,"throughput":3200.0,"p50_ms":1.0,"p99_ms":40.0,"max_ms":1.0,"check_pass":true}
+{"kind":"pgbench","scenario":"riders-closed","script":"create_ride.sql","clients":64,"tps":1000.0}
+{"kind":"loadgen","scenario":"riders-closed","clients":64,"throughput":4000.0,"p50_ms":1.0,"p99_ms":40.0,"max_ms":1.0,"check_pass":true}
+{"kind":"loadgen","scenario":"riders-64","clients":64,"throughput":250.0,"p50_ms":256.0,"p99_ms":270.0,"max_ms":300.0,"provider_latency_ms":250,"check_pass":true}
+"#,
+        )
+        .unwrap();
+        let rows = rows(&records);
+        // 3200 / (100 x 64) = 0.5 < 0.6: missed though it is 3.2 of its per-ride ceiling.
+        assert_eq!(rows[0].batched_ratio, Some(0.5));
+        assert_eq!(rows[0].verdict, Verdict::Missed);
+        // 4000 / 6400 = 0.625.
+        assert_eq!(rows[1].batched_ratio, Some(0.625));
+        assert_eq!(rows[1].verdict, Verdict::Met);
+        assert_eq!(rows[2].batched_ratio, None);
     }
 
     #[test]
