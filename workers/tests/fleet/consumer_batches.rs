@@ -185,3 +185,30 @@ async fn a_batch_that_does_not_fill_goes_when_its_wait_is_over_while_another_is_
     assert_eq!(batches[1..].concat(), vec![2, 3], "{batches:?}");
     run.stop(3).await;
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn on_shutdown_the_forming_batch_is_run_and_settled_not_left_unacked() {
+    // Far longer than the test: only the shutdown can hand the second batch over.
+    let run = start(Duration::from_secs(600)).await;
+    let (broker, handler) = (&run.broker, &run.handler);
+    publish(broker, 1).await;
+    assert_eq!(handler.wait_for_batches(1).await, vec![vec![1]]);
+    publish(broker, 2).await;
+    // The second delivery is taken and forming behind the held first batch.
+    let deadline = tokio::time::Instant::now() + common::DEADLINE;
+    while broker.depth(&broker.topology.receipts_queue).await > 0
+        && tokio::time::Instant::now() < deadline
+    {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(handler.batches(), vec![vec![1]]);
+
+    // Shutdown first, then the first batch lets go: the forming one was handed over on the way.
+    run.shutdown.cancel();
+    handler.release.add_permits(1);
+    let summary = run.running.await.unwrap();
+    assert_eq!(handler.batches(), vec![vec![1], vec![2]]);
+    assert_eq!((summary.received, summary.done), (2, 2));
+    assert_eq!(broker.depth(&broker.topology.receipts_queue).await, 0);
+    run.broker.cleanup().await;
+}
