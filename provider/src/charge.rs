@@ -56,7 +56,7 @@ impl StripeClient {
             otel.name = "POST /v1/payment_intents",
             otel.kind = "client",
             http.request.method = "POST",
-            url.full = %format_args!("{}/v1/payment_intents", self.api_base),
+            url.full = %self.payment_intents,
             server.address = tracing::field::Empty,
             http.response.status_code = tracing::field::Empty,
             error.type = tracing::field::Empty,
@@ -97,7 +97,7 @@ impl StripeClient {
         );
         let response = self
             .http
-            .post(format!("{}/v1/payment_intents", self.api_base))
+            .post(self.payment_intents.clone())
             .bearer_auth(self.secret_key.expose())
             .header("Idempotency-Key", &charge.idempotency_key)
             .form(&form)

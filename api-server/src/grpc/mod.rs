@@ -166,13 +166,15 @@ impl RideApi {
         // The permit moves into the detached attempt: a client that hangs up does not free its
         // place while its attempt still runs. A waiting call holds it too: it counts against
         // its caller's concurrency.
+        // Boxed: the attempt's state is the largest future in the service, and unboxed it is
+        // copied whole at every move (into this handler's future, tonic's box, the task).
         let answered = self
-            .detached(async move {
+            .detached(Box::pin(async move {
                 let _permit = permit;
                 rides
                     .create_ride(caller, &key, params, origin_ip, &wait)
                     .await
-            })
+            }))
             .await
             .map_err(fresh)?;
         let Some((user_id, reply)) = answered else {
