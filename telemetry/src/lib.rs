@@ -38,6 +38,7 @@ use tracing_subscriber::{
 
 pub mod accept;
 mod metrics_endpoint;
+pub mod semconv;
 pub mod settings;
 
 pub use metrics_endpoint::{
