@@ -61,7 +61,7 @@ pub struct App {
     pub trusted_proxies: admission::peer::TrustedProxies,
     pub pool_size: u32,
     /// Reports pool usage while the app lives.
-    _pool_gauges: [opentelemetry::metrics::ObservableGauge<u64>; 2],
+    _pool_gauges: [opentelemetry::metrics::ObservableUpDownCounter<i64>; 2],
 }
 
 impl App {

@@ -5,7 +5,7 @@
 //! 2. Refuse a peer shut out for its refused calls (`crate::penalty`); admit under the caps on
 //!    open connections, in all and per peer IP, and only while the descriptors reserved for the
 //!    process's own sockets stay free. A connection refused is closed at once and counted in
-//!    `rpc.server.connections.refused`.
+//!    `rides.grpc.connections.refused`.
 //! 3. TCP keepalive and no-delay on the socket.
 //! 4. In a task of its own, so a slow peer holds up nobody else: a PROXY protocol header if the
 //!    peer is a trusted proxy (`admission::proxy_protocol`), the TLS handshake (if any) and the

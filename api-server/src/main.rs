@@ -113,7 +113,7 @@ async fn run(cli: Cli, telemetry: &telemetry::Telemetry) -> anyhow::Result<()> {
                     .with_context(|| format!("cannot serve metrics on {addr}"))?;
                 tokio::spawn(telemetry::serve_metrics(
                     metrics_listener,
-                    telemetry.registry(),
+                    telemetry.prometheus(),
                     async move {
                         let _ = metrics_stopped.await;
                     },

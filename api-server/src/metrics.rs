@@ -3,13 +3,16 @@
 
 use std::sync::LazyLock;
 
-use opentelemetry::metrics::{Counter, Histogram, ObservableGauge};
+use opentelemetry::metrics::{Counter, Histogram, ObservableGauge, ObservableUpDownCounter};
 use schema::Pool;
-use telemetry::attr;
+use telemetry::{
+    attr,
+    semconv::{attribute, metric},
+};
 
 pub struct Metrics {
-    /// `rpc.server.call.duration`, seconds, by `rpc.method` and `rpc.grpc.status_code`; its count
-    /// is the request count.
+    /// `rpc.server.call.duration`, seconds, by `rpc.system.name`, `rpc.method` (fully qualified)
+    /// and `rpc.response.status_code` (the code's name); its count is the request count.
     pub rpc_duration: Histogram<f64>,
     /// CreateRide answers replayed from a finished key.
     pub replays: Counter<u64>,
@@ -46,7 +49,8 @@ pub struct Metrics {
     pub serialization_retries: Counter<u64>,
     /// Requests decided by one batched statement, by statement.
     pub batch_size: Histogram<u64>,
-    /// gRPC connections closed by the listener before tonic saw them, by `reason`
+    /// `rides.grpc.connections.refused`: gRPC connections closed by the listener before tonic saw
+    /// them (the project's own name: `rpc.` is the conventions' reserved namespace), by `reason`
     /// (`max_connections`, `max_connections_per_ip`, `preface_timeout`, `handshake_failed`).
     pub connections_refused: Counter<u64>,
     /// TLS certificate reloads, by `outcome` (`reloaded`, `failed`).
@@ -72,7 +76,7 @@ static METRICS: LazyLock<Metrics> = LazyLock::new(|| {
     let meter = telemetry::meter("rides-api-server");
     Metrics {
         rpc_duration: meter
-            .f64_histogram("rpc.server.call.duration")
+            .f64_histogram(metric::RPC_SERVER_CALL_DURATION)
             .with_unit("s")
             .with_boundaries(SECONDS_BOUNDARIES.to_vec())
             .with_description("Duration of gRPC calls")
@@ -143,7 +147,7 @@ static METRICS: LazyLock<Metrics> = LazyLock::new(|| {
             .with_boundaries(vec![1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0])
             .build(),
         connections_refused: meter
-            .u64_counter("rpc.server.connections.refused")
+            .u64_counter("rides.grpc.connections.refused")
             .with_description("gRPC connections closed before HTTP/2, by reason")
             .build(),
         tls_reloads: meter
@@ -172,28 +176,47 @@ pub fn metrics() -> &'static Metrics {
     &METRICS
 }
 
+/// `db.client.connection.pool.name` of the api-server's one pool (the conventions want a name
+/// unique within the process; the pool has none of its own).
+const POOL_NAME: &str = "api-server";
+
 /// Reports the pool's used and idle connections (`db.client.connection.count`) and its size
-/// (`db.client.connection.max`, so saturation is a ratio, not a copied number). Keep the returned
-/// gauges alive as long as the pool.
-pub fn observe_pool(pool: &Pool, max: u32) -> [ObservableGauge<u64>; 2] {
+/// (`db.client.connection.max`, so saturation is a ratio, not a copied number), as the
+/// conventions' up-down counters (a gauge in `/metrics`), each by `db.client.connection.pool.name`.
+/// Keep the returned instruments alive as long as the pool.
+pub fn observe_pool(pool: &Pool, max: u32) -> [ObservableUpDownCounter<i64>; 2] {
     let pool = pool.clone();
     let meter = telemetry::meter("rides-api-server");
     [
         meter
-            .u64_observable_gauge("db.client.connection.count")
+            .i64_observable_up_down_counter(metric::DB_CLIENT_CONNECTION_COUNT)
+            .with_unit("{connection}")
             .with_description("Database connections in the pool, by state")
             .with_callback(move |observer| {
                 let state = pool.state();
-                let idle = u64::from(state.idle_connections);
-                let used = u64::from(state.connections).saturating_sub(idle);
-                observer.observe(used, &[attr("db.client.connection.state", "used")]);
-                observer.observe(idle, &[attr("db.client.connection.state", "idle")]);
+                let idle = i64::from(state.idle_connections);
+                let used = i64::from(state.connections).saturating_sub(idle);
+                for (count, state) in [(used, "used"), (idle, "idle")] {
+                    observer.observe(
+                        count,
+                        &[
+                            attr(attribute::DB_CLIENT_CONNECTION_POOL_NAME, POOL_NAME),
+                            attr(attribute::DB_CLIENT_CONNECTION_STATE, state),
+                        ],
+                    );
+                }
             })
             .build(),
         meter
-            .u64_observable_gauge("db.client.connection.max")
+            .i64_observable_up_down_counter(metric::DB_CLIENT_CONNECTION_MAX)
+            .with_unit("{connection}")
             .with_description("Database connections the pool may open")
-            .with_callback(move |observer| observer.observe(u64::from(max), &[]))
+            .with_callback(move |observer| {
+                observer.observe(
+                    i64::from(max),
+                    &[attr(attribute::DB_CLIENT_CONNECTION_POOL_NAME, POOL_NAME)],
+                );
+            })
             .build(),
     ]
 }

@@ -260,7 +260,14 @@ async fn assert_serves_the_metrics(metrics_port: u16) {
             "{series} missing from:\n{metrics}"
         );
     }
-    assert!(metrics.contains("rpc_method=\"CreateRide\""), "{metrics}");
+    for label in [
+        r#"rpc_method="rides.v1.RideService/CreateRide""#,
+        r#"rpc_system_name="grpc""#,
+        r#"rpc_response_status_code="UNAVAILABLE""#,
+        r#"db_client_connection_pool_name="api-server""#,
+    ] {
+        assert!(metrics.contains(label), "{label} missing from:\n{metrics}");
+    }
 }
 
 /// Sends SIGTERM and waits up to 20 s for the process to exit.
@@ -372,7 +379,7 @@ async fn connections_that_would_take_the_reserved_descriptors_are_refused_and_ca
     assert!(
         metrics
             .lines()
-            .any(|l| l.starts_with("rpc_server_connections_refused_total")
+            .any(|l| l.starts_with("rides_grpc_connections_refused_total")
                 && l.contains("reason=\"reserved_descriptors\"")),
         "no reserved_descriptors refusal in:\n{metrics}"
     );

@@ -11,6 +11,7 @@ use proto::{
     v1::{CreateRideRequest, GetRideRequest, ride_service_client::RideServiceClient},
 };
 use rand::Rng;
+use telemetry::semconv::{RPC_SYSTEM_GRPC, attribute, grpc_status_code};
 use tonic::{
     Request, Response, Status,
     metadata::{AsciiMetadataKey, AsciiMetadataValue, MetadataMap},
@@ -25,7 +26,7 @@ use crate::{
     policy::RetryPolicy,
 };
 
-/// `rpc.service` of every span.
+/// The service whose methods every span names: `rpc.method` is `{SERVICE}/{method}`.
 const SERVICE: &str = "rides.v1.RideService";
 
 /// Called after every attempt with its record (its `wait` filled in when there is a next one):
@@ -422,12 +423,11 @@ fn rpc_span(method: &'static str, attempt: Option<u32>, key: Option<&str>) -> Sp
     let key_prefix = key.map(|key| key.chars().take(6).collect::<String>());
     tracing::info_span!(
         "rpc.client",
-        otel.name = %format!("{SERVICE}/{method}"),
+        otel.name = %format_args!("{SERVICE}/{method}"),
         otel.kind = "client",
-        rpc.system = "grpc",
-        rpc.service = SERVICE,
-        rpc.method = method,
-        rpc.grpc.status_code = field::Empty,
+        { attribute::RPC_SYSTEM_NAME } = RPC_SYSTEM_GRPC,
+        { attribute::RPC_METHOD } = %format_args!("{SERVICE}/{method}"),
+        { attribute::RPC_RESPONSE_STATUS_CODE } = field::Empty,
         rides.attempt = attempt.map(i64::from),
         rides.key_prefix = key_prefix.as_deref(),
         rides.attempts = field::Empty,
@@ -437,7 +437,10 @@ fn rpc_span(method: &'static str, attempt: Option<u32>, key: Option<&str>) -> Sp
 
 fn record_code(span: &Span, code: Option<tonic::Code>) {
     if let Some(code) = code {
-        span.record("rpc.grpc.status_code", i32::from(code));
+        span.record(
+            attribute::RPC_RESPONSE_STATUS_CODE,
+            grpc_status_code(i32::from(code)),
+        );
     }
 }
 

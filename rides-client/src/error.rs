@@ -158,7 +158,7 @@ impl RidesError {
         self.origin().ok()
     }
 
-    /// The gRPC code this error means for a span's `rpc.grpc.status_code`: the server's, or
+    /// The gRPC code this error means for a span's `rpc.response.status_code`: the server's, or
     /// `DEADLINE_EXCEEDED` for a timeout on this side (as a gRPC client reports one).
     pub fn code(&self) -> Option<Code> {
         match self.origin() {

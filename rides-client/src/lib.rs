@@ -21,8 +21,8 @@
 //!   after it); a failed call's [`CallError`] carries the same log and its last error.
 //! - **Transport**: TLS and mutual TLS through [`proto::client::endpoint`], the one place clients
 //!   build a channel; W3C trace context injected into each attempt's metadata; spans with the
-//!   OpenTelemetry RPC attributes (`rpc.system`, `rpc.service`, `rpc.method`,
-//!   `rpc.grpc.status_code`) per call and per attempt.
+//!   OpenTelemetry RPC attributes (`rpc.system.name`, `rpc.method` fully qualified,
+//!   `rpc.response.status_code` as the code's name) per call and per attempt.
 //!
 //! Layout: `client.rs` the calls and the one retry loop, `policy.rs` the back-off arithmetic,
 //! `error.rs` the classification of answers, `credential.rs` who calls, `attempt.rs` what a call

@@ -55,18 +55,18 @@ async fn each_attempt_is_a_client_span_whose_context_the_server_continues() {
         .partition(|s| attribute(s, "rides.attempt").is_some());
     assert_eq!(calls.len(), 1, "{spans:#?}");
     let call = calls[0];
-    assert_eq!(attribute(call, "rpc.system"), Some(&Value::from("grpc")));
     assert_eq!(
-        attribute(call, "rpc.service"),
-        Some(&Value::from("rides.v1.RideService"))
+        attribute(call, "rpc.system.name"),
+        Some(&Value::from("grpc"))
     );
+    assert_eq!(attribute(call, "rpc.service"), None);
     assert_eq!(
         attribute(call, "rpc.method"),
-        Some(&Value::from("CreateRide"))
+        Some(&Value::from("rides.v1.RideService/CreateRide"))
     );
     assert_eq!(
-        attribute(call, "rpc.grpc.status_code"),
-        Some(&Value::I64(0))
+        attribute(call, "rpc.response.status_code"),
+        Some(&Value::from("OK"))
     );
     assert_eq!(attribute(call, "rides.attempts"), Some(&Value::I64(2)));
 
@@ -79,13 +79,13 @@ async fn each_attempt_is_a_client_span_whose_context_the_server_continues() {
             call.span_context.trace_id()
         );
         let code = match attribute(attempt, "rides.attempt") {
-            Some(Value::I64(1)) => 14, // UNAVAILABLE: the provider's 500
-            Some(Value::I64(2)) => 0,
+            Some(Value::I64(1)) => "UNAVAILABLE", // the provider's 500
+            Some(Value::I64(2)) => "OK",
             other => panic!("unexpected attempt number {other:?}"),
         };
         assert_eq!(
-            attribute(attempt, "rpc.grpc.status_code"),
-            Some(&Value::I64(code))
+            attribute(attempt, "rpc.response.status_code"),
+            Some(&Value::from(code))
         );
         // The server continued this attempt's context: its span is the attempt's child.
         let children: Vec<_> = server

@@ -7,7 +7,8 @@
 //! - Propagation: W3C `traceparent`/`tracestate`, through gRPC metadata, the staged job row and
 //!   AMQP headers ([`inject_current`], [`extract`]).
 //! - Metrics: OpenTelemetry instruments (see [`meter`]), exported over OTLP when configured and
-//!   always readable in the Prometheus text format on `METRICS_LISTEN_ADDR` ([`serve_metrics`]).
+//!   always readable in the Prometheus text format on `METRICS_LISTEN_ADDR` ([`serve_metrics`],
+//!   rendered by `opentelemetry-prometheus-text-exporter` at each scrape).
 //! - Listeners: [`accept`] is every TCP listener's accept loop (back-off when out of descriptors)
 //!   and its caps on open connections; the metrics endpoint caps connections and header time.
 //! - Settings: [`settings::Vars`], the one reader of environment variables every process's
@@ -37,19 +38,19 @@ use tracing_subscriber::{
 
 pub mod accept;
 mod metrics_endpoint;
+pub mod semconv;
 pub mod settings;
 
 pub use metrics_endpoint::{
     MetricsServerLimits, metrics_addr, serve_metrics, serve_metrics_with_limits,
 };
 pub use opentelemetry::metrics::Meter;
+pub use opentelemetry_prometheus_text_exporter::PrometheusExporter;
 
 #[derive(Debug, thiserror::Error)]
 pub enum TelemetryError {
     #[error("cannot build the OTLP exporter")]
     Otlp(#[from] opentelemetry_otlp::ExporterBuildError),
-    #[error("cannot build the Prometheus exporter")]
-    Prometheus(#[from] opentelemetry_sdk::error::OTelSdkError),
     #[error("a global tracing subscriber is already installed")]
     SubscriberAlreadySet(#[from] tracing::subscriber::SetGlobalDefaultError),
 }
@@ -59,7 +60,7 @@ pub enum TelemetryError {
 pub struct Telemetry {
     tracer_provider: SdkTracerProvider,
     meter_provider: SdkMeterProvider,
-    registry: prometheus::Registry,
+    prometheus: PrometheusExporter,
 }
 
 impl Telemetry {
@@ -88,13 +89,10 @@ impl Telemetry {
         }
         let tracer_provider = tracer_builder.build();
 
-        let registry = prometheus::Registry::new();
-        let prometheus_reader = opentelemetry_prometheus::exporter()
-            .with_registry(registry.clone())
-            .build()?;
+        let prometheus = prometheus_exporter();
         let mut meter_builder = SdkMeterProvider::builder()
             .with_resource(resource)
-            .with_reader(prometheus_reader);
+            .with_reader(prometheus.clone());
         if otlp {
             let exporter = opentelemetry_otlp::MetricExporter::builder()
                 .with_tonic()
@@ -112,13 +110,13 @@ impl Telemetry {
         Ok(Telemetry {
             tracer_provider,
             meter_provider,
-            registry,
+            prometheus,
         })
     }
 
-    /// The registry [`serve_metrics`] renders.
-    pub fn registry(&self) -> prometheus::Registry {
-        self.registry.clone()
+    /// The reader [`serve_metrics`] renders at each scrape.
+    pub fn prometheus(&self) -> PrometheusExporter {
+        self.prometheus.clone()
     }
 
     /// Flushes and stops the exporters.
@@ -130,6 +128,15 @@ impl Telemetry {
             tracing::warn!(%error, "flushing metrics failed");
         }
     }
+}
+
+/// The `/metrics` reader. Its defaults are the naming the alert rules, recording rules, dashboard
+/// and tests read (the same as opentelemetry-prometheus's): dots become underscores, a counter
+/// ends in `_total`, a unit becomes a suffix (`s` → `_seconds`; an annotation such as
+/// `{request}` adds none), every series carries `otel_scope_name`, and the resource is one
+/// `target_info` series. `tests::the_exposition_keeps_the_names_the_rules_read` pins them.
+fn prometheus_exporter() -> PrometheusExporter {
+    PrometheusExporter::builder().build()
 }
 
 /// Installs the subscriber: the log layer filtered by `RUST_LOG` (default `info`, see
@@ -363,5 +370,55 @@ mod tests {
         assert!(plain_targets("info").is_some());
         assert!(plain_targets("[rpc{user.id=1}]=debug").is_none());
         assert!(plain_targets("").is_none());
+    }
+
+    /// The exposition's names and labels, for one instrument of each kind the processes create:
+    /// the rules, the dashboard, the tests and the bench read exactly these.
+    #[test]
+    fn the_exposition_keeps_the_names_the_rules_read() {
+        use opentelemetry::metrics::MeterProvider as _;
+
+        let exporter = prometheus_exporter();
+        let provider = SdkMeterProvider::builder()
+            .with_resource(Resource::builder().with_service_name("rides-test").build())
+            .with_reader(exporter.clone())
+            .build();
+        let meter = provider.meter("rides-test-scope");
+        let seconds = meter.f64_histogram("rpc.server.call.duration");
+        let seconds = seconds
+            .with_unit("s")
+            .with_boundaries(vec![0.5, 1.0])
+            .build();
+        seconds.record(0.75, &[attr("rpc.method", "CreateRide")]);
+        let batch = meter.u64_histogram("rides.idempotency.batch.size");
+        let batch = batch.with_unit("{request}").build();
+        batch.record(2, &[attr("rides.batch.statement", "claim")]);
+        let messages = meter.u64_counter("rides.receipts.messages").build();
+        messages.add(3, &[attr("outcome", "sent")]);
+        let age = meter.f64_gauge("rides.staged_jobs.oldest_age");
+        age.with_unit("s").build().record(1.5, &[]);
+        let mut text = Vec::new();
+        exporter.export(&mut text).unwrap();
+        let text = String::from_utf8(text).unwrap();
+        let samples: Vec<&str> = text.lines().filter(|l| !l.starts_with('#')).collect();
+        let expected = r#"
+rpc_server_call_duration_seconds_bucket{rpc_method="CreateRide",le="0.5",otel_scope_name="rides-test-scope"} 0
+rpc_server_call_duration_seconds_bucket{rpc_method="CreateRide",le="1",otel_scope_name="rides-test-scope"} 1
+rpc_server_call_duration_seconds_bucket{rpc_method="CreateRide",le="+Inf",otel_scope_name="rides-test-scope"} 1
+rpc_server_call_duration_seconds_count{rpc_method="CreateRide",otel_scope_name="rides-test-scope"} 1
+rpc_server_call_duration_seconds_sum{rpc_method="CreateRide",otel_scope_name="rides-test-scope"} 0.75
+rides_idempotency_batch_size_sum{rides_batch_statement="claim",otel_scope_name="rides-test-scope"} 2
+rides_receipts_messages_total{outcome="sent",otel_scope_name="rides-test-scope"} 3
+rides_staged_jobs_oldest_age_seconds{otel_scope_name="rides-test-scope"} 1.5"#;
+        for line in expected.lines().skip(1) {
+            assert!(samples.contains(&line), "{line} not in:\n{text}");
+        }
+        assert!(text.contains("# TYPE rides_receipts_messages_total counter"));
+        assert!(
+            samples.iter().any(
+                |l| l.starts_with("target_info{") && l.contains(r#"service_name="rides-test""#)
+            ),
+            "{text}"
+        );
     }
 }

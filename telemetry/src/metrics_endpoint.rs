@@ -9,10 +9,16 @@ use http::{Response, StatusCode, header::CONTENT_TYPE};
 use http_body_util::Full;
 use hyper::{body::Incoming, server::conn::http1, service::service_fn};
 use hyper_util::rt::{TokioIo, TokioTimer};
-use prometheus::{Encoder, TextEncoder};
 use tokio::net::TcpListener;
 
-use crate::accept::{ConnectionLimits, accept};
+use crate::{
+    PrometheusExporter,
+    accept::{ConnectionLimits, accept},
+};
+
+/// The Prometheus text format, version 0.0.4: what scrapers ask for and what the exporter writes.
+/// Its `# UNIT` lines are comments to a 0.0.4 parser.
+const TEXT_FORMAT: &str = "text/plain; version=0.0.4";
 
 /// The metrics endpoint's limits.
 #[derive(Clone, Copy, Debug)]
@@ -33,19 +39,19 @@ impl Default for MetricsServerLimits {
     }
 }
 
-/// Serves `registry` on `listener` until `shutdown` completes, with the default limits.
+/// Serves `exporter` on `listener` until `shutdown` completes, with the default limits.
 pub async fn serve_metrics(
     listener: TcpListener,
-    registry: prometheus::Registry,
+    exporter: PrometheusExporter,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) {
-    serve_metrics_with_limits(listener, registry, MetricsServerLimits::default(), shutdown).await;
+    serve_metrics_with_limits(listener, exporter, MetricsServerLimits::default(), shutdown).await;
 }
 
-/// Serves `registry` on `listener` until `shutdown` completes.
+/// Serves `exporter` on `listener` until `shutdown` completes.
 pub async fn serve_metrics_with_limits(
     listener: TcpListener,
-    registry: prometheus::Registry,
+    exporter: PrometheusExporter,
     limits: MetricsServerLimits,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) {
@@ -62,12 +68,12 @@ pub async fn serve_metrics_with_limits(
             tracing::debug!(%peer, "metrics endpoint: too many connections; closed");
             continue;
         };
-        let registry = registry.clone();
+        let exporter = exporter.clone();
         tokio::spawn(async move {
             let _permit = permit;
             let service = service_fn(move |request: hyper::Request<Incoming>| {
-                let registry = registry.clone();
-                async move { Ok::<_, Infallible>(answer(request.uri().path(), &registry)) }
+                let exporter = exporter.clone();
+                async move { Ok::<_, Infallible>(answer(request.uri().path(), &exporter)) }
             });
             // hyper enforces the header timeout only with a timer.
             let _ = http1::Builder::new()
@@ -79,33 +85,25 @@ pub async fn serve_metrics_with_limits(
     }
 }
 
-fn answer(path: &str, registry: &prometheus::Registry) -> Response<Full<Bytes>> {
+fn answer(path: &str, exporter: &PrometheusExporter) -> Response<Full<Bytes>> {
     let (status, content_type, body) = if path == "/metrics" {
         let mut buffer = Vec::new();
-        match TextEncoder::new().encode(&registry.gather(), &mut buffer) {
-            Ok(()) => (
-                StatusCode::OK,
-                TextEncoder::new().format_type().to_owned(),
-                buffer,
-            ),
+        match exporter.export(&mut buffer) {
+            Ok(()) => (StatusCode::OK, TEXT_FORMAT, buffer),
             Err(error) => (
                 StatusCode::INTERNAL_SERVER_ERROR,
-                "text/plain".to_owned(),
+                "text/plain",
                 error.to_string().into_bytes(),
             ),
         }
     } else {
-        (
-            StatusCode::NOT_FOUND,
-            "text/plain".to_owned(),
-            b"not found\n".to_vec(),
-        )
+        (StatusCode::NOT_FOUND, "text/plain", b"not found\n".to_vec())
     };
     let mut response = Response::new(Full::new(Bytes::from(body)));
     *response.status_mut() = status;
-    if let Ok(value) = content_type.parse() {
-        response.headers_mut().insert(CONTENT_TYPE, value);
-    }
+    response
+        .headers_mut()
+        .insert(CONTENT_TYPE, http::HeaderValue::from_static(content_type));
     response
 }
 
@@ -123,6 +121,7 @@ pub fn metrics_addr(default: SocketAddr) -> Result<Option<SocketAddr>, std::net:
 mod tests {
     #![allow(clippy::unwrap_used)]
 
+    use opentelemetry_sdk::metrics::SdkMeterProvider;
     use tokio::{
         io::{AsyncReadExt, AsyncWriteExt},
         net::TcpStream,
@@ -130,16 +129,22 @@ mod tests {
 
     use super::*;
 
-    async fn spawn(limits: MetricsServerLimits) -> SocketAddr {
+    /// The endpoint on a free port, its exporter read by a meter provider (a reader no provider
+    /// reads answers 500); keep the provider as long as the endpoint is scraped.
+    async fn spawn(limits: MetricsServerLimits) -> (SocketAddr, SdkMeterProvider) {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
+        let exporter = PrometheusExporter::new();
+        let provider = SdkMeterProvider::builder()
+            .with_reader(exporter.clone())
+            .build();
         tokio::spawn(serve_metrics_with_limits(
             listener,
-            prometheus::Registry::new(),
+            exporter,
             limits,
             std::future::pending(),
         ));
-        addr
+        (addr, provider)
     }
 
     /// Everything the server sends until it closes the connection.
@@ -152,8 +157,32 @@ mod tests {
     const SCRAPE: &[u8] = b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n";
 
     #[tokio::test]
+    async fn a_scrape_answers_the_text_format_with_what_was_recorded() {
+        use opentelemetry::metrics::MeterProvider as _;
+
+        let (addr, provider) = spawn(MetricsServerLimits::default()).await;
+        provider
+            .meter("scope")
+            .u64_counter("rides.things")
+            .build()
+            .add(2, &[]);
+        let mut scraper = TcpStream::connect(addr).await.unwrap();
+        scraper.write_all(SCRAPE).await.unwrap();
+        let answer = until_closed(&mut scraper).await;
+        assert!(answer.starts_with("HTTP/1.1 200 OK"), "{answer}");
+        assert!(
+            answer.contains("content-type: text/plain; version=0.0.4\r\n"),
+            "{answer}"
+        );
+        assert!(
+            answer.contains("\nrides_things_total{otel_scope_name=\"scope\"} 2\n"),
+            "{answer}"
+        );
+    }
+
+    #[tokio::test]
     async fn a_half_sent_request_is_dropped_after_the_header_timeout() {
-        let addr = spawn(MetricsServerLimits {
+        let (addr, _provider) = spawn(MetricsServerLimits {
             max_connections: 4,
             header_read_timeout: Duration::from_millis(200),
         })
@@ -176,7 +205,7 @@ mod tests {
 
     #[tokio::test]
     async fn connections_over_the_cap_are_closed_at_once() {
-        let addr = spawn(MetricsServerLimits {
+        let (addr, _provider) = spawn(MetricsServerLimits {
             max_connections: 1,
             header_read_timeout: Duration::from_secs(60),
         })

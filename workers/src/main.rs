@@ -97,7 +97,7 @@ async fn main() -> anyhow::Result<()> {
         let stop = shutdown.clone();
         tokio::spawn(telemetry::serve_metrics(
             listener,
-            telemetry.registry(),
+            telemetry.prometheus(),
             async move { stop.cancelled().await },
         ));
     }

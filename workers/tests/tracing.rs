@@ -14,10 +14,63 @@ use telemetry::testing::{CapturedSpans, SpanData};
 
 const TRACE_ID: &str = "0af7651916cd43dd8448eb211c80319c";
 
-fn in_trace<'a>(spans: &'a [SpanData], suffix: &str) -> Vec<&'a SpanData> {
+fn attribute<'a>(span: &'a SpanData, key: &str) -> Option<&'a opentelemetry::Value> {
+    span.attributes
+        .iter()
+        .find(|kv| kv.key.as_str() == key)
+        .map(|kv| &kv.value)
+}
+
+/// RabbitMQ's messaging conventions, as the specification spells them: `{operation} {exchange}`
+/// span names, the exchange as the destination on both sides, the routing key, and the delivery
+/// tag where a delivery has one.
+fn assert_messaging_attributes(publish: &SpanData, process: &SpanData, exchange: &str) {
+    use opentelemetry::Value;
+    assert_eq!(publish.name, format!("publish {exchange}"));
+    assert_eq!(process.name, format!("process {exchange}"));
+    for (span, operation, kind) in [
+        (publish, "publish", "send"),
+        (process, "process", "process"),
+    ] {
+        assert_eq!(
+            attribute(span, "messaging.system"),
+            Some(&Value::from("rabbitmq"))
+        );
+        assert_eq!(
+            attribute(span, "messaging.operation.name"),
+            Some(&Value::from(operation))
+        );
+        assert_eq!(
+            attribute(span, "messaging.operation.type"),
+            Some(&Value::from(kind))
+        );
+        assert_eq!(
+            attribute(span, "messaging.destination.name"),
+            Some(&Value::from(exchange.to_owned()))
+        );
+        assert!(
+            attribute(span, "messaging.rabbitmq.destination.routing_key").is_some(),
+            "{span:#?}"
+        );
+    }
+    assert_eq!(
+        attribute(publish, "messaging.rabbitmq.destination.routing_key"),
+        attribute(process, "messaging.rabbitmq.destination.routing_key")
+    );
+    assert_eq!(
+        attribute(publish, "messaging.message.id"),
+        attribute(process, "messaging.message.id")
+    );
+    assert!(matches!(
+        attribute(process, "messaging.rabbitmq.message.delivery_tag"),
+        Some(Value::I64(_))
+    ));
+}
+
+fn in_trace<'a>(spans: &'a [SpanData], prefix: &str) -> Vec<&'a SpanData> {
     spans
         .iter()
-        .filter(|span| span.name.ends_with(suffix))
+        .filter(|span| span.name.starts_with(prefix))
         .filter(|span| span.span_context.trace_id().to_string() == TRACE_ID)
         .collect()
 }
@@ -55,14 +108,14 @@ async fn the_receipt_joins_the_trace_of_the_request_through_rabbitmq() {
         1,
         "the request's staging phase is in the trace"
     );
-    let publish = in_trace(&spans, " publish");
+    let publish = in_trace(&spans, "publish ");
     assert_eq!(publish.len(), 1, "the enqueue is in the trace: {spans:#?}");
     let publish = publish[0];
     assert_eq!(publish.span_kind, opentelemetry::trace::SpanKind::Producer);
     // Staged inside the ride_created phase's transaction: the publish continues from there.
     assert_eq!(publish.parent_span_id, phase[0].span_context.span_id());
 
-    let process = in_trace(&spans, " process");
+    let process = in_trace(&spans, "process ");
     assert_eq!(process.len(), 1, "the receipt is in the trace");
     let process = process[0];
     assert_eq!(process.span_kind, opentelemetry::trace::SpanKind::Consumer);
@@ -74,5 +127,6 @@ async fn the_receipt_joins_the_trace_of_the_request_through_rabbitmq() {
             .any(|link| link.span_context.span_id() == publish.span_context.span_id()),
         "the process span links to the publish"
     );
+    assert_messaging_attributes(publish, process, &broker.topology.exchange);
     broker.cleanup().await;
 }

@@ -90,9 +90,9 @@ impl RideService for RideApi {
         let started = Instant::now();
         let peer = self.call_peer(&request);
         let admitted = self.admit_create(request.metadata(), &peer).await;
-        let span = server_span("CreateRide", request.metadata(), admitted.is_ok());
+        let span = server_span(CREATE_RIDE, request.metadata(), admitted.is_ok());
         let handler = self.create_ride_traced(request, &peer, admitted, started);
-        let result = traced("CreateRide", started, span, handler).await;
+        let result = traced(CREATE_RIDE, started, span, handler).await;
         self.note_failed_auth(&peer, &result);
         result
     }
@@ -101,9 +101,9 @@ impl RideService for RideApi {
         let started = Instant::now();
         let peer = self.call_peer(&request);
         let admitted = self.admit_get(request.metadata(), &peer).await;
-        let span = server_span("GetRide", request.metadata(), admitted.is_ok());
+        let span = server_span(GET_RIDE, request.metadata(), admitted.is_ok());
         let handler = self.get_ride_traced(request, admitted);
-        let result = traced("GetRide", started, span, handler).await;
+        let result = traced(GET_RIDE, started, span, handler).await;
         self.note_failed_auth(&peer, &result);
         result
     }

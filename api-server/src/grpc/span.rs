@@ -3,7 +3,10 @@
 use std::{future::Future, time::Instant};
 
 use opentelemetry::trace::TraceContextExt;
-use telemetry::attr;
+use telemetry::{
+    attr,
+    semconv::{RPC_SYSTEM_GRPC, attribute, grpc_status_code},
+};
 use tonic::{Response, Status, metadata::MetadataMap};
 use tracing::{Instrument, Span, field};
 use tracing_opentelemetry::OpenTelemetrySpanExt;
@@ -12,9 +15,15 @@ use crate::metrics::metrics;
 
 use super::*;
 
-/// The server span of one RPC. It continues the caller's trace context only if `trusted` (an
-/// authenticated caller); otherwise it is a root, linked to the caller's context. The parent must
-/// be chosen here, before the span is first entered.
+/// `rpc.method` of each RPC: the fully-qualified method, as the conventions name it (and as tonic
+/// routes it, less the leading `/`); also the span's name.
+pub(super) const CREATE_RIDE: &str = "rides.v1.RideService/CreateRide";
+pub(super) const GET_RIDE: &str = "rides.v1.RideService/GetRide";
+
+/// The server span of one RPC, `method` being [`CREATE_RIDE`] or [`GET_RIDE`]. It continues the
+/// caller's trace context only if `trusted` (an authenticated caller); otherwise it is a root,
+/// linked to the caller's context. The parent must be chosen here, before the span is first
+/// entered.
 pub(super) fn rpc_span(
     method: &'static str,
     caller_trace: opentelemetry::Context,
@@ -22,13 +31,12 @@ pub(super) fn rpc_span(
 ) -> Span {
     let span = tracing::info_span!(
         "rpc",
-        otel.name = %format_args!("rides.v1.RideService/{method}"),
+        otel.name = method,
         otel.kind = "server",
         otel.status_code = field::Empty,
-        rpc.system = "grpc",
-        rpc.service = "rides.v1.RideService",
-        rpc.method = method,
-        rpc.grpc.status_code = field::Empty,
+        { attribute::RPC_SYSTEM_NAME } = RPC_SYSTEM_GRPC,
+        { attribute::RPC_METHOD } = method,
+        { attribute::RPC_RESPONSE_STATUS_CODE } = field::Empty,
         trace_id = field::Empty,
         user.id = field::Empty,
         rides.idempotency_key = field::Empty,
@@ -59,7 +67,8 @@ pub(super) async fn traced<T>(
         Ok(_) => tonic::Code::Ok,
         Err(status) => status.code(),
     };
-    span.record("rpc.grpc.status_code", code as i64);
+    let status_code = grpc_status_code(code as i32);
+    span.record(attribute::RPC_RESPONSE_STATUS_CODE, status_code);
     if matches!(
         code,
         tonic::Code::Internal | tonic::Code::Unavailable | tonic::Code::Unknown
@@ -69,9 +78,9 @@ pub(super) async fn traced<T>(
     metrics().rpc_duration.record(
         started.elapsed().as_secs_f64(),
         &[
-            attr("rpc.system", "grpc"),
-            attr("rpc.method", method),
-            attr("rpc.grpc.status_code", code as i64),
+            attr(attribute::RPC_SYSTEM_NAME, RPC_SYSTEM_GRPC),
+            attr(attribute::RPC_METHOD, method),
+            attr(attribute::RPC_RESPONSE_STATUS_CODE, status_code),
         ],
     );
     result

@@ -384,7 +384,7 @@ impl Rides {
         let span = tracing::info_span!(
             "phase",
             otel.name = %format_args!("phase {point}"),
-            db.system.name = "postgresql",
+            { telemetry::semconv::attribute::DB_SYSTEM_NAME } = telemetry::semconv::DB_SYSTEM_POSTGRESQL,
             rides.recovery_point.from = %point,
             rides.recovery_point.to = tracing::field::Empty,
             otel.status_code = tracing::field::Empty,

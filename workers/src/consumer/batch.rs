@@ -9,6 +9,7 @@ use lapin::{
     options::{BasicAckOptions, BasicNackOptions, BasicRejectOptions},
     types::AMQPValue,
 };
+use telemetry::semconv::{self, attribute};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
@@ -65,7 +66,9 @@ impl<H: JobHandler> JobConsumer<H> {
     }
 
     /// The delivery's message id and its `process` span: it continues the trace the job was
-    /// staged under and links to the publish that delivered it.
+    /// staged under and links to the publish that delivered it. RabbitMQ's conventions name the
+    /// exchange the message was published to as the destination, with its routing key; the queue
+    /// it was taken from is this project's `rides.queue`.
     fn open(&self, delivery: &Delivery) -> (String, tracing::Span) {
         let message_id = delivery
             .properties
@@ -73,14 +76,20 @@ impl<H: JobHandler> JobConsumer<H> {
             .as_ref()
             .map(|id| id.to_string())
             .unwrap_or_default();
+        let exchange = delivery.exchange.as_str();
         let span = tracing::info_span!(
             "process",
-            otel.name = %format_args!("{} process", self.queue),
+            otel.name = %semconv::messaging_span_name(semconv::RABBITMQ_PROCESS, exchange),
             otel.kind = "consumer",
-            messaging.system = "rabbitmq",
-            messaging.operation.type = "process",
-            messaging.destination.name = %self.queue,
-            messaging.message.id = %message_id,
+            { attribute::MESSAGING_SYSTEM } = semconv::MESSAGING_SYSTEM_RABBITMQ,
+            { attribute::MESSAGING_OPERATION_NAME } = semconv::RABBITMQ_PROCESS,
+            { attribute::MESSAGING_OPERATION_TYPE } = semconv::MESSAGING_OPERATION_PROCESS,
+            { attribute::MESSAGING_DESTINATION_NAME } = exchange,
+            { attribute::MESSAGING_RABBITMQ_DESTINATION_ROUTING_KEY } = delivery.routing_key.as_str(),
+            { attribute::MESSAGING_RABBITMQ_MESSAGE_DELIVERY_TAG } =
+                i64::try_from(delivery.delivery_tag).unwrap_or(i64::MAX),
+            { attribute::MESSAGING_MESSAGE_ID } = %message_id,
+            rides.queue = %self.queue,
             trace_id = tracing::field::Empty,
         );
         let carrier = trace_headers(delivery);

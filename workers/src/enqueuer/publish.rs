@@ -9,6 +9,7 @@ use lapin::{
     types::{AMQPValue, FieldTable, LongString, ShortString},
 };
 use schema::models::StagedJob;
+use telemetry::semconv::{self, attribute};
 
 use crate::{jobs::Registry, topology::Topology};
 
@@ -65,7 +66,7 @@ async fn send_all(
                     ..BasicPublishOptions::default()
                 },
                 &body,
-                properties(job, exchange),
+                properties(job, exchange, &routing_key),
             )
             .await;
         match result {
@@ -220,7 +221,7 @@ pub(super) fn encode(job: &StagedJob, registry: &Registry) -> (String, Vec<u8>) 
 
 /// The message's properties. Its headers carry the trace context of a `publish` span that
 /// continues the trace the job was staged under, so the consumer's span joins the same trace.
-pub(super) fn properties(job: &StagedJob, exchange: &str) -> BasicProperties {
+pub(super) fn properties(job: &StagedJob, exchange: &str, routing_key: &str) -> BasicProperties {
     let mut headers = FieldTable::default();
     headers.insert(
         ShortString::from("x-job-name"),
@@ -238,12 +239,15 @@ pub(super) fn properties(job: &StagedJob, exchange: &str) -> BasicProperties {
         .unwrap_or_default();
     let span = tracing::info_span!(
         "publish",
-        otel.name = %format_args!("{exchange} publish"),
+        otel.name = %semconv::messaging_span_name(semconv::RABBITMQ_PUBLISH, exchange),
         otel.kind = "producer",
-        messaging.system = "rabbitmq",
-        messaging.operation.type = "send",
-        messaging.destination.name = exchange,
-        messaging.message.id = job.id,
+        { attribute::MESSAGING_SYSTEM } = semconv::MESSAGING_SYSTEM_RABBITMQ,
+        { attribute::MESSAGING_OPERATION_NAME } = semconv::RABBITMQ_PUBLISH,
+        { attribute::MESSAGING_OPERATION_TYPE } = semconv::MESSAGING_OPERATION_SEND,
+        { attribute::MESSAGING_DESTINATION_NAME } = exchange,
+        { attribute::MESSAGING_RABBITMQ_DESTINATION_ROUTING_KEY } = routing_key,
+        // The AMQP message id (a string), which is the staged job's id.
+        { attribute::MESSAGING_MESSAGE_ID } = %job.id,
         trace_id = tracing::field::Empty,
     );
     telemetry::continue_trace(&span, &telemetry::MapExtractor(&staged_under));

@@ -72,7 +72,7 @@ pub type UserClaimed<W> = (User, Claimed<W>);
     skip_all,
     fields(
         otel.name = "claim idempotency key",
-        db.system.name = "postgresql",
+        { telemetry::semconv::attribute::DB_SYSTEM_NAME } = telemetry::semconv::DB_SYSTEM_POSTGRESQL,
         rides.claim = tracing::field::Empty,
         rides.recovery_point.to = tracing::field::Empty,
     )

@@ -115,7 +115,7 @@ impl Sampler {
     }
 }
 
-/// The api-server's `rpc.server.connections.refused`, by label set, from its `/metrics`.
+/// The api-server's `rides.grpc.connections.refused`, by label set, from its `/metrics`.
 pub async fn refused_connections(
     http: &reqwest::Client,
     metrics: SocketAddr,
@@ -129,7 +129,7 @@ pub async fn refused_connections(
         .await?;
     Ok(text
         .lines()
-        .filter(|line| line.starts_with("rpc_server_connections_refused"))
+        .filter(|line| line.starts_with("rides_grpc_connections_refused"))
         .filter_map(|line| {
             let (series, value) = line.rsplit_once(' ')?;
             let labels = series
