@@ -112,3 +112,17 @@ async fn a_list_that_repeats_a_page_stops_with_an_error() {
     .unwrap_err();
     assert_eq!(rejected_as(&error), "repeated_page", "{error}");
 }
+
+/// An API base that is not a URL is refused when the client is built, at start, instead of
+/// failing every charge as unavailable.
+#[test]
+fn an_api_base_that_is_not_a_url_is_refused_at_start() {
+    let built = StripeClient::new(&StripeConfig {
+        api_base: "not a url".to_owned(),
+        secret_key: Secret::new("sk_test_bounds"),
+        timeout: Duration::from_secs(10),
+        idempotency_window: Duration::from_secs(86_400),
+        deployment_id: provider::DeploymentId::parse("test").unwrap(),
+    });
+    assert!(built.is_err());
+}

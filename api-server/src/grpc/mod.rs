@@ -165,9 +165,9 @@ impl RideApi {
         let _waiting = wait.gone.clone().drop_guard();
         // The permit moves into the detached attempt: a client that hangs up does not free its
         // place while its attempt still runs. A waiting call holds it too: it counts against
-        // its caller's concurrency.
-        // Boxed: the attempt's state is the largest future in the service, and unboxed it is
-        // copied whole at every move (into this handler's future, tonic's box, the task).
+        // its caller's concurrency. Boxed: the attempt's state is the largest future in the
+        // service, and unboxed it is copied whole at every move (into this handler's future,
+        // tonic's box, the task).
         let answered = self
             .detached(Box::pin(async move {
                 let _permit = permit;
