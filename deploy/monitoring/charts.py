@@ -71,6 +71,7 @@ def main() -> int:
     dashboard = json.loads(args.dashboard.read_text(encoding="utf-8"))
     args.out.mkdir(parents=True, exist_ok=True)
     empty: list[str] = []
+    flat: list[str] = []
     for row_title, panels in rows(dashboard):
         columns = min(3, len(panels))
         lines = math.ceil(len(panels) / columns)
@@ -81,6 +82,7 @@ def main() -> int:
         for axis, panel in zip(axes.flat, panels):
             unit, scale = UNITS.get(panel["fieldConfig"]["defaults"].get("unit", "short"), ("", 1.0))
             drawn = 0
+            peak = 0.0
             for target in panel["targets"]:
                 expr = target["expr"]
                 for variable, value in VARIABLES.items():
@@ -93,6 +95,9 @@ def main() -> int:
                     axis.plot([t for t, _ in points], [v for _, v in points], linewidth=1.2,
                               label=legend(target.get("legendFormat", ""), series["metric"]))
                     drawn += 1
+                    peak = max(peak, max(abs(v) for _, v in points))
+            if drawn and not peak:
+                flat.append(panel["title"])
             if not drawn:
                 empty.append(panel["title"])
                 axis.text(0.5, 0.5, "no data", ha="center", va="center", transform=axis.transAxes)
@@ -111,6 +116,8 @@ def main() -> int:
         print(f"charts: {path}", file=sys.stderr)
     if empty:
         print(f"charts: panels with no data in the run: {', '.join(empty)}", file=sys.stderr)
+    if flat:
+        print(f"charts: panels at zero throughout the run: {', '.join(flat)}", file=sys.stderr)
     return 0
 
 

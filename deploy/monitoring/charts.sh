@@ -3,8 +3,10 @@
 # docs/monitoring/ from a real run: deploy/monitoring/live-check.sh starts the processes and a
 # Prometheus, checks every query, runs 15 minutes of load shaped like the production callers (a
 # 10,000-rider pool, 64 calls in flight over one connection, the api-server at its defaults, a
-# 250 ms provider), then deploy/monitoring/charts.py queries that Prometheus. matplotlib (PyPI)
-# lives in target/charts-venv, installed on the first run.
+# 250 ms provider) with the events of deploy/monitoring/chart-events.sh (aged keys, refused
+# connections, keys the completer gives up, reconciliation findings, an operator's admin commands),
+# then deploy/monitoring/charts.py queries that Prometheus. matplotlib (PyPI) lives in
+# target/charts-venv, installed on the first run.
 # Usage: deploy/monitoring/charts.sh   (about 17 minutes after the build; LIVE_CHECK_CHARTS_SECS,
 # LIVE_CHECK_CHARTS_RIDERS and LIVE_CHECK_PROVIDER_LATENCY_MS change the run)
 set -euo pipefail

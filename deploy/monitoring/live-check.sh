@@ -16,7 +16,8 @@
 # The rules on other exporters (rocket-rides-kubernetes and rocket-rides-ha: kube-state-metrics,
 # CloudNativePG) are not checked here: those exporters do not run on this machine.
 #
-# Usage: deploy/monitoring/live-check.sh   (about a minute after the build)
+# Usage: deploy/monitoring/live-check.sh   (about a minute after the build; a debug build, in
+#   CARGO_TARGET_DIR when it is set)
 #   LIVE_CHECK_KEEP=1  keep the logs and Prometheus's data (.run/live-check) and the database
 #                      (kept on failure too); the queues of the topology prefix
 #                      monitoring-live-check stay on the broker, reused by the next run
@@ -24,8 +25,10 @@
 #                      production callers (a rider pool of LIVE_CHECK_CHARTS_RIDERS, 64 calls in
 #                      flight over one connection, no client retry; a few replays from other riders
 #                      every 10 s; three calls with a bad token at a quarter of the run, a burst of
-#                      provider errors at half) and draw the dashboard's panels from this Prometheus
-#                      into DIR as PNGs (deploy/monitoring/charts.py; deploy/monitoring/charts.sh)
+#                      provider errors at half; the events of deploy/monitoring/chart-events.sh for
+#                      the reaper, refused connections, keys needing attention and reconciliation
+#                      findings) and draw the dashboard's panels from this Prometheus into DIR as
+#                      PNGs (deploy/monitoring/charts.py; deploy/monitoring/charts.sh)
 #   LIVE_CHECK_CHARTS_SECS   the load run's length (default 900)
 #   LIVE_CHECK_CHARTS_RIDERS the rider pool (default 10000)
 #   LIVE_CHECK_PROVIDER_LATENCY_MS  fake-stripe's latency per charge (default 0)
@@ -67,7 +70,7 @@ done
 
 log "building api-server, workers, fake-stripe, mail-sink, loadgen"
 cargo build --locked --quiet --bin api-server --bin workers --bin fake-stripe --bin mail-sink --bin loadgen
-bin="$REPO_ROOT/target/debug"
+bin="${CARGO_TARGET_DIR:-$REPO_ROOT/target}/debug"
 
 PYTHON=python3
 [ -x "$REPO_ROOT/.run/venv/bin/python" ] && PYTHON="$REPO_ROOT/.run/venv/bin/python"
@@ -161,16 +164,19 @@ loadgen --requests 4 --max-attempts 1 --scenario live-check-faults >"$WORK/logs/
 log "traffic: a connection that is not HTTP/2 (refused: handshake_failed)"
 (exec 3<>"/dev/tcp/${GRPC_ADDR%:*}/${GRPC_ADDR##*:}"; printf 'GET / HTTP/1.0\r\n\r\n' >&3; cat <&3 >/dev/null) || true
 log "traffic: a call with a token nobody issued (refused: failed_auth, a token lookup)"
-bad_token_call() {
+bad_token_call() { # [more curl options]
   # A gRPC call by hand: an empty GetRideRequest in one length-prefixed frame.
   printf '\0\0\0\0\0' | curl -sS --http2-prior-knowledge -o /dev/null -H 'content-type: application/grpc' \
-    -H 'te: trailers' -H 'authorization: Bearer live-check-not-a-token' --data-binary @- \
+    -H 'te: trailers' -H 'authorization: Bearer live-check-not-a-token' --data-binary @- "$@" \
     "http://$GRPC_ADDR/rides.v1.RideService/GetRide"
 }
 bad_token_call || die "the gRPC call by curl failed"
+age_keys() { # condition: the first three keys matching it aged past the key TTL; prints how many
+  psql "$DATABASE_URL" -XAtq -c "WITH aged AS (UPDATE idempotency_keys SET created_at = now() - interval '1000 hours'
+    WHERE id IN (SELECT id FROM idempotency_keys WHERE $1 ORDER BY id LIMIT 3) RETURNING 1) SELECT count(*) FROM aged"
+}
 log "traffic: three finished keys aged past IDEMPOTENCY_KEY_TTL_HOURS for the reaper"
-psql "$DATABASE_URL" -Xq -c "UPDATE idempotency_keys SET created_at = now() - interval '1000 hours'
-  WHERE id IN (SELECT id FROM idempotency_keys WHERE recovery_point = 'finished' ORDER BY id LIMIT 3)" >/dev/null
+age_keys "recovery_point = 'finished'" >/dev/null
 
 # The workers start after the traffic: loadgen's own check counts the staged jobs its requests left,
 # which a running enqueuer would already have moved. They then drain what the traffic left.
@@ -189,6 +195,11 @@ echo "deploy/monitoring/live-check.sh: every metric and label the rules and the 
 if [ -n "${LIVE_CHECK_CHARTS:-}" ]; then
   charts_secs=${LIVE_CHECK_CHARTS_SECS:-900}
   riders=${LIVE_CHECK_CHARTS_RIDERS:-10000}
+  # Real events for the panels a healthy load leaves at zero (reaper, refused connections, keys
+  # needing attention, reconciliation findings): the first of each kind before the window.
+  # shellcheck source=deploy/monitoring/chart-events.sh
+  source deploy/monitoring/chart-events.sh
+  chart_events_before || die "the events before the charts window failed: $WORK/logs/chart-events.log"
   log "load run for the charts: $riders riders, 64 calls in flight, ${charts_secs} s (users created first)"
   # The riders are created before the window: the charts begin with the load, not the setup.
   charts_load=("$bin/loadgen" --target "http://$GRPC_ADDR" --stripe-base "http://$STRIPE_ADDR"
@@ -202,6 +213,7 @@ if [ -n "${LIVE_CHECK_CHARTS:-}" ]; then
     sleep 1
   done
   charts_start=$(date +%s)
+  chart_events
   (sleep $((charts_secs / 4)); for _ in 1 2 3; do bad_token_call || true; done) &
   pids+=($!)
   (sleep $((charts_secs / 2)); curl -fsS -X POST "http://$STRIPE_ADDR/_faults" \
