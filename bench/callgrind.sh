@@ -17,6 +17,7 @@
 #     callgrind zeroes it, and `pg_log_backend_memory_contexts()` makes each one enter
 #     ProcessLogMemoryContextInterrupt, where callgrind dumps it. The count is the sum over the
 #     api-server's backends and the WAL writer. The window opens 40 s into the load (see settle).
+# Either window opens after the load generator's own set-up (replays' seeded keys, riders).
 # It divides by the CreateRide calls the api-server answered in the window (its metrics endpoint).
 # The process under callgrind is the bottleneck, so batches are fuller than in a timed window
 # (the run's log prints the batch fill): compare two builds with this script, not with a
@@ -43,6 +44,7 @@ EOF
     chmod +x "$OUT/api-server"
     RUN_BIN="$OUT/api-server"
     PG_WINDOW=2
+    LOAD_SECS=$((WINDOW + 60))
     settle() { sleep 3; }
     zero() { callgrind_control -z "$(pgrep -f "callgrind-out-file=$PROFILE" | head -1)" >/dev/null 2>&1; }
     dump() { callgrind_control -d "$(pgrep -f "callgrind-out-file=$PROFILE" | head -1)" >/dev/null 2>&1; }
@@ -65,6 +67,9 @@ EOF
     RUN_BIN=$BIN
     # pgbench's ceiling window must outlast 32 backends starting under callgrind.
     PG_WINDOW=45
+    # ANALYZE under valgrind takes a minute or more: the load must outlast it, the settle and the
+    # window.
+    LOAD_SECS=$((WINDOW + 240))
     # The scratch database starts empty and this server does not analyze it (autovacuum off, as
     # on the shared server): a backend whose first charge record was planned on a nearly empty
     # `rides` keeps a plan that scans the whole table (the pool's plans are generic). ANALYZE
@@ -74,7 +79,7 @@ EOF
     settle() {
       sleep 10
       psql "$PG_URL/$(psql "$PG_URL/postgres" -XAtc "SELECT datname FROM pg_database WHERE datname LIKE 'bench_%'")" \
-        -XAtqc 'ANALYZE'
+        -XAtqc 'ANALYZE users, idempotency_keys, rides'
       sleep 30
     }
     zero() { psql "$PG_URL/postgres" -XAtc 'SELECT pg_reload_conf()' >/dev/null; }
@@ -106,6 +111,13 @@ measure() {
   # api-server's metrics: the window opens on a running load.
   until pgrep -f "loadgen .*--duration-secs" >/dev/null; do sleep 0.2; done
   until answered >/dev/null 2>&1; do sleep 0.5; done
+  # A scenario's own set-up (finished keys seeded for replays, riders created) is not its load.
+  local setup_done=
+  case "$SCENARIO" in
+    replay*) setup_done='^seeded [0-9]+ finished keys' ;;
+    riders*) setup_done='^created [0-9]+ riders' ;;
+  esac
+  [ -z "$setup_done" ] || until grep -qE "$setup_done" "$OUT"/run/logs/loadgen-*.log 2>/dev/null; do sleep 0.5; done
   settle
   zero
   before=$(answered)
@@ -116,7 +128,7 @@ measure() {
 }
 measure &
 watcher=$!
-PG_URL=$PG_URL API_SERVER_BIN="$RUN_BIN" DURATION=$((WINDOW + 60)) PG_DURATION=$PG_WINDOW WARMUP_SECS=0 BATCHED_GRID="" \
+PG_URL=$PG_URL API_SERVER_BIN="$RUN_BIN" DURATION=$LOAD_SECS PG_DURATION=$PG_WINDOW WARMUP_SECS=0 BATCHED_GRID="" \
   BENCH_OUT="$OUT/run" bench/run.sh "$SCENARIO" >"$OUT/run.log" 2>&1 || { kill "$watcher" 2>/dev/null; echo "bench/run.sh failed: $OUT/run.log" >&2; exit 1; }
 wait "$watcher"
 requests=$(cat "$OUT/requests")
