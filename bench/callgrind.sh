@@ -25,6 +25,10 @@
 set -euo pipefail
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO_ROOT"
+# shellcheck source=deploy/local/lib.sh
+. "$REPO_ROOT/deploy/local/lib.sh"
+# shellcheck source=bench/lib.sh
+. "$REPO_ROOT/bench/lib.sh"
 command -v valgrind >/dev/null || { echo "bench/callgrind.sh: valgrind is not installed (apt-get install valgrind)" >&2; exit 2; }
 SCENARIO=${1:-new-32}
 WINDOW=${CG_WINDOW:-25}
@@ -52,16 +56,17 @@ EOF
     until_ready() { until pgrep -f "callgrind-out-file=$PROFILE" >/dev/null; do sleep 0.5; done; }
     ;;
   postgres)
-    PG_BIN=${PG_BIN:-$(ls -d /usr/lib/postgresql/*/bin | sort -V | tail -1)}
+    PG_BIN=${PG_BIN:-$(newest_postgres_bin)}
+    PG_PORT=25432
     PGDATA_DIR="$OUT/pgdata"
     as_pg=(); [ "$(id -u)" -ne 0 ] || { as_pg=(runuser -u postgres --); chown postgres "$OUT"; }
     "${as_pg[@]}" "$PG_BIN/initdb" -D "$PGDATA_DIR" -U postgres --auth=trust -E UTF8 >"$OUT/initdb.log"
     "${as_pg[@]}" bash -c "cd '$OUT' && exec valgrind --tool=callgrind --quiet \
       --zero-before=ProcessConfigFile --dump-before=ProcessLogMemoryContextInterrupt \
-      --callgrind-out-file='$OUT/postgres.%p' '$PG_BIN/postgres' -D '$PGDATA_DIR' -p 25432 -k '$OUT' \
+      --callgrind-out-file='$OUT/postgres.%p' '$PG_BIN/postgres' -D '$PGDATA_DIR' -p $PG_PORT -k '$OUT' \
       -c listen_addresses=127.0.0.1 -c autovacuum=off -c shared_buffers=128MB -c fsync=on \
       -c max_connections=200" >"$OUT/postgres.log" 2>&1 &
-    PG_URL=postgres://postgres@127.0.0.1:25432
+    PG_URL=postgres://postgres@127.0.0.1:$PG_PORT
     trap '"${as_pg[@]}" "$PG_BIN/pg_ctl" -D "$PGDATA_DIR" stop -m fast >/dev/null 2>&1 || true' EXIT
     until psql "$PG_URL/postgres" -XAtc 'SELECT 1' >/dev/null 2>&1; do sleep 1; done
     RUN_BIN=$BIN
@@ -88,7 +93,7 @@ EOF
     # checkpoint or a background write falls in the window is luck, not the statements' form.
     dump() {
       local ports
-      ports=$(ss -Htnp "dport = :25432" | awk '/"api-server"/ { sub(/.*:/, "", $4); print $4 }' | paste -sd, -)
+      ports=$(ss -Htnp "dport = :$PG_PORT" | awk '/"api-server"/ { sub(/.*:/, "", $4); print $4 }' | paste -sd, -)
       psql "$PG_URL/postgres" -XAtc "SELECT count(pg_log_backend_memory_contexts(pid)) FROM pg_stat_activity
         WHERE backend_type = 'walwriter' OR client_port IN (${ports:-0})" >"$OUT/dumped-processes"
       sleep 5 # each process dumps when it next checks for interrupts
@@ -99,10 +104,10 @@ EOF
   *) echo "bench/callgrind.sh: CG_TARGET is api-server or postgres, not $TARGET" >&2; exit 2 ;;
 esac
 
-# CreateRide calls answered, from the api-server's own metrics endpoint (bench/run.sh's
-# API_METRICS_ADDR): fresh keys and replays alike.
+# CreateRide calls answered, from the api-server's own metrics endpoint (API_METRICS_ADDR,
+# bench/lib.sh): fresh keys and replays alike.
 answered() {
-  curl -fsS http://127.0.0.1:25153/metrics | awk '/^rpc_server_call_duration_seconds_count/ { n += $NF } END { print n + 0 }'
+  curl -fsS "http://$API_METRICS_ADDR/metrics" | awk '/^rpc_server_call_duration_seconds_count/ { n += $NF } END { print n + 0 }'
 }
 measure() {
   local before after
@@ -135,5 +140,6 @@ requests=$(cat "$OUT/requests")
 [ "$requests" -gt 0 ] || { echo "bench/callgrind.sh: no call was answered in the window" >&2; exit 1; }
 # The sum of every function's own cost in each dump (the `summary:` line of a forked PostgreSQL
 # process can still carry its parent's cost from before the fork).
-read -r processes instructions < <(python3 bench/callgrind_sum.py $(dumps))
+mapfile -t profiles < <(dumps)
+read -r processes instructions < <(python3 bench/callgrind_sum.py "${profiles[@]}")
 echo "$SCENARIO $TARGET ($BIN): $instructions instructions in $processes processes for $requests calls = $((instructions / requests)) per request (profiles: $OUT)"

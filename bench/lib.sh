@@ -21,6 +21,11 @@ LIFTED_ENV=(
   GRPC_REFUSALS_PER_IP_PER_SEC=1000000 MAX_CONCURRENT_TOKEN_LOOKUPS=1000000
 )
 
+# bench/run.sh's api-server metrics endpoint, read by loadgen at each end of a measured window for
+# the batch fill per statement (the workers keep theirs off) and by bench/callgrind.sh for the
+# calls answered in its window. bench/soak.sh sets its own.
+API_METRICS_ADDR=127.0.0.1:25153
+
 declare -A PIDS=()
 start() { # name command...
   local name=$1; shift

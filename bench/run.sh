@@ -67,9 +67,6 @@ STRIPE_ADDR=127.0.0.1:12211
 SMTP_ADDR=${BENCH_SMTP_ADDR:-127.0.0.1:2625}
 export AMQP_TOPOLOGY_PREFIX="bench-$RUN_ID"
 export METRICS_LISTEN_ADDR=off
-# The api-server's own metrics endpoint, read by loadgen at each end of a measured window for the
-# batch fill per statement (the workers keep theirs off).
-API_METRICS_ADDR=127.0.0.1:25153
 export RUST_LOG=${RUST_LOG:-warn}
 export STRIPE_SECRET_KEY=sk_test_rocket_rides_development
 export STRIPE_API_BASE="http://$STRIPE_ADDR"

@@ -85,7 +85,7 @@ BIN="$REPO_ROOT/target/$SOAK_PROFILE"
 
 DB="soak_${RUN_ID}"
 PG_URL=${PG_URL:-postgres://postgres@127.0.0.1:5432}
-PG_BIN=${PG_BIN:-$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n1)}
+PG_BIN=${PG_BIN:-$(newest_postgres_bin)}
 PG_DIR="$OUT/pg"
 private_pg=
 as_pg=()

@@ -81,7 +81,7 @@ start_etcd() {
 
 patroni_config() { # index
   local i=$1 dir="$HA_DIR/pg$1" bin
-  bin=$(ls -d /usr/lib/postgresql/*/bin | sort -V | tail -n1)
+  bin=$(newest_postgres_bin)
   # primary_start_timeout 0: a crashed primary is failed over at once rather than restarted in
   # place, which is what a dead machine would force anyway. ttl ≥ loop_wait + 2 × retry_timeout.
   cat >"$dir/patroni.yml" <<EOF

@@ -17,6 +17,9 @@ as_root() {
 
 port_open() { (exec 3<>"/dev/tcp/$1/$2") 2>/dev/null; }
 
+# The newest installed PostgreSQL server's binaries (Debian's /usr/lib/postgresql/<major>/bin).
+newest_postgres_bin() { ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n1; }
+
 wait_for_port() { # host port what seconds
   local deadline=$((SECONDS + ${4:-60}))
   until port_open "$1" "$2"; do
