@@ -162,9 +162,7 @@ curl -fsS -X POST "http://$STRIPE_ADDR/_faults" -H 'content-type: application/js
 # These requests fail by design (one attempt each): the loadgen's own verdict is not the point.
 loadgen --requests 4 --max-attempts 1 --scenario live-check-faults >"$WORK/logs/loadgen-faults.log" 2>&1 || true
 log "traffic: a connection that is not HTTP/2 (refused: preface_timeout, after GRPC_PREFACE_TIMEOUT_MS)"
-# Shorter than HTTP/2's 24-byte preface, so the server waits out its preface timeout (10 s). The
-# wait matters: without it the check failed, every rate panel NaN: Prometheus needs samples of the
-# api-server's counters before the workers start, so that the completer's calls show as an increase.
+# Shorter than HTTP/2's 24-byte preface, so the server waits out its preface timeout (10 s).
 (exec 3<>"/dev/tcp/${GRPC_ADDR%:*}/${GRPC_ADDR##*:}"; printf 'GET / HTTP/1.0\r\n\r\n' >&3; cat <&3 >/dev/null) || true
 log "traffic: a call with a token nobody issued (refused: failed_auth, a token lookup)"
 bad_token_call() { # [more curl options]
@@ -180,6 +178,21 @@ age_keys() { # condition: the first three keys matching it aged past the key TTL
 }
 log "traffic: three finished keys aged past IDEMPOTENCY_KEY_TTL_HOURS for the reaper"
 age_keys "recovery_point = 'finished'" >/dev/null
+
+# The completer's calls must show as an increase of the api-server's counters, so Prometheus needs a
+# sample of them from before the workers start (without one every rate panel was NaN): wait for a
+# scrape of the api-server after the traffic above.
+traffic_end=$(date +%s)
+scraped_since() { # unix time: has Prometheus sampled the api-server's call counter since then?
+  curl -fsS -G "http://$PROM_ADDR/api/v1/query" --data-urlencode \
+    "query=max(timestamp(rpc_server_call_duration_seconds_count{job=\"api-server\"})) >= $1" |
+    "$PYTHON" -c 'import json, sys; sys.exit(0 if json.load(sys.stdin)["data"]["result"] else 1)'
+}
+log "waiting for Prometheus to scrape the api-server after the traffic"
+until scraped_since "$traffic_end"; do
+  [ "$(date +%s)" -lt $((traffic_end + 60)) ] || die "Prometheus did not scrape the api-server within 60 s"
+  sleep 1
+done
 
 # The workers start after the traffic: loadgen's own check counts the staged jobs its requests left,
 # which a running enqueuer would already have moved. They then drain what the traffic left.
