@@ -15,7 +15,7 @@
 #
 # Usage: deploy/monitoring/render-prometheusrule.sh [--check]
 # The rendering functions run through emit's "$@", which shellcheck does not follow.
-# shellcheck disable=SC2317
+# shellcheck disable=SC2317,SC2329
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
