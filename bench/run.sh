@@ -7,14 +7,15 @@
 #
 #   bench/run.sh [all | riders | riders-closed | retry-wait | new | replay | latency | receipts | enqueuer | batched-ceiling | new-1 | new-8 | new-32 | new-64 ...]
 #
-# The headline (issue 28) is `riders`: a rider-facing backend at the api-server's production
-# defaults (no limit lifted), RIDERS riders (default 10,000) created cold on a freshly started
+# The headline (README, issue 47) is `riders-closed`: the callers' shape below against a 0 ms
+# provider, a closed loop judged against the batched ceiling. Issue 28's pair is `riders`: a
+# rider-facing backend at the api-server's production defaults (no limit lifted), RIDERS riders (default 10,000) created cold on a freshly started
 # api-server, each request taking a random one, 64 in flight over one connection from one
 # address, fake provider latency 250 ms, no client retry (--max-attempts 1); then, back to back,
 # the same on an api-server with every defence lifted (riders-64-lifted, bench/lib.sh's
 # LIFTED_ENV). The table's last lines divide the first by the second (goal: throughput >= 0.9,
-# p99 <= 1.5x, no request failed). Every other scenario is a closed loop on a few users, far
-# above the per-user limits, which are lifted for them.
+# p99 <= 1.5x, no request failed). The other scenarios but retry-wait are closed loops on a few
+# users, far above the per-user limits, which are lifted for them.
 #
 # Environment: DURATION (s per loadgen run, default 15), RIDERS (the riders scenario's pool,
 # default 10000), PG_DURATION (s per pgbench run, default
@@ -295,7 +296,7 @@ if wants replay-32; then
     --replay-ratio 1 --seed-keys-per-client 50
 fi
 
-# The headline (issue 28): the rider pool at the production defaults, then the same with every
+# Issue 28's pair: the rider pool at the production defaults, then the same with every
 # defence lifted, back to back, ROUNDS times. Each run starts a fresh api-server (every token
 # cold) and loadgen creates fresh riders. The pool is the default size (16).
 if wants riders; then

@@ -161,9 +161,10 @@ curl -fsS -X POST "http://$STRIPE_ADDR/_faults" -H 'content-type: application/js
   -d '{"mode": "error_500", "count": 4}' >/dev/null
 # These requests fail by design (one attempt each): the loadgen's own verdict is not the point.
 loadgen --requests 4 --max-attempts 1 --scenario live-check-faults >"$WORK/logs/loadgen-faults.log" 2>&1 || true
-log "traffic: a connection that is not HTTP/2 (refused: preface_timeout, after GRPC_PREFACE_TIMEOUT_MS)"
-# Shorter than HTTP/2's 24-byte preface, so the server waits out its preface timeout (10 s).
-(exec 3<>"/dev/tcp/${GRPC_ADDR%:*}/${GRPC_ADDR##*:}"; printf 'GET / HTTP/1.0\r\n\r\n' >&3; cat <&3 >/dev/null) || true
+log "traffic: a connection that is not HTTP/2 (refused: handshake_failed)"
+# Longer than HTTP/2's 24-byte preface, so that the server reads a wrong preface at once (a shorter
+# opening would wait out GRPC_PREFACE_TIMEOUT_MS and count as preface_timeout instead).
+(exec 3<>"/dev/tcp/${GRPC_ADDR%:*}/${GRPC_ADDR##*:}"; printf 'GET / HTTP/1.1\r\nHost: live-check\r\n\r\n' >&3; cat <&3 >/dev/null) || true
 log "traffic: a call with a token nobody issued (refused: failed_auth, a token lookup)"
 bad_token_call() { # [more curl options]
   # A gRPC call by hand: an empty GetRideRequest in one length-prefixed frame.
