@@ -5,7 +5,7 @@
 # runs the pgbench ceiling and the load generator per scenario, prints the table and writes it to
 # a file, then kills its processes, drops its database and deletes its RabbitMQ queues.
 #
-#   bench/run.sh [all | riders | riders-closed | retry-wait | new | replay | latency | receipts | enqueuer | batched-ceiling | new-1 | new-8 | new-32 | new-64 ...]
+#   bench/run.sh [all | riders | riders-closed | riders-replay | retry-wait | new | replay | latency | receipts | enqueuer | batched-ceiling | new-1 | new-8 | new-32 | new-64 ...]
 #
 # The headline (README, issue 47) is `riders-closed`: the callers' shape below against a 0 ms
 # provider, a closed loop judged against the batched ceiling. Issue 28's pair is `riders`: a
@@ -14,8 +14,11 @@
 # address, fake provider latency 250 ms, no client retry (--max-attempts 1); then, back to back,
 # the same on an api-server with every defence lifted (riders-64-lifted, bench/lib.sh's
 # LIFTED_ENV). The table's last lines divide the first by the second (goal: throughput >= 0.9,
-# p99 <= 1.5x, no request failed). The other scenarios but retry-wait are closed loops on a few
-# users, far above the per-user limits, which are lifted for them.
+# p99 <= 1.5x, no request failed). `riders-replay` is replays at the production defaults from the
+# same callers' shape, each replay as the rider that made its key (the seeding, on the same
+# api-server, made every rider a key and warmed its token); its ceiling is replay_reads.sql at 64
+# clients. The other scenarios but retry-wait are closed loops on a few users, far above the
+# per-user limits, which are lifted for them.
 #
 # Environment: DURATION (s per loadgen run, default 15), RIDERS (the riders scenario's pool,
 # default 10000), PG_DURATION (s per pgbench run, default
@@ -322,6 +325,19 @@ if wants riders-closed; then
   start_stack 0 16 defaults
   measure riders-closed bench/pgbench/create_ride.sql 64 --riders "$RIDERS" --clients 64 \
     --connections 1 --max-attempts 1 --duration-secs "$DURATION"
+  start_stack 0 16
+fi
+
+# Replays at the production defaults from callers of the riders' shape (also run by `bench/run.sh
+# riders`): the same pool and connection as riders-closed, every request a replay of a finished
+# key as the rider that made it. The seeding gives each rider at least one key (ceil(RIDERS / 64)
+# keys per client, riders round-robin), so it also warms every token on this api-server before the
+# clock starts. Measured like replay-32: against replay_reads.sql, here at 64 clients.
+if wants riders-replay; then
+  start_stack 0 16 defaults
+  measure riders-replay bench/pgbench/replay_reads.sql 64 --riders "$RIDERS" --clients 64 \
+    --connections 1 --max-attempts 1 --duration-secs "$DURATION" \
+    --replay-ratio 1 --seed-keys-per-client $(((RIDERS + 63) / 64))
   start_stack 0 16
 fi
 

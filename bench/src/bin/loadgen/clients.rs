@@ -226,8 +226,16 @@ pub(crate) async fn connect(args: &Args) -> anyhow::Result<Vec<Channel>> {
     Ok(channels)
 }
 
+/// A finished key, and the rider that made it (`None`: the client's own user). A replay calls
+/// as that rider: under another user the same key would be a new one, and make a new ride.
+#[derive(Clone)]
+pub(crate) struct RiderKey {
+    rider: Option<Arc<BenchUser>>,
+    key: String,
+}
+
 /// What one client made before the measured run: its counts and its finished keys.
-pub(crate) type Seeded = (ClientStats, Vec<String>);
+pub(crate) type Seeded = (ClientStats, Vec<RiderKey>);
 
 /// Seeding: finished keys to replay (`--seed-keys-per-client`), made before the clock starts.
 pub(crate) async fn seed(
@@ -249,23 +257,30 @@ pub(crate) async fn seed(
         remaining: None,
         windows: None,
     });
+    let started = Instant::now();
     let mut tasks = Vec::new();
     for client in 0..args.clients {
-        let shared = Arc::clone(&shared);
-        let user = Arc::clone(&users[client as usize % users.len()]);
-        let rpc = rides_client(
-            &channels[client as usize % channels.len()],
-            &user,
+        let channel = channels[client as usize % channels.len()].clone();
+        let own = rides_client(
+            &channel,
+            &users[client as usize % users.len()],
             &shared.policy,
         );
-        let seeds = args.seed_keys_per_client;
+        let riders: Vec<Option<Arc<BenchUser>>> = (0..args.seed_keys_per_client)
+            .map(|n| seed_rider(args, users, client, n))
+            .collect();
+        let shared = Arc::clone(&shared);
         tasks.push(tokio::spawn(async move {
             let mut stats = ClientStats::default();
             let mut finished = Vec::new();
-            for n in 0..seeds {
+            for (n, rider) in riders.into_iter().enumerate() {
                 let key = format!("bench-{}-seed-{client:05}-{n:09}", shared.run_id);
+                let rpc = match &rider {
+                    Some(rider) => rides_client(&channel, rider, &shared.policy),
+                    None => own.clone(),
+                };
                 if let Final::Ok { .. } = request(&shared, &rpc, &key, &mut stats, false).await {
-                    finished.push(key);
+                    finished.push(RiderKey { rider, key });
                 }
             }
             (stats, finished)
@@ -275,10 +290,26 @@ pub(crate) async fn seed(
         seeded.push(task.await?);
     }
     eprintln!(
-        "seeded {} finished keys",
-        seeded.iter().map(|(_, keys)| keys.len()).sum::<usize>()
+        "seeded {} finished keys in {:.1} s",
+        seeded.iter().map(|(_, keys)| keys.len()).sum::<usize>(),
+        started.elapsed().as_secs_f64()
     );
     Ok(seeded)
+}
+
+/// The rider a seeding client's `n`-th key is made as, with `--riders`: riders taken
+/// round-robin so that the clients together cover the pool evenly (client c, key n: rider
+/// (n × clients + c) mod riders). `None` without `--riders` (the client's own user).
+fn seed_rider(
+    args: &Args,
+    users: &[Arc<BenchUser>],
+    client: u32,
+    n: u32,
+) -> Option<Arc<BenchUser>> {
+    args.riders?;
+    let index = (u64::from(n) * u64::from(args.clients) + u64::from(client))
+        .checked_rem(u64::try_from(users.len()).ok()?)?;
+    users.get(usize::try_from(index).ok()?).cloned()
 }
 
 /// The measured run: every client's closed loop until the deadline or the request budget; the
@@ -320,14 +351,15 @@ pub(crate) async fn run(
 }
 
 /// One client: a closed loop of logical requests, new keys or (`--replay-ratio`) replays of its
-/// own finished ones, as its user or as a random rider of the pool.
+/// own finished ones, as its user or as a rider of the pool: a random one for a new key, the one
+/// that made it for a replay.
 struct ClientLoop {
     client: u32,
     shared: Arc<Shared>,
     rpc: RidesClient,
     channel: Channel,
     rider_pool: Option<Arc<Vec<Arc<BenchUser>>>>,
-    finished: Vec<String>,
+    finished: Vec<RiderKey>,
 }
 
 impl ClientLoop {
@@ -335,44 +367,107 @@ impl ClientLoop {
         let shared = Arc::clone(&self.shared);
         let mut stats = ClientStats::default();
         let mut n: u64 = 0;
-        loop {
-            if let Some(deadline) = shared.deadline
-                && Instant::now() >= deadline
-            {
-                break;
-            }
-            if let Some(remaining) = &shared.remaining
-                && remaining
-                    .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |r| r.checked_sub(1))
-                    .is_err()
-            {
-                break;
-            }
+        while goes_on(&shared) {
             let replay = !self.finished.is_empty()
                 && shared.replay_ratio > 0.0
                 && rand::rng().random::<f64>() < shared.replay_ratio;
-            let key = if replay {
+            let call = if replay {
                 self.finished[rand::rng().random_range(0..self.finished.len())].clone()
             } else {
                 n += 1;
-                format!("bench-{}-c{:05}-{n:012}", shared.run_id, self.client)
+                self.fresh(n)
             };
-            let outcome = match &self.rider_pool {
-                Some(riders) => {
-                    let rider = &riders[rand::rng().random_range(0..riders.len())];
-                    let rpc = rides_client(&self.channel, rider, &shared.policy);
-                    request(&shared, &rpc, &key, &mut stats, replay).await
-                }
-                None => request(&shared, &self.rpc, &key, &mut stats, replay).await,
-            };
+            let outcome = self.call(&call, &mut stats, replay).await;
             if !replay
                 && shared.replay_ratio > 0.0
                 && matches!(outcome, Final::Ok { .. })
                 && self.finished.len() < 100_000
             {
-                self.finished.push(key);
+                self.finished.push(call);
             }
         }
         stats
+    }
+
+    /// The `n`-th new key, as a random rider of the pool (`--riders`) or as the client's user.
+    fn fresh(&self, n: u64) -> RiderKey {
+        let rider = self
+            .rider_pool
+            .as_ref()
+            .map(|riders| Arc::clone(&riders[rand::rng().random_range(0..riders.len())]));
+        RiderKey {
+            rider,
+            key: format!("bench-{}-c{:05}-{n:012}", self.shared.run_id, self.client),
+        }
+    }
+
+    /// One logical request with `call`'s key, as its rider (or the client's own user).
+    async fn call(&self, call: &RiderKey, stats: &mut ClientStats, replay: bool) -> Final {
+        let shared = &self.shared;
+        match &call.rider {
+            Some(rider) => {
+                let rpc = rides_client(&self.channel, rider, &shared.policy);
+                request(shared, &rpc, &call.key, stats, replay).await
+            }
+            None => request(shared, &self.rpc, &call.key, stats, replay).await,
+        }
+    }
+}
+
+/// Whether the measured run goes on: before its deadline, and (`--requests`) one more request
+/// taken from the budget.
+fn goes_on(shared: &Shared) -> bool {
+    if let Some(deadline) = shared.deadline
+        && Instant::now() >= deadline
+    {
+        return false;
+    }
+    match &shared.remaining {
+        Some(remaining) => remaining
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |r| r.checked_sub(1))
+            .is_ok(),
+        None => true,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    fn users(n: i64) -> Vec<Arc<BenchUser>> {
+        (0..n)
+            .map(|id| {
+                Arc::new(BenchUser {
+                    id,
+                    token: format!("token-{id}"),
+                    customer: format!("cus_{id}"),
+                })
+            })
+            .collect()
+    }
+
+    #[test]
+    fn seeding_spreads_the_keys_over_every_rider_evenly() {
+        let args = Args::parse_from([
+            "loadgen",
+            "--database-url=x",
+            "--clients=64",
+            "--riders=2000",
+        ]);
+        let users = users(2000);
+        let mut keys_per_rider = vec![0_u32; users.len()];
+        for client in 0..64 {
+            for n in 0..2000_u32.div_ceil(64) {
+                let rider = seed_rider(&args, &users, client, n).expect("a rider");
+                keys_per_rider[usize::try_from(rider.id).expect("an index")] += 1;
+            }
+        }
+        // 64 x 32 = 2048 keys over 2000 riders: every rider one, 48 of them two.
+        assert_eq!(keys_per_rider.iter().min(), Some(&1));
+        assert_eq!(keys_per_rider.iter().max(), Some(&2));
+        let own = Args::parse_from(["loadgen", "--database-url=x", "--clients=64"]);
+        assert!(seed_rider(&own, &users, 3, 7).is_none());
     }
 }

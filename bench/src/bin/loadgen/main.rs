@@ -13,10 +13,11 @@
 //! with the defaults, expect `RESOURCE_EXHAUSTED` answers.
 //!
 //! With `--riders N` the clients are instead a rider-facing backend: N users are created (their
-//! tokens cold on a freshly started api-server, which has never seen them) and each request
-//! takes a random one of them, so each rider calls rarely, as real riders do. That is the shape
-//! the api-server's defaults are meant to serve, and `bench/run.sh` measures it at
-//! the defaults.
+//! tokens cold on a freshly started api-server, which has never seen them) and each request with
+//! a fresh key takes a random one of them, so each rider calls rarely, as real riders do. A replay
+//! calls as the rider that made its key (the seeded keys are spread over the pool round-robin).
+//! That is the shape the api-server's defaults are meant to serve, and `bench/run.sh` measures it
+//! at the defaults.
 //!
 //! While the load runs it samples the scratch database's `pg_stat_activity` (what the server's
 //! connections wait on), the api-server's VmRSS, and the CPU time of the processes involved; over
