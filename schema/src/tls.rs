@@ -154,7 +154,13 @@ async fn open(url: &str) -> ConnectionResult<AsyncPgConnection> {
 
 /// The boxed form [`diesel_async::pooled_connection::ManagerConfig::custom_setup`] takes.
 pub(crate) fn connect_boxed(url: &str) -> BoxFuture<'_, ConnectionResult<AsyncPgConnection>> {
-    Box::pin(connect(url))
+    // Connected on the I/O thread, so that the connection's task is spawned there.
+    let url = url.to_owned();
+    Box::pin(async move {
+        crate::io_thread::spawn(async move { connect(&url).await })
+            .await
+            .map_err(|error| ConnectionError::BadConnection(error.to_string()))?
+    })
 }
 
 /// Replaces the database name in a `postgres://…/name?options` URL, keeping every host of a

@@ -12,10 +12,13 @@
 //! How it works, top to bottom:
 //! 1. [`Batcher::run`] sends the request's item down an unbounded `mpsc` channel with a
 //!    `oneshot` for its [`Verdict`], and waits for the verdict.
-//! 2. `in_flight` runner tasks share the channel's receiver behind a `tokio::sync::Mutex`. An
-//!    idle runner holds the mutex and waits in `recv_many`, which takes everything queued (up to
-//!    `max_size`) as soon as there is one request; it then lets go of the mutex so that the next
-//!    idle runner waits for the next batch, and runs its batch.
+//! 2. `in_flight` runner tasks share the channel's receiver behind a `tokio::sync::Mutex`. They
+//!    run on the database I/O thread ([`schema::io_thread`]) with the connections' own tasks, so
+//!    that a batch's answer is read, decoded and handed out as soon as it arrives instead of
+//!    waiting behind the gRPC tasks of the main runtime. An idle runner holds the mutex and waits
+//!    in `recv_many`, which takes everything queued (up to `max_size`) as soon as there is one
+//!    request; it then lets go of the mutex so that the next idle runner waits for the next
+//!    batch, and runs its batch.
 //! 3. So batching never adds a wait: a request that arrives while a runner is idle is sent at
 //!    once, alone if need be. Requests queue only while every runner is busy, and the next free
 //!    runner takes them all.
@@ -135,7 +138,7 @@ enum Verdict<I, T> {
 }
 
 impl<S: BatchStatement> Batcher<S> {
-    /// A batcher with its runners started (on the current tokio runtime).
+    /// A batcher with its runners started (on the database I/O thread).
     pub fn new(statement: S, pool: Pool, policy: ConflictRetry, batching: Batching) -> Self {
         let shared = Arc::new(Shared {
             statement,
@@ -149,7 +152,8 @@ impl<S: BatchStatement> Batcher<S> {
         if shared.max_size > 1 {
             let receiver = Arc::new(Mutex::new(receiver));
             for _ in 0..batching.in_flight.max(1) {
-                tokio::spawn(run_batches(Arc::clone(&shared), Arc::clone(&receiver)));
+                let runner = run_batches(Arc::clone(&shared), Arc::clone(&receiver));
+                drop(schema::io_thread::spawn(runner));
             }
         }
         Batcher { shared, queue }
