@@ -1,4 +1,5 @@
-//! The thread every database connection's I/O runs on.
+//! The thread every pooled database connection's I/O runs on (a connection opened alone with
+//! [`crate::connect`], such as this process's liveness session, stays on its caller's runtime).
 //!
 //! The api-server's batch statements are what every request waits for: one batch of each kind is
 //! in flight at a time (`api_server::idempotency::batch`), and the requests that arrive meanwhile

@@ -12,7 +12,7 @@
 //! - [`models`]: a read struct and an insert struct per table.
 //! - [`RecoveryPoint`]: the closed set of phases a key moves through, stored as TEXT.
 //! - [`FindingKind`]: the closed set of mismatches the reconciler records, stored as TEXT.
-//! - [`io_thread`]: the thread every connection's I/O runs on, and the batch runners with it.
+//! - [`io_thread`]: the thread every pooled connection's I/O runs on, and the batch runners with it.
 //! - [`pool`]: the bb8 pool of diesel-async connections (pure Rust, no libpq).
 //! - [`prepared`]: hand-written SQL (data-modifying CTEs) that is still prepared once per connection.
 //! - [`store`]: [`StoreError`](store::StoreError), what every statement fails with, and the one
