@@ -20,7 +20,7 @@
 # clients. The other scenarios but retry-wait are closed loops on a few users, far above the
 # per-user limits, which are lifted for them.
 #
-# Environment: DURATION (s per loadgen run, default 15), RIDERS (the riders scenario's pool,
+# Environment: DURATION (s per loadgen run, default 15), RIDERS (the pool of the riders-* scenarios,
 # default 10000), PG_DURATION (s per pgbench run, default
 # 15), ENQUEUER_JOBS (default 100000), RECEIPT_JOBS (receipts mailed in the receipts scenario,
 # default 5000), PG_URL (server, default postgres://postgres@127.0.0.1:5432),

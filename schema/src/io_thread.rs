@@ -41,7 +41,9 @@ fn handle() -> Option<&'static Handle> {
     IO_THREAD.get_or_init(start).as_ref()
 }
 
-/// Starts the thread and its runtime, and returns the runtime's handle.
+/// Starts the thread and its runtime, and returns the runtime's handle. The runtime is built on
+/// its own thread and only its handle comes back: a runtime dropped on the caller's (if the
+/// thread could not start) would panic inside an async context.
 fn start() -> Option<Handle> {
     let (handle_sender, handle_receiver) = std::sync::mpsc::channel();
     let started = std::thread::Builder::new()
@@ -66,4 +68,17 @@ fn start() -> Option<Handle> {
         return None;
     }
     handle_receiver.recv().ok().flatten()
+}
+
+#[cfg(test)]
+mod tests {
+    /// A current-thread runtime, as `#[tokio::test]` and a small process would have: the work
+    /// still runs on the database I/O thread, not on the caller's.
+    #[tokio::test]
+    async fn spawned_work_runs_on_the_database_io_thread() {
+        let name = super::spawn(async { std::thread::current().name().map(str::to_owned) })
+            .await
+            .expect("the task ran to its end");
+        assert_eq!(name.as_deref(), Some("database-io"));
+    }
 }
