@@ -9,6 +9,9 @@
 # Build A from the commit before with its own target dir, e.g.
 #   git worktree add --detach ../before <rev> && (cd ../before && \
 #     CARGO_TARGET_DIR=../target-before cargo build --release -p api-server)
+# A_ENV and B_ENV (space-separated NAME=value pairs, default empty) set bench/run.sh variables for
+# one side only, so one build can be compared with itself under two settings, e.g.
+#   A_BIN=target/release/api-server A_ENV=API_RUNTIME_THREADS=1 bench/ab.sh riders-closed
 # Every other bench/run.sh variable applies (DURATION, RIDERS, ...); the batched-ceiling grid is
 # skipped unless BATCHED_GRID is set, as a ratio between two builds needs no ceiling.
 set -euo pipefail
@@ -22,10 +25,11 @@ OUT=${AB_OUT:-$REPO_ROOT/target/bench/ab-$(date +%Y%m%d%H%M%S)}
 mkdir -p "$OUT"
 for ((pair = 1; pair <= PAIRS; pair++)); do
   for side in A B; do
-    bin=$A_BIN
-    [ "$side" = A ] || bin=$B_BIN
-    echo "== pair $pair, side $side ($bin)"
-    API_SERVER_BIN=$bin BENCH_OUT="$OUT/$side-$pair" bench/run.sh "$@" >"$OUT/$side-$pair.log" 2>&1 ||
+    bin=$A_BIN side_env=${A_ENV-}
+    [ "$side" = A ] || { bin=$B_BIN; side_env=${B_ENV-}; }
+    echo "== pair $pair, side $side ($bin${side_env:+, $side_env})"
+    # shellcheck disable=SC2086 # side_env is a list of NAME=value words
+    env $side_env API_SERVER_BIN="$bin" BENCH_OUT="$OUT/$side-$pair" bench/run.sh "$@" >"$OUT/$side-$pair.log" 2>&1 ||
       echo "   bench/run.sh failed: see $OUT/$side-$pair.log"
   done
 done

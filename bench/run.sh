@@ -25,8 +25,10 @@
 # 15), ENQUEUER_JOBS (default 100000), RECEIPT_JOBS (receipts mailed in the receipts scenario,
 # default 5000), PG_URL (server, default postgres://postgres@127.0.0.1:5432),
 # AMQP_URL (default amqp://guest:guest@127.0.0.1:5672/%2f), RUNTIME_THREADS (tokio worker threads of
-# the api-server and of loadgen, default 1: on 2 cores shared with PostgreSQL a second thread
-# per process mostly adds wake-ups and steals), BENCH_SMTP_ADDR (the mail sink, default
+# loadgen and fake-stripe, the bench's own processes, default 1: on 2 cores shared with PostgreSQL
+# a second thread per client process mostly adds wake-ups and steals), API_RUNTIME_THREADS (the
+# api-server's tokio worker threads; default empty: the api-server's own default, one per CPU,
+# since the bench measures the defaults), BENCH_SMTP_ADDR (the mail sink, default
 # 127.0.0.1:2625), BENCH_OUT (output directory, default
 # target/bench/<run id>), PERF=1 (profile the api-server during new-32, new-64, replay-32 and
 # latency250-500 with perf, cpu-clock), ROUNDS (service windows per scenario, default 1; with n > 1 each scenario runs
@@ -54,6 +56,7 @@ PG_DURATION=${PG_DURATION:-15}
 ENQUEUER_JOBS=${ENQUEUER_JOBS:-100000}
 RECEIPT_JOBS=${RECEIPT_JOBS:-5000}
 RUNTIME_THREADS=${RUNTIME_THREADS:-1}
+API_RUNTIME_THREADS=${API_RUNTIME_THREADS-}
 ROUNDS=${ROUNDS:-1}
 BATCHED_GRID=${BATCHED_GRID-2x16 2x32 2x64 4x16 4x32 4x64}
 WARMUP_SECS=${WARMUP_SECS:-10}
@@ -164,8 +167,11 @@ start_stack() { # provider latency ms, pool size, [closed-loop (default) | defau
   TOKIO_WORKER_THREADS=$RUNTIME_THREADS start fake-stripe "$BIN/fake-stripe" --listen "$STRIPE_ADDR" --latency-ms "$1"
   wait_for_port "$STRIPE_ADDR" fake-stripe
   # env execs the api-server: its pid stays the one --server-pid and perf watch.
-  METRICS_LISTEN_ADDR=$API_METRICS_ADDR DATABASE_POOL_SIZE=$2 TOKIO_WORKER_THREADS=$RUNTIME_THREADS \
-    start api-server env ${limits[@]+"${limits[@]}"} "$API_SERVER_BIN" serve
+  # TOKIO_WORKER_THREADS is left unset unless API_RUNTIME_THREADS asks: the api-server's default.
+  local threads=()
+  [ -z "$API_RUNTIME_THREADS" ] || threads=(TOKIO_WORKER_THREADS="$API_RUNTIME_THREADS")
+  METRICS_LISTEN_ADDR=$API_METRICS_ADDR DATABASE_POOL_SIZE=$2 \
+    start api-server env -u TOKIO_WORKER_THREADS ${threads[@]+"${threads[@]}"} ${limits[@]+"${limits[@]}"} "$API_SERVER_BIN" serve
   wait_for_port "$GRPC_ADDR" api-server
   STACK_LATENCY=$1
 }
