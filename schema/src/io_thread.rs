@@ -12,7 +12,8 @@
 //! out as soon as it arrives (0.6–1.0 ms in the same measurement), and the requests it wakes run
 //! on the main runtime as before. Fresh rides at the production defaults gained 5–15 %; replays
 //! behind the same callers lost 7–10 %, their batches smaller now that each cycle is shorter
-//! (run 29's A/B).
+//! (run 29's A/B, with the api-server pinned to one runtime thread; one pair at its default two
+//! gave replays +10 %).
 //!
 //! The runtime is one per process, started on first use and never stopped (it ends with the
 //! process). If its thread cannot be started, everything runs on the caller's runtime, as it did
