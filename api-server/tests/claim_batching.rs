@@ -44,7 +44,6 @@ fn first_ride(params: RideParams) -> FirstRide {
         target_lon: params.target_lon,
         amount: 1234,
         currency: "usd".to_owned(),
-        audit_data: serde_json::json!({"from": "claim_batching"}),
         origin_ip: "192.0.2.7/32".parse().unwrap(),
         deployment_id: "test".to_owned(),
     }
@@ -251,6 +250,7 @@ async fn assert_new_keys_have_their_rides(
     let new_rides: Vec<_> = rides.iter().filter(|r| r.user_id == bob.id).collect();
     assert_eq!(rides.len(), rides_before + 8);
     assert_eq!(new_rides.len(), 8);
+    let audits = app.audit_records().await;
     for (_, key, _, kind) in claims {
         if !matches!(*kind, "new" | "shared") {
             continue;
@@ -263,16 +263,14 @@ async fn assert_new_keys_have_their_rides(
             .expect("the key's ride");
         assert_eq!((ride.amount, ride.currency.as_str()), (1234, "usd"));
         assert!(ride.stripe_charge_id.is_none());
-    }
-    let audits = app.audit_records().await;
-    let claim_audits: Vec<_> = audits
-        .iter()
-        .filter(|a| a.data == serde_json::json!({"from": "claim_batching"}))
-        .collect();
-    assert_eq!(claim_audits.len(), 8);
-    for audit in claim_audits {
-        assert_eq!(audit.action, "ride.created");
-        assert!(new_rides.iter().any(|r| r.id == audit.resource_id));
+        // The audit record's data is the request's parameters as the key stores them.
+        let audit: Vec<_> = audits
+            .iter()
+            .filter(|a| a.resource_type == "ride" && a.resource_id == ride.id)
+            .collect();
+        assert_eq!(audit.len(), 1, "{key}: one audit record per ride");
+        assert_eq!(audit[0].action, "ride.created");
+        assert_eq!(audit[0].data, row.request_params, "{key}");
     }
 }
 

@@ -9,7 +9,10 @@ use api_server::{
     idempotency::IdempotencyKey,
     rides::{FieldViolation, RideParams},
 };
-use diesel::{QueryableByName, sql_types::Jsonb};
+use diesel::{
+    QueryableByName,
+    sql_types::{Bool, Jsonb},
+};
 use diesel_async::RunQueryDsl;
 use proptest::prelude::*;
 
@@ -98,11 +101,37 @@ proptest! {
 #[derive(QueryableByName)]
 struct Stored {
     #[diesel(sql_type = Jsonb)]
-    params: serde_json::Value,
+    params: schema::JsonText,
+    /// The stored parameters against a retry's fresh signature, as the claim compares them.
+    #[diesel(sql_type = Bool)]
+    retry_binds: bool,
+    /// The same against parameters one representable `f64` away in one coordinate.
+    #[diesel(sql_type = Bool)]
+    neighbour_binds: bool,
 }
 
-/// The claim compares a retry's parameters with what JSONB gave back; any difference would turn
-/// a retry into IDEMPOTENCY_KEY_REUSED.
+/// `params` with its origin latitude moved to the adjacent `f64` (inward at the range's edge).
+fn neighbour(params: RideParams) -> RideParams {
+    let bits = params.origin_lat.to_bits();
+    [bits ^ 1, bits.wrapping_sub(1)]
+        .into_iter()
+        .find_map(|bits| {
+            let lat = f64::from_bits(bits);
+            RideParams::new(
+                Some(lat),
+                Some(params.origin_lon),
+                Some(params.target_lat),
+                Some(params.target_lon),
+            )
+            .ok()
+        })
+        .expect("an adjacent latitude in range")
+}
+
+/// The claim compares a retry's parameters with the stored ones in PostgreSQL (`jsonb` equality,
+/// numbers as `numeric`): a true retry must bind, or it would be refused as
+/// IDEMPOTENCY_KEY_REUSED, and the nearest other request must not, or it would replay another
+/// ride. What JSONB gives back reads back to the same parameters.
 #[tokio::test(flavor = "multi_thread")]
 async fn parameters_survive_jsonb_exactly() {
     let db = schema::testing::TestDatabase::new().await;
@@ -132,11 +161,19 @@ async fn parameters_survive_jsonb_exactly() {
     );
     for params in cases {
         let signature = params.signature().params;
-        let stored: Stored = diesel::sql_query("SELECT $1::jsonb AS params")
-            .bind::<Jsonb, _>(&signature)
-            .get_result(&mut conn)
-            .await
-            .unwrap();
+        let stored: Stored = diesel::sql_query(
+            "WITH stored AS (SELECT $1::jsonb AS params) \
+             SELECT params, params = $2::jsonb AS retry_binds, \
+                    params = $3::jsonb AS neighbour_binds FROM stored",
+        )
+        .bind::<Jsonb, _>(&signature)
+        .bind::<Jsonb, _>(&params.signature().params)
+        .bind::<Jsonb, _>(&neighbour(params).signature().params)
+        .get_result(&mut conn)
+        .await
+        .unwrap();
         assert_eq!(stored.params, signature, "{params:?}");
+        assert!(stored.retry_binds, "a retry of {params:?} would be refused");
+        assert!(!stored.neighbour_binds, "{params:?} binds its neighbour");
     }
 }

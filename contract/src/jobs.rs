@@ -15,7 +15,7 @@
 //! versioned message of its own (the receipt's [`crate::message::ReceiptMessage`]) overrides them.
 
 use chrono::{DateTime, Utc};
-use schema::models::Ride;
+use schema::{JsonText, models::Ride};
 use serde::{Deserialize, Serialize, de::DeserializeOwned};
 
 use crate::message::{DecodeError, RECEIPT_MESSAGE_TYPE, ReceiptMessage};
@@ -59,10 +59,12 @@ pub trait BackgroundJob: Serialize + DeserializeOwned {
     /// The row that stages this job, in the current span's trace: the enqueuer and the consumer
     /// continue the trace of the request (or the admin command) that staged it.
     fn staged(&self) -> JobToStage {
+        // Plain fields and a map of strings: serialising cannot fail.
+        let null = || JsonText::from(serde_json::Value::Null);
         JobToStage {
             job_name: Self::JOB_NAME,
-            job_args: self.to_args(),
-            trace_context: serde_json::to_value(telemetry::inject_current()).unwrap_or_default(),
+            job_args: JsonText::of(self).unwrap_or_else(|_| null()),
+            trace_context: JsonText::of(&telemetry::inject_current()).unwrap_or_else(|_| null()),
         }
     }
 }
@@ -71,8 +73,9 @@ pub trait BackgroundJob: Serialize + DeserializeOwned {
 #[derive(Clone, Debug, PartialEq)]
 pub struct JobToStage {
     pub job_name: &'static str,
-    pub job_args: serde_json::Value,
-    pub trace_context: serde_json::Value,
+    /// Written as it is (JSON text: [`JsonText`]), like the key's stored outcome beside it.
+    pub job_args: JsonText,
+    pub trace_context: JsonText,
 }
 
 /// The receipt staged when a ride is paid for.
@@ -154,8 +157,11 @@ mod tests {
         assert!(ReceiptJob::from_args(&serde_json::json!("send_ride_receipt")).is_err());
         let staged = job.staged();
         assert_eq!(staged.job_name, "send_ride_receipt");
-        assert_eq!(ReceiptJob::from_args(&staged.job_args).unwrap(), job);
-        assert!(staged.trace_context.is_object());
+        assert_eq!(
+            ReceiptJob::from_args(&staged.job_args.to_value()).unwrap(),
+            job
+        );
+        assert!(staged.trace_context.to_value().is_object());
     }
 
     #[test]

@@ -3,6 +3,7 @@
 //! present the same), and the completer reads it back to send the request again. One type, so
 //! the writer and the reader cannot drift apart.
 
+use schema::JsonText;
 use serde::{Deserialize, Serialize};
 
 /// CreateRide's parameters as stored on its key: the four coordinates, validated (finite, in
@@ -18,13 +19,9 @@ pub struct StoredRideRequest {
 
 impl StoredRideRequest {
     /// The stored form: a JSON object of the four coordinates.
-    pub fn to_stored(self) -> serde_json::Value {
-        serde_json::json!({
-            "origin_lat": self.origin_lat,
-            "origin_lon": self.origin_lon,
-            "target_lat": self.target_lat,
-            "target_lon": self.target_lon,
-        })
+    pub fn to_stored(self) -> JsonText {
+        // Four numbers: serialising cannot fail.
+        JsonText::of(&self).unwrap_or_else(|_| serde_json::Value::Null.into())
     }
 
     /// Reads a stored form back; `None` for anything that is not one (a field missing, another
@@ -46,7 +43,7 @@ mod tests {
             target_lat: 0.0,
             target_lon: 4.25,
         };
-        let stored = request.to_stored();
+        let stored = request.to_stored().to_value();
         assert_eq!(
             stored,
             serde_json::json!({

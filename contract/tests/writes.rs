@@ -111,7 +111,7 @@ fn record(key: &Key, token: Uuid, charge_id: &str, stage: bool) -> ChargeRecord 
         receipt: stage.then(|| job.staged()),
         outcome: StoredResponse {
             code: 0,
-            body: serde_json::json!({"charged": charge_id}),
+            body: serde_json::json!({"charged": charge_id}).into(),
         },
     }
 }
@@ -218,7 +218,7 @@ async fn finish_and_release_move_only_a_key_their_token_holds() {
     );
     let outcome = StoredResponse {
         code: 9,
-        body: serde_json::json!({"declined": true}),
+        body: serde_json::json!({"declined": true}).into(),
     };
     let stranger = KeyFence {
         token: Uuid::new_v4(),

@@ -88,7 +88,8 @@ fn check(request: &CreateRideRequest) {
             }
             // The signature a key is bound to is built from these values and never panics.
             let signature = params.signature();
-            let object = signature.params.as_object().expect("params are an object");
+            let params = signature.params.to_value();
+            let object = params.as_object().expect("params are an object");
             assert_eq!(object.len(), 4);
             for ((field, _, _), value) in fields.iter().zip(accepted) {
                 let signed = object[*field].as_f64().expect("a coordinate is a number");

@@ -12,6 +12,7 @@
 //! - [`models`]: a read struct and an insert struct per table.
 //! - [`RecoveryPoint`]: the closed set of phases a key moves through, stored as TEXT.
 //! - [`FindingKind`]: the closed set of mismatches the reconciler records, stored as TEXT.
+//! - [`JsonText`]: a `jsonb` value carried as its text, for values only stored and handed back.
 //! - [`io_thread`]: the thread every pooled connection's I/O runs on, and the batch runners with it.
 //! - [`pool`]: the bb8 pool of diesel-async connections (pure Rust, no libpq).
 //! - [`prepared`]: hand-written SQL (data-modifying CTEs) that is still prepared once per connection.
@@ -25,6 +26,7 @@
 
 mod finding_kind;
 pub mod io_thread;
+mod json_text;
 pub mod liveness;
 pub mod migrations;
 pub mod models;
@@ -39,6 +41,7 @@ mod text_enum;
 pub mod tls;
 
 pub use finding_kind::{FindingKind, UnknownFindingKind};
+pub use json_text::JsonText;
 pub use pool::{DEFAULT_DATABASE_URL, DbConn, PlanCache, Pool, PoolError, build_pool};
 pub use recovery_point::{RecoveryPoint, UnknownRecoveryPoint};
 pub use tls::{connect, database_url};

@@ -64,7 +64,7 @@ pub use wait::{Holding, WaitBudget, WaitConfig, WaitEnd, Waits};
 pub struct RequestSignature {
     pub method: &'static str,
     pub path: &'static str,
-    pub params: serde_json::Value,
+    pub params: schema::JsonText,
 }
 
 /// Proof that this attempt owns a key. Every phase checks `token` against the row in its own

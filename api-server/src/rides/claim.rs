@@ -16,7 +16,7 @@ use diesel::{
 };
 use diesel_async::AsyncPgConnection;
 use ipnet::IpNet;
-use schema::models::Ride;
+use schema::{JsonText, models::Ride};
 use uuid::Uuid;
 
 use super::{RideParams, Rides};
@@ -34,8 +34,6 @@ pub struct FirstRide {
     pub target_lon: f64,
     pub amount: i64,
     pub currency: String,
-    /// The audit record's data: the request's parameters, as its key stores them.
-    pub audit_data: serde_json::Value,
     pub origin_ip: IpNet,
     /// The server's `DEPLOYMENT_ID`, which the ride keeps (its charge's provider key and
     /// marker).
@@ -52,7 +50,6 @@ impl Rides {
             target_lon: params.target_lon,
             amount: self.price.amount,
             currency: self.price.currency.clone(),
-            audit_data: params.stored().to_stored(),
             origin_ip: IpNet::from(origin_ip),
             deployment_id: self.stripe.deployment_id().as_str().to_owned(),
         }
@@ -70,14 +67,13 @@ schema::statement! {
         holders: Array<Nullable<BigInt>> = Vec<Option<i64>>,
         methods: Array<Text> = Vec<&'static str>,
         paths: Array<Text> = Vec<&'static str>,
-        params: Array<Jsonb> = Vec<serde_json::Value>,
+        params: Array<Jsonb> = Vec<JsonText>,
         origin_lats: Array<Double> = Vec<f64>,
         origin_lons: Array<Double> = Vec<f64>,
         target_lats: Array<Double> = Vec<f64>,
         target_lons: Array<Double> = Vec<f64>,
         amounts: Array<BigInt> = Vec<i64>,
         currencies: Array<Text> = Vec<String>,
-        audit_data: Array<Jsonb> = Vec<serde_json::Value>,
         origin_ips: Array<Cidr> = Vec<IpNet>,
         deployment_ids: Array<Text> = Vec<String>,
         lock_timeouts: Array<Double> = Vec<f64>,
@@ -103,7 +99,6 @@ impl ClaimRides {
             target_lons: rides().map(|r| r.target_lon).collect(),
             amounts: rides().map(|r| r.amount).collect(),
             currencies: rides().map(|r| r.currency.clone()).collect(),
-            audit_data: rides().map(|r| r.audit_data.clone()).collect(),
             origin_ips: rides().map(|r| r.origin_ip).collect(),
             deployment_ids: rides().map(|r| r.deployment_id.clone()).collect(),
             lock_timeouts: claims.iter().map(|c| c.rule.secs().0).collect(),

@@ -303,7 +303,7 @@ impl Rides {
                 metrics().replays.add(1, &[]);
                 (
                     true,
-                    Outcome::from_stored(stored).map_err(|error| StoreError::from(error).into()),
+                    Outcome::from_stored(&stored).map_err(|error| StoreError::from(error).into()),
                 )
             }
             Decision::Execute(mut lease) => {

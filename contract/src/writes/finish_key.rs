@@ -19,7 +19,7 @@ schema::statement! {
         tokens: Array<SqlUuid> = Vec<Uuid>,
         user_ids: Array<BigInt> = Vec<i64>,
         response_codes: Array<Integer> = Vec<i32>,
-        response_bodies: Array<Jsonb> = Vec<serde_json::Value>,
+        response_bodies: Array<Jsonb> = Vec<schema::JsonText>,
     }
 }
 

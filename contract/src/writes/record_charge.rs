@@ -5,7 +5,7 @@ use diesel::{
     sql_types::{Array, BigInt, Bool, Integer, Jsonb, Text, Uuid as SqlUuid},
 };
 use diesel_async::AsyncPgConnection;
-use schema::RecoveryPoint;
+use schema::{JsonText, RecoveryPoint};
 use uuid::Uuid;
 
 use super::{KeyFence, fence_arrays, moved_per_key};
@@ -24,10 +24,10 @@ schema::statement! {
         ride_ids: Array<BigInt> = Vec<i64>,
         stage_receipts: Array<Bool> = Vec<bool>,
         job_names: Array<Text> = Vec<&'static str>,
-        job_args: Array<Jsonb> = Vec<serde_json::Value>,
-        trace_contexts: Array<Jsonb> = Vec<serde_json::Value>,
+        job_args: Array<Jsonb> = Vec<JsonText>,
+        trace_contexts: Array<Jsonb> = Vec<JsonText>,
         response_codes: Array<Integer> = Vec<i32>,
-        response_bodies: Array<Jsonb> = Vec<serde_json::Value>,
+        response_bodies: Array<Jsonb> = Vec<JsonText>,
     }
 }
 
@@ -56,11 +56,11 @@ impl RecordCharge {
     ) -> QueryResult<Vec<bool>> {
         let fences = || charges.iter().map(|charge| charge.fence);
         let (key_ids, tokens, user_ids) = fence_arrays(fences());
-        let receipt = |charge: &ChargeRecord, part: fn(&JobToStage) -> &serde_json::Value| {
-            charge
-                .receipt
-                .as_ref()
-                .map_or(serde_json::Value::Null, |job| part(job).clone())
+        let receipt = |charge: &ChargeRecord, part: fn(&JobToStage) -> &JsonText| {
+            charge.receipt.as_ref().map_or_else(
+                || JsonText::from(serde_json::Value::Null),
+                |job| part(job).clone(),
+            )
         };
         let statement = RecordCharge {
             key_ids,

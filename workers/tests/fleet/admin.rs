@@ -82,7 +82,7 @@ async fn abandoned_at(app: &TestApp, user: &TestUser, point: RecoveryPoint) -> (
 
 async fn record_attention(app: &TestApp, user: &TestUser, key: &str, key_id: i64) -> i64 {
     let mut conn = app.pool.get().await.unwrap();
-    let request_params = params().signature().params;
+    let request_params = params().signature().params.to_value();
     diesel::insert_into(keys_needing_attention::table)
         .values(NewKeyNeedingAttention {
             reason: "completer_gave_up",

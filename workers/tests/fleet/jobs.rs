@@ -74,7 +74,7 @@ async fn a_second_job_type_is_routed_run_retried_and_dead_lettered_by_the_generi
         }
         // Args that are not a Ping: published as they are, dead-lettered by the consumer.
         let mut foreign = Ping { n: 0 }.staged();
-        foreign.job_args = serde_json::json!({"not": "a ping"});
+        foreign.job_args = serde_json::json!({"not": "a ping"}).into();
         stage(&mut conn, foreign).await;
     }
     let enqueued = common::enqueuer(&app.pool, &broker, 100)

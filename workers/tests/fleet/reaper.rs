@@ -92,7 +92,7 @@ async fn records_unfinished_keys_before_deleting_them() {
     assert_eq!(item.idempotency_key, key);
     assert_eq!(item.user_id, user.id);
     assert_eq!(item.recovery_point, RecoveryPoint::RideCreated);
-    assert_eq!(item.request_params, params.signature().params);
+    assert_eq!(item.request_params, params.signature().params.to_value());
     assert!(item.resolved_at.is_none());
     assert_eq!(app.rides().await.len(), 2);
 }

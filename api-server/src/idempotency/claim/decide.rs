@@ -7,18 +7,20 @@ use contract::{
     StoredResponse,
     key::{LockState, lock_state_of_key},
 };
-use diesel::{ExpressionMethods, OptionalExtension, QueryDsl, SelectableHelper};
+use diesel::{BoolExpressionMethods, ExpressionMethods, OptionalExtension, QueryDsl};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use schema::{
-    RecoveryPoint,
-    models::{IdempotencyKeyRow as KeyRow, User},
+    JsonText, RecoveryPoint,
+    models::User,
     schema::idempotency_keys,
     store::{StoreError, retry_transient},
 };
 use uuid::Uuid;
 
-use super::{ClaimRequest, ClaimRow, ClaimStatement, Claimed, Claims, Decision, count_statement};
-use crate::idempotency::{Batcher, Lease, RequestSignature};
+use super::{
+    ClaimRequest, ClaimRow, ClaimStatement, Claimed, Claims, Decision, FoundKey, count_statement,
+};
+use crate::idempotency::{Batcher, Lease};
 
 /// How many insert/inspect rounds a claim makes before giving up on a key that keeps vanishing.
 const CLAIM_ROUNDS: usize = 5;
@@ -35,7 +37,7 @@ pub(super) struct ClaimContext<'a, S: ClaimStatement> {
 /// that was already there with its lock's state, to be decided.
 pub(super) enum KeyFound<W> {
     Inserted(Box<Claimed<W>>),
-    Existing(Box<KeyRow>, LockState),
+    Existing(Box<FoundKey>, LockState),
 }
 
 impl<S: ClaimStatement> ClaimContext<'_, S> {
@@ -124,12 +126,28 @@ impl<S: ClaimStatement> ClaimContext<'_, S> {
         user_id: i64,
     ) -> Result<Option<Claimed<S::Written>>, StoreError> {
         let (request, lock) = (&self.claim.request, self.claim.lock);
-        let existing = idempotency_keys::table
-            .filter(idempotency_keys::user_id.eq(user_id))
-            .filter(idempotency_keys::idempotency_key.eq(&self.claim.key))
+        use idempotency_keys as keys;
+        // The columns of `FoundKey`, in its order; `binds` as the claim statements compute it.
+        let binds = keys::request_method
+            .eq(request.method)
+            .and(keys::request_path.eq(request.path))
+            .and(keys::request_params.eq(&request.params));
+        let found = (
+            keys::id,
+            keys::created_at,
+            keys::lock_token,
+            keys::lock_holder,
+            keys::recovery_point,
+            keys::response_code,
+            keys::response_body,
+            binds,
+        );
+        let existing = keys::table
+            .filter(keys::user_id.eq(user_id))
+            .filter(keys::idempotency_key.eq(&self.claim.key))
             .for_update()
-            .select((KeyRow::as_select(), lock_state_of_key(self.claim.rule)))
-            .first::<(KeyRow, String)>(conn)
+            .select((found, lock_state_of_key(self.claim.rule)))
+            .first::<(FoundKey, String)>(conn)
             .await
             .optional()?;
         let Some((mut row, state)) = existing else {
@@ -137,7 +155,7 @@ impl<S: ClaimStatement> ClaimContext<'_, S> {
         };
         let state = LockState::parse(&state);
         let someone_elses = held_by_another(&row, lock.token);
-        let decision = if let Some(decision) = decide_from(&mut row, state, request, lock.token)? {
+        let decision = if let Some(decision) = decide_from(&mut row, state, lock.token)? {
             decision
         } else {
             diesel::update(idempotency_keys::table.find(row.id))
@@ -180,12 +198,11 @@ impl<S: ClaimStatement> ClaimContext<'_, S> {
 /// need work (free, this claim's own, or a lock the rule lets it take over), which goes through
 /// the locking claim.
 fn decide_without_lock<F, W>(
-    mut row: KeyRow,
+    mut row: FoundKey,
     lock_state: LockState,
     claim: &ClaimRequest<F>,
 ) -> Result<Option<Claimed<W>>, StoreError> {
-    let Some(decision) = decide_from(&mut row, lock_state, &claim.request, claim.lock.token)?
-    else {
+    let Some(decision) = decide_from(&mut row, lock_state, claim.lock.token)? else {
         return Ok(None);
     };
     Ok(Some(Claimed {
@@ -199,12 +216,11 @@ fn decide_without_lock<F, W>(
 /// a key in use. `None` when this claim may take the key. The one rule for the claim's read and
 /// for its locking inspection.
 fn decide_from(
-    row: &mut KeyRow,
+    row: &mut FoundKey,
     lock_state: LockState,
-    request: &RequestSignature,
     token: Uuid,
 ) -> Result<Option<Decision>, StoreError> {
-    Ok(Some(if !binds(row, request) {
+    Ok(Some(if !row.binds {
         Decision::Mismatch
     } else if row.recovery_point == RecoveryPoint::Finished {
         // Taken, not cloned: a replay's body can be large, and the row is not read again.
@@ -221,26 +237,19 @@ fn decide_from(
 
 /// Whether another attempt than the one with `token` holds the key's lock. A key locked by this
 /// claim's own token is this claim's (its earlier statement committed and the answer was lost).
-fn held_by_another(row: &KeyRow, token: Uuid) -> bool {
+fn held_by_another(row: &FoundKey, token: Uuid) -> bool {
     row.lock_token.is_some_and(|held| held != token)
 }
 
 /// The outcome stored on a finished key (the schema guarantees both parts are present).
 pub(crate) fn stored_response(
     code: Option<i32>,
-    body: Option<serde_json::Value>,
+    body: Option<JsonText>,
 ) -> Result<StoredResponse, StoreError> {
     match (code, body) {
         (Some(code), Some(body)) => Ok(StoredResponse { code, body }),
         _ => Err(StoreError::CorruptStoredResponse),
     }
-}
-
-/// Whether `row` was created for exactly this request.
-fn binds(row: &KeyRow, request: &RequestSignature) -> bool {
-    row.request_method == request.method
-        && row.request_path == request.path
-        && row.request_params == request.params
 }
 
 #[cfg(test)]
@@ -253,35 +262,21 @@ mod tests {
     const MINE: Uuid = Uuid::from_u128(1);
     const THEIRS: Uuid = Uuid::from_u128(2);
 
-    fn request() -> RequestSignature {
-        RequestSignature {
-            method: "POST",
-            path: "/rides",
-            params: json!({"origin_lat": 1.0}),
-        }
-    }
-
-    fn key(lock_token: Option<Uuid>, recovery_point: RecoveryPoint) -> KeyRow {
-        KeyRow {
+    fn key(lock_token: Option<Uuid>, recovery_point: RecoveryPoint) -> FoundKey {
+        FoundKey {
             id: 7,
             created_at: Utc::now(),
-            idempotency_key: "k".into(),
-            last_run_at: Utc::now(),
-            locked_at: lock_token.map(|_| Utc::now()),
             lock_token,
             lock_holder: None,
-            request_method: "POST".into(),
-            request_path: "/rides".into(),
-            request_params: request().params,
+            recovery_point,
             response_code: None,
             response_body: None,
-            recovery_point,
-            user_id: 1,
+            binds: true,
         }
     }
 
-    fn decided(mut row: KeyRow, state: LockState) -> Option<&'static str> {
-        decide_from(&mut row, state, &request(), MINE)
+    fn decided(mut row: FoundKey, state: LockState) -> Option<&'static str> {
+        decide_from(&mut row, state, MINE)
             .unwrap()
             .map(|decision| decision.name())
     }
@@ -305,11 +300,14 @@ mod tests {
     #[test]
     fn a_mismatch_and_a_replay_come_before_a_lock() {
         let mut other = key(Some(THEIRS), RecoveryPoint::RideCreated);
-        other.request_params = json!({"origin_lat": 2.0});
+        other.binds = false;
         assert_eq!(decided(other, LockState::Live), Some("mismatch"));
         let mut finished = key(None, RecoveryPoint::Finished);
         finished.response_code = Some(0);
-        finished.response_body = Some(json!({"ride_id": 1}));
+        finished.response_body = Some(json!({"ride_id": 1}).into());
         assert_eq!(decided(finished, LockState::Free), Some("replay"));
+        let mut finished_other = key(None, RecoveryPoint::Finished);
+        finished_other.binds = false;
+        assert_eq!(decided(finished_other, LockState::Free), Some("mismatch"));
     }
 }

@@ -27,7 +27,7 @@ use diesel_async::RunQueryDsl;
 use schema::{Pool, models::User, store::StoreError};
 use uuid::Uuid;
 
-pub use statement::{CallerAndKey, ClaimRequest, ClaimRow, ClaimStatement, Claims};
+pub use statement::{CallerAndKey, ClaimRequest, ClaimRow, ClaimStatement, Claims, FoundKey};
 
 use decide::ClaimContext;
 pub(crate) use decide::stored_response;

@@ -4,9 +4,10 @@
 //!
 //! What every claim statement must do, row for row, so that batching changes no decision: for
 //! each claim, authenticate the caller (a token's digest, or a user id for a call on a user's
-//! behalf, which never inserts a key); return the key row if it exists, with its lock's state by
-//! the claim's rule (a replay, a mismatch, or another attempt's live lock is decided from it
-//! without a lock; only a key that may need work is locked and inspected again); otherwise insert the key, locked by the
+//! behalf, which never inserts a key); return the key as [`FoundKey`] if it exists, with its
+//! lock's state by the claim's rule and whether it binds the claim's request (a replay, a
+//! mismatch, or another attempt's live lock is decided from it without a lock; only a key that
+//! may need work is locked and inspected again); otherwise insert the key, locked by the
 //! claim's fresh token and naming its holder, with the request type's first phase in the same
 //! statement. `ON CONFLICT DO NOTHING` waits for a concurrent inserter of the same key and then
 //! yields to it; that key is newer than the statement's snapshot, so no row comes back and the
@@ -20,12 +21,14 @@ use std::future::Future;
 use chrono::{DateTime, Utc};
 use contract::key::{LockRule, LockState};
 use diesel::{
-    QueryableByName,
+    Queryable, QueryableByName,
     result::Error as DieselError,
-    sql_types::{BigInt, Bool, Bytea, Text, Timestamptz, Uuid as SqlUuid},
+    sql_types::{
+        BigInt, Bool, Bytea, Integer, Jsonb, Nullable, Text, Timestamptz, Uuid as SqlUuid,
+    },
 };
 use diesel_async::AsyncPgConnection;
-use schema::models::{IdempotencyKeyRow as KeyRow, User};
+use schema::{JsonText, RecoveryPoint, models::User};
 use uuid::Uuid;
 
 use crate::{
@@ -66,13 +69,40 @@ pub struct ClaimRequest<F> {
 /// What a claim statement returns for one claim.
 pub struct ClaimRow<W> {
     pub user: User,
-    pub key: KeyRow,
+    pub key: FoundKey,
     /// The found key's lock by the claim's rule (`Live` for a key this claim inserted).
     pub lock_state: LockState,
     /// This claim inserted the key: it holds it, with its own lock token.
     pub inserted: bool,
     /// What the first phase wrote with a key this claim inserted.
     pub written: Option<W>,
+}
+
+/// The key as a claim decides it: the columns of its row that a decision reads, and whether the
+/// row binds the claim's request (method, path and parameters equal). PostgreSQL compares the
+/// stored parameters with the request's (`jsonb` equality), so they never travel back to be
+/// decoded: a replay's row carries only its stored outcome. The claim's statement and its
+/// locking inspection both return this.
+#[derive(Debug, Queryable, QueryableByName)]
+pub struct FoundKey {
+    #[diesel(sql_type = BigInt)]
+    pub id: i64,
+    #[diesel(sql_type = Timestamptz)]
+    pub created_at: DateTime<Utc>,
+    #[diesel(sql_type = Nullable<SqlUuid>)]
+    pub lock_token: Option<Uuid>,
+    /// The liveness session of the lock's holder, if it named one.
+    #[diesel(sql_type = Nullable<BigInt>)]
+    pub lock_holder: Option<i64>,
+    #[diesel(sql_type = Text)]
+    pub recovery_point: RecoveryPoint,
+    #[diesel(sql_type = Nullable<Integer>)]
+    pub response_code: Option<i32>,
+    #[diesel(sql_type = Nullable<Jsonb>)]
+    pub response_body: Option<JsonText>,
+    /// The key was made for exactly this request; `false` is a mismatch.
+    #[diesel(sql_type = Bool)]
+    pub binds: bool,
 }
 
 /// The columns every claim statement returns for the caller, the key and the claim they answer
@@ -94,7 +124,7 @@ pub struct CallerAndKey {
     #[diesel(sql_type = Bytea)]
     api_token_digest: Vec<u8>,
     #[diesel(embed)]
-    key: KeyRow,
+    key: FoundKey,
     #[diesel(sql_type = Bool)]
     inserted: bool,
     #[diesel(sql_type = Text)]

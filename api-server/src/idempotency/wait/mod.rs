@@ -357,12 +357,7 @@ async fn poll(
     key: &IdempotencyKey,
     rule: LockRule,
 ) -> Result<News, StoreError> {
-    type Row = (
-        RecoveryPoint,
-        Option<i32>,
-        Option<serde_json::Value>,
-        String,
-    );
+    type Row = (RecoveryPoint, Option<i32>, Option<schema::JsonText>, String);
     let mut conn = pool.get().await.map_err(StoreError::Unavailable)?;
     let row: Option<Row> = idempotency_keys::table
         .filter(idempotency_keys::user_id.eq(user_id))

@@ -66,7 +66,7 @@ async fn a_holder_tells_its_waiters_how_it_ended() {
     );
     let stored = StoredResponse {
         code: 0,
-        body: serde_json::json!({"outcome": "x"}),
+        body: serde_json::json!({"outcome": "x"}).into(),
     };
     holding.finished(stored.clone());
     waiter.news.changed().await.unwrap();

@@ -157,7 +157,7 @@ fn finished_key_changes(report: &mut ChangeReport, key: &KeyState, stored: &Stor
         .push(update("response_code", Value::Null, json!(stored.code)));
     report
         .changes
-        .push(update("response_body", Value::Null, stored.body.clone()));
+        .push(update("response_body", Value::Null, stored.body.to_value()));
     lock_changes(report, key);
 }
 
@@ -354,8 +354,8 @@ async fn receipt_unless_done(
         "staged_jobs",
         json!({
             "job_name": job.job_name,
-            "job_args": job.job_args,
-            "trace_context": job.trace_context,
+            "job_args": job.job_args.to_value(),
+            "trace_context": job.trace_context.to_value(),
         }),
     ));
     Ok(Some(job))
