@@ -60,11 +60,11 @@ pub trait BackgroundJob: Serialize + DeserializeOwned {
     /// continue the trace of the request (or the admin command) that staged it.
     fn staged(&self) -> JobToStage {
         // Plain fields and a map of strings: serialising cannot fail.
-        let null = || JsonText::from(serde_json::Value::Null);
         JobToStage {
             job_name: Self::JOB_NAME,
-            job_args: JsonText::of(self).unwrap_or_else(|_| null()),
-            trace_context: JsonText::of(&telemetry::inject_current()).unwrap_or_else(|_| null()),
+            job_args: JsonText::of(self).unwrap_or_else(|_| JsonText::null()),
+            trace_context: JsonText::of(&telemetry::inject_current())
+                .unwrap_or_else(|_| JsonText::null()),
         }
     }
 }

@@ -165,7 +165,7 @@ impl Outcome {
             }
         };
         // Plain fields only: serialising cannot fail.
-        let body = JsonText::of(self).unwrap_or_else(|_| serde_json::Value::Null.into());
+        let body = JsonText::of(self).unwrap_or_else(|_| JsonText::null());
         StoredResponse { code, body }
     }
 

@@ -21,7 +21,7 @@ impl StoredRideRequest {
     /// The stored form: a JSON object of the four coordinates.
     pub fn to_stored(self) -> JsonText {
         // Four numbers: serialising cannot fail.
-        JsonText::of(&self).unwrap_or_else(|_| serde_json::Value::Null.into())
+        JsonText::of(&self).unwrap_or_else(|_| JsonText::null())
     }
 
     /// Reads a stored form back; `None` for anything that is not one (a field missing, another

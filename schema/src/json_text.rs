@@ -37,6 +37,12 @@ impl JsonText {
         serde_json::from_str(self.0.get())
     }
 
+    /// JSON `null`: what a value of plain fields stands as in the unreachable case that it does
+    /// not serialize.
+    pub fn null() -> JsonText {
+        JsonText(RawValue::NULL.to_owned())
+    }
+
     /// The JSON text.
     pub fn as_str(&self) -> &str {
         self.0.get()
@@ -52,7 +58,7 @@ impl JsonText {
 impl From<serde_json::Value> for JsonText {
     fn from(value: serde_json::Value) -> JsonText {
         // A `Value` always serializes.
-        JsonText::of(&value).unwrap_or_else(|_| JsonText(RawValue::NULL.to_owned()))
+        JsonText::of(&value).unwrap_or_else(|_| JsonText::null())
     }
 }
 

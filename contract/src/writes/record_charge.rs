@@ -57,10 +57,10 @@ impl RecordCharge {
         let fences = || charges.iter().map(|charge| charge.fence);
         let (key_ids, tokens, user_ids) = fence_arrays(fences());
         let receipt = |charge: &ChargeRecord, part: fn(&JobToStage) -> &JsonText| {
-            charge.receipt.as_ref().map_or_else(
-                || JsonText::from(serde_json::Value::Null),
-                |job| part(job).clone(),
-            )
+            charge
+                .receipt
+                .as_ref()
+                .map_or_else(JsonText::null, |job| part(job).clone())
         };
         let statement = RecordCharge {
             key_ids,
