@@ -102,14 +102,26 @@ pub fn crash_point(point: CrashPoint) {
     armed::crash_point(point.name());
 }
 
+/// Appends `<point> <unix ms>` to the crash log in one write(2), then syncs it. The api-servers
+/// of a campaign share the file; `writeln!` writes piece by piece, and O_APPEND keeps each write,
+/// not each line, together (CI once saw two points run into one line and the campaign count a
+/// crash short of the exits).
+#[cfg(any(test, feature = "fault-injection"))]
+fn append_crash_line(path: &str, point: &str, unix_ms: u128) -> std::io::Result<()> {
+    use std::io::Write;
+    let mut file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)?;
+    file.write_all(format!("{point} {unix_ms}\n").as_bytes())?;
+    file.sync_all()
+}
+
 #[cfg(feature = "fault-injection")]
 mod armed {
-    use std::{
-        io::Write,
-        sync::{
-            OnceLock,
-            atomic::{AtomicU64, Ordering},
-        },
+    use std::sync::{
+        OnceLock,
+        atomic::{AtomicU64, Ordering},
     };
 
     struct Armed {
@@ -143,18 +155,12 @@ mod armed {
         if armed.point != point || armed.remaining.fetch_sub(1, Ordering::SeqCst) != 1 {
             return;
         }
-        if let Some(path) = &armed.log
-            && let Ok(mut file) = std::fs::OpenOptions::new()
-                .create(true)
-                .append(true)
-                .open(path)
-        {
+        if let Some(path) = &armed.log {
             // When, so that a campaign can time what the crash cost the keys it held.
             let unix_ms = std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |since| since.as_millis());
-            let _ = writeln!(file, "{point} {unix_ms}");
-            let _ = file.sync_all();
+            let _ = super::append_crash_line(path, point, unix_ms);
         }
         // SIGKILL, like the campaign's random kills: no destructor, no flush, no graceful close
         // of connections. abort() is the fallback if `kill` cannot run.
@@ -168,6 +174,37 @@ mod armed {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Processes crashing at once share the log: every line must come out whole. Threads with
+    /// their own file handles race the same way (each open is its own O_APPEND description).
+    #[test]
+    fn crash_lines_written_at_once_stay_whole() {
+        let dir = std::env::temp_dir().join(format!("crash-log-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("crashes.log").display().to_string();
+        let (writers, lines_each) = (8, 200);
+        std::thread::scope(|scope| {
+            for writer in 0..writers {
+                let path = &path;
+                scope.spawn(move || {
+                    for n in 0..lines_each {
+                        let point = CrashPoint::ALL[writer % CrashPoint::ALL.len()].name();
+                        append_crash_line(path, point, n).unwrap();
+                    }
+                });
+            }
+        });
+        let text = std::fs::read_to_string(&path).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+        let names: Vec<_> = CrashPoint::ALL.iter().map(|point| point.name()).collect();
+        let lines: Vec<_> = text.lines().collect();
+        assert_eq!(lines.len(), writers * lines_each as usize);
+        for line in lines {
+            let (point, ms) = line.split_once(' ').unwrap();
+            assert!(names.contains(&point), "{line:?}");
+            assert!(ms.parse::<u128>().is_ok(), "{line:?}");
+        }
+    }
 
     #[test]
     fn every_point_has_its_own_name_and_is_listed_once() {
