@@ -91,6 +91,7 @@ impl<H: JobHandler> JobConsumer<H> {
         let mut summary = H::Summary::default();
         let mut result = Ok(());
         let mut forming = Forming::default();
+        let mut draining = false;
         loop {
             if forming.ready(self.batch_size(), tasks.is_empty()) {
                 let deliveries = forming.take();
@@ -121,22 +122,28 @@ impl<H: JobHandler> JobConsumer<H> {
                         self.take_ready(&mut consumer, &mut forming);
                     }
                     Next::Stop(stopped) => {
-                        // On shutdown the deliveries already taken are run and settled; on a
-                        // lost connection they return to the queue with it.
-                        if stopped.is_ok() && !forming.is_empty() {
-                            let deliveries = forming.take();
-                            self.dispatch(deliveries, &in_flight, &mut tasks, session, shutdown)
-                                .await;
-                        }
+                        // On shutdown the deliveries already taken are run and settled, with
+                        // those the broker sent before the cancel (below); on a lost connection
+                        // they return to the queue with it.
+                        draining = stopped.is_ok();
                         result = result.and(stopped);
                         break;
                     }
                 },
             }
         }
-        // Stop receiving first, then let in-flight deliveries finish and be settled.
-        let cancel = channel.basic_cancel(consumer.tag(), BasicCancelOptions::default());
-        let _ = tokio::time::timeout(SETTLE_TIMEOUT, cancel).await;
+        // Stop receiving first (on shutdown, running what was received), then let in-flight
+        // deliveries finish and be settled.
+        let leftover = draining.then_some(forming);
+        self.stop_receiving(
+            &mut consumer,
+            leftover,
+            &in_flight,
+            &mut tasks,
+            session,
+            shutdown,
+        )
+        .await;
         let finished = async {
             while let Some(done) = tasks.join_next().await {
                 record(&mut summary, done, &mut result);
@@ -157,6 +164,41 @@ impl<H: JobHandler> JobConsumer<H> {
             tasks.detach_all();
         }
         result.map(|()| summary)
+    }
+
+    /// Cancels the consumer. On shutdown (`leftover`: the forming batch) it then runs that batch
+    /// and, once the broker has confirmed the cancel, every delivery it sent before: they precede
+    /// the cancel-ok on the channel, so the stream already holds them (at most the prefetch), and
+    /// left there they would stay unacked until the channel closes.
+    async fn stop_receiving(
+        self: &Arc<Self>,
+        consumer: &mut lapin::Consumer,
+        leftover: Option<Forming>,
+        in_flight: &Arc<Semaphore>,
+        tasks: &mut JoinSet<BatchResults<H::Outcome>>,
+        session: &AmqpSession,
+        shutdown: &CancellationToken,
+    ) {
+        let cancel = session
+            .channel
+            .basic_cancel(consumer.tag(), BasicCancelOptions::default());
+        let cancelled = matches!(
+            tokio::time::timeout(SETTLE_TIMEOUT, cancel).await,
+            Ok(Ok(()))
+        );
+        let Some(mut forming) = leftover else { return };
+        loop {
+            if cancelled {
+                self.take_ready(consumer, &mut forming);
+            }
+            if forming.is_empty()
+                || !self
+                    .dispatch(forming.take(), in_flight, tasks, session, shutdown)
+                    .await
+            {
+                return;
+            }
+        }
     }
 
     /// Hands a batch to a task of its own once its deliveries' permits are free; `false` if the
