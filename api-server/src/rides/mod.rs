@@ -323,7 +323,7 @@ impl Rides {
                     self.unlock(&lease).await;
                 }
                 if let Ok(outcome) = &result {
-                    holding.finished(outcome.to_stored());
+                    holding.finished(|| outcome.to_stored());
                 }
                 (false, result)
             }

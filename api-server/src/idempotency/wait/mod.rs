@@ -141,7 +141,7 @@ impl Waits {
         Holding {
             waits: self,
             id,
-            outcome: None,
+            left: false,
         }
     }
 
@@ -268,27 +268,37 @@ impl Waits {
         }
     }
 
-    /// A holder (with the news it leaves its waiters) or a waiter (`None`) is done with `id`;
-    /// the entry goes once nobody is left.
-    fn leave(&self, id: &KeyId, holder_news: Option<News>) {
+    /// A holder is done with `id`: finished (`outcome` builds its stored answer) or let go
+    /// (`None`). The answer is built only if someone on this process can still hear it (a
+    /// waiter, or another holder's later waiters): a fresh ride nobody waits for skips it.
+    fn leave_holding(&self, id: &KeyId, outcome: Option<impl FnOnce() -> StoredResponse>) {
+        let mut guard = self.locked();
+        let Some(entry) = guard.keys.get_mut(id) else {
+            return;
+        };
+        entry.holders = entry.holders.saturating_sub(1);
+        if entry.holders == 0 && entry.waiters == 0 {
+            guard.keys.remove(id);
+            return;
+        }
+        entry.news.send_replace(match outcome {
+            Some(outcome) => News::Finished(outcome()),
+            None => News::Free,
+        });
+        // Waiters left poll afresh, should another process take the key.
+        entry.next_poll = Instant::now() + FIRST_POLL;
+        entry.poll_gap = FIRST_POLL;
+    }
+
+    /// A waiter is done with `id`; the entry goes once nobody is left.
+    fn leave_waiting(&self, id: &KeyId) {
         let mut guard = self.locked();
         let inner = &mut *guard;
         let Some(entry) = inner.keys.get_mut(id) else {
             return;
         };
-        match holder_news {
-            Some(news) => {
-                entry.holders = entry.holders.saturating_sub(1);
-                entry.news.send_replace(news);
-                // Waiters left poll afresh, should another process take the key.
-                entry.next_poll = Instant::now() + FIRST_POLL;
-                entry.poll_gap = FIRST_POLL;
-            }
-            None => {
-                entry.waiters = entry.waiters.saturating_sub(1);
-                inner.waiting = inner.waiting.saturating_sub(1);
-            }
-        }
+        entry.waiters = entry.waiters.saturating_sub(1);
+        inner.waiting = inner.waiting.saturating_sub(1);
         if entry.holders == 0 && entry.waiters == 0 {
             inner.keys.remove(id);
         }
@@ -315,23 +325,24 @@ fn count(outcome: &'static str) {
 pub struct Holding<'a> {
     waits: &'a Waits,
     id: KeyId,
-    outcome: Option<StoredResponse>,
+    left: bool,
 }
 
 impl Holding<'_> {
-    /// The key finished with `outcome` (committed): the waiters answer it as a replay.
-    pub fn finished(mut self, outcome: StoredResponse) {
-        self.outcome = Some(outcome);
+    /// The key finished (committed) with the outcome `outcome` builds: the waiters answer it as a
+    /// replay. Built only when this process has waiters to tell.
+    pub fn finished(mut self, outcome: impl FnOnce() -> StoredResponse) {
+        self.left = true;
+        self.waits.leave_holding(&self.id, Some(outcome));
     }
 }
 
 impl Drop for Holding<'_> {
     fn drop(&mut self) {
-        let news = match self.outcome.take() {
-            Some(stored) => News::Finished(stored),
-            None => News::Free,
-        };
-        self.waits.leave(&self.id, Some(news));
+        if !self.left {
+            self.waits
+                .leave_holding(&self.id, None::<fn() -> StoredResponse>);
+        }
     }
 }
 
@@ -343,7 +354,7 @@ struct Waiter<'a> {
 
 impl Drop for Waiter<'_> {
     fn drop(&mut self) {
-        self.waits.leave(&self.id, None);
+        self.waits.leave_waiting(&self.id);
     }
 }
 

@@ -68,7 +68,7 @@ async fn a_holder_tells_its_waiters_how_it_ended() {
         code: 0,
         body: serde_json::json!({"outcome": "x"}).into(),
     };
-    holding.finished(stored.clone());
+    holding.finished(|| stored.clone());
     waiter.news.changed().await.unwrap();
     assert!(matches!(&*waiter.news.borrow(), News::Finished(s) if *s == stored));
 
@@ -81,6 +81,31 @@ async fn a_holder_tells_its_waiters_how_it_ended() {
         waits.next_poll(&waiter.id).is_some(),
         "polls once no holder is here"
     );
+}
+
+#[test]
+fn a_holder_nobody_waits_for_builds_no_answer() {
+    let waits = Waits::new(CONFIG);
+    waits
+        .hold(1, &key(1))
+        .finished(|| panic!("built an answer for nobody"));
+    drop(waits.hold(1, &key(2)));
+    assert!(waits.locked().keys.is_empty());
+
+    let holding = waits.hold(1, &key(1));
+    let waiter = waits.join(1, &key(1)).unwrap();
+    let built = std::cell::Cell::new(false);
+    holding.finished(|| {
+        built.set(true);
+        StoredResponse {
+            code: 0,
+            body: serde_json::json!({"outcome": "x"}).into(),
+        }
+    });
+    assert!(built.get(), "a waiter hears the answer");
+    assert!(matches!(&*waiter.news.borrow(), News::Finished(_)));
+    drop(waiter);
+    assert!(waits.locked().keys.is_empty());
 }
 
 #[test]
