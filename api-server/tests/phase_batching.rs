@@ -206,10 +206,11 @@ async fn a_batch_that_fails_is_redone_alone_and_only_the_request_at_fault_fails(
     }
     // Which requests share a batch depends on when each one's charge returns; whatever the
     // split, the batch that carried the refused ride decided nothing (its requests were redone
-    // alone, which the counts leave out), and the others' batch decided its own.
+    // alone, which the counts leave out), and a batch without it decided its own. All four may
+    // have shared the failed batch (CI saw it: no statement counted at all).
     let counts = added(app.rides.phase_batch_counts(), counts_before);
     assert!(
-        counts.statements >= 1 && counts.items < 4,
+        counts.items < 4 && (counts.statements == 0) == (counts.items == 0),
         "the failed batch decided nothing: {counts:?}"
     );
     let rides = app.rides().await;
