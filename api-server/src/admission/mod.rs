@@ -81,11 +81,14 @@ impl Admission {
             create_shares: Shares::new(limits.service_share_creates),
             // A service's share of the lookups counts its calls running and waiting.
             lookup_shares: Shares::new(places.saturating_add(limits.token_lookup_queue)),
-            lookups: TokenLookups::new(LookupConfig {
-                places,
-                max_waiting: limits.token_lookup_queue,
-                max_wait: limits.token_lookup_wait,
-            }),
+            lookups: TokenLookups::new(
+                LookupConfig {
+                    places,
+                    max_waiting: limits.token_lookup_queue,
+                    max_wait: limits.token_lookup_wait,
+                },
+                pool.clone(),
+            ),
             limiter: Limiter::new(limits),
             unknown_tokens: DigestCache::new(
                 limits.unknown_token_ttl,
@@ -133,7 +136,7 @@ impl Admission {
         let admission = Arc::clone(self);
         let lookup = tokio::spawn(async move {
             let _share = share;
-            let found = admission.lookups.lookup(&admission.pool, &digest).await?;
+            let found = admission.lookups.lookup(&digest).await?;
             admission.settle(caller, peer, found)
         });
         lookup

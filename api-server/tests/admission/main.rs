@@ -9,6 +9,7 @@
 mod cold_riders;
 mod peers;
 mod penalties;
+mod token_lookups;
 
 use std::{net::IpAddr, time::Duration};
 
