@@ -5,7 +5,7 @@
 # runs the pgbench ceiling and the load generator per scenario, prints the table and writes it to
 # a file, then kills its processes, drops its database and deletes its RabbitMQ queues.
 #
-#   bench/run.sh [all | riders | riders-closed | riders-replay | retry-wait | new | replay | latency | receipts | enqueuer | batched-ceiling | new-1 | new-8 | new-32 | new-64 ...]
+#   bench/run.sh [all | riders | riders-closed | riders-replay | riders-replay-cold | retry-wait | new | replay | latency | receipts | enqueuer | batched-ceiling | new-1 | new-8 | new-32 | new-64 ...]
 #
 # The headline (README, issue 47) is `riders-closed`: the callers' shape below against a 0 ms
 # provider, a closed loop judged against the batched ceiling. Issue 28's pair is `riders`: a
@@ -17,8 +17,10 @@
 # p99 <= 1.5x, no request failed). `riders-replay` is replays at the production defaults from the
 # same callers' shape, each replay as the rider that made its key (the seeding, on the same
 # api-server, made every rider a key and warmed its token); its ceiling is replay_reads.sql at 64
-# clients. The other scenarios but retry-wait are closed loops on a few users, far above the
-# per-user limits, which are lifted for them.
+# clients. `riders-replay-cold` is the same with the keys made through another api-server, so that
+# every rider's token is cold on the measured one, as after a restart (`riders-replay` selects it
+# too). The other scenarios but retry-wait are closed loops on a few users, far above the per-user
+# limits, which are lifted for them.
 #
 # Environment: DURATION (s per loadgen run, default 15), RIDERS (the pool of the riders-* scenarios,
 # default 10000), PG_DURATION (s per pgbench run, default
@@ -70,6 +72,8 @@ RESULTS="$OUT/results.jsonl"
 # Below the ephemeral range (32768-60999): start_stack restarts the api-server, and 500 outgoing
 # connections must not be able to take its port meanwhile.
 GRPC_ADDR=127.0.0.1:25151
+# riders-replay-cold's second api-server, which makes the keys the measured one replays.
+SEED_GRPC_ADDR=127.0.0.1:25152
 STRIPE_ADDR=127.0.0.1:12211
 SMTP_ADDR=${BENCH_SMTP_ADDR:-127.0.0.1:2625}
 export AMQP_TOPOLOGY_PREFIX="bench-$RUN_ID"
@@ -111,6 +115,7 @@ command -v pgbench >/dev/null || die "pgbench is missing (apt-get install postgr
 command -v psql >/dev/null || die "psql is missing (apt-get install postgresql-client)"
 # The mail sink's port only matters to the receipts scenario (another campaign may hold it).
 ports="$GRPC_ADDR $STRIPE_ADDR"
+! wants riders-replay-cold || ports="$ports $SEED_GRPC_ADDR"
 ! wants receipts || ports="$ports $SMTP_ADDR"
 for addr in $ports; do
   port_open "${addr%:*}" "${addr##*:}" && die "$addr is in use: another bench/run.sh running?"
@@ -344,6 +349,23 @@ if wants riders-replay; then
   measure riders-replay bench/pgbench/replay_reads.sql 64 --riders "$RIDERS" --clients 64 \
     --connections 1 --max-attempts 1 --duration-secs "$DURATION" \
     --replay-ratio 1 --seed-keys-per-client $(((RIDERS + 63) / 64))
+  start_stack 0 16
+fi
+
+# The same replays on an api-server that has never seen the riders' tokens, as after a restart:
+# the keys are made through a second api-server (same database, same defaults, SEED_GRPC_ADDR),
+# so each rider's first replay on the measured one waits for its token's lookup. No warm-up: the
+# cold first calls are what it measures (RIDERS of the window's calls; the rest are warm).
+if wants riders-replay-cold; then
+  start_stack 0 16 defaults
+  METRICS_LISTEN_ADDR=off GRPC_LISTEN_ADDR=$SEED_GRPC_ADDR DATABASE_POOL_SIZE=16 \
+    start api-seeder env -u TOKIO_WORKER_THREADS "$API_SERVER_BIN" serve
+  wait_for_port "$SEED_GRPC_ADDR" api-seeder
+  measure riders-replay-cold bench/pgbench/replay_reads.sql 64 --riders "$RIDERS" --clients 64 \
+    --connections 1 --max-attempts 1 --duration-secs "$DURATION" \
+    --replay-ratio 1 --seed-keys-per-client $(((RIDERS + 63) / 64)) --seed-target "http://$SEED_GRPC_ADDR" \
+    --warmup-secs 0
+  stop api-seeder
   start_stack 0 16
 fi
 

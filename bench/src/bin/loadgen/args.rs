@@ -52,6 +52,11 @@ pub(crate) struct Args {
     /// Keys each client finishes before the measurement, as replay material.
     #[arg(long, default_value_t = 0)]
     pub(crate) seed_keys_per_client: u32,
+    /// Make the seeded keys through this endpoint instead of --target (another api-server on the
+    /// same database): the measured run then replays them on an api-server that has never seen
+    /// their riders' tokens, as after a restart.
+    #[arg(long, requires = "seed_keys_per_client")]
+    pub(crate) seed_target: Option<String>,
     /// Users to create (clients share them round-robin). Default: one per client.
     #[arg(long, conflicts_with = "riders")]
     pub(crate) users: Option<u32>,

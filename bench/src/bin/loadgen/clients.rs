@@ -205,7 +205,8 @@ pub(crate) async fn create_users(args: &Args, run_id: &str) -> anyhow::Result<Ve
 }
 
 /// The shared connections (`--connections`, else one per 50 clients), connected up front.
-pub(crate) async fn connect(args: &Args) -> anyhow::Result<Vec<Channel>> {
+/// `args.connections` HTTP/2 connections to `target` (`--target`, or `--seed-target`).
+pub(crate) async fn connect(args: &Args, target: &str) -> anyhow::Result<Vec<Channel>> {
     let connections = args
         .connections
         .unwrap_or_else(|| args.clients.div_ceil(50))
@@ -217,10 +218,10 @@ pub(crate) async fn connect(args: &Args) -> anyhow::Result<Vec<Channel>> {
     };
     let mut channels = Vec::new();
     for _ in 0..connections {
-        let channel = proto::client::endpoint(&args.target, &tls)?
+        let channel = proto::client::endpoint(target, &tls)?
             .connect()
             .await
-            .with_context(|| format!("cannot connect to {}", args.target))?;
+            .with_context(|| format!("cannot connect to {target}"))?;
         channels.push(channel);
     }
     Ok(channels)

@@ -15,7 +15,9 @@
 //! With `--riders N` the clients are instead a rider-facing backend: N users are created (their
 //! tokens cold on a freshly started api-server, which has never seen them) and each request with
 //! a fresh key takes a random one of them, so each rider calls rarely, as real riders do. A replay
-//! calls as the rider that made its key (the seeded keys are spread over the pool round-robin).
+//! calls as the rider that made its key (the seeded keys are spread over the pool round-robin);
+//! with `--seed-target` the keys are made through another api-server, so that the replays meet
+//! tokens the measured one has never seen, as after a restart.
 //! That is the shape the api-server's defaults are meant to serve, and `bench/run.sh` measures it
 //! at the defaults.
 //!
@@ -65,8 +67,14 @@ async fn main() -> anyhow::Result<()> {
     let run_id = format!("{:08x}", rand::rng().random::<u32>());
     let started_at_load = load_average();
     let users = clients::create_users(&args, &run_id).await?;
-    let channels = clients::connect(&args).await?;
-    let seeded = clients::seed(&args, &run_id, &users, &channels).await?;
+    let channels = clients::connect(&args, &args.target).await?;
+    let seeded = match &args.seed_target {
+        Some(seed_target) => {
+            let seed_channels = clients::connect(&args, seed_target).await?;
+            clients::seed(&args, &run_id, &users, &seed_channels).await?
+        }
+        None => clients::seed(&args, &run_id, &users, &channels).await?,
+    };
 
     // The measured run: after the warm-up, until the deadline or the request budget.
     let measure_from = Instant::now() + Duration::from_secs_f64(args.warmup_secs.max(0.0));
