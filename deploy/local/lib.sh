@@ -52,6 +52,22 @@ require_free_ports() { # "port what"...
   exit 1
 }
 
+# Fails before anything is built when the filesystem that holds the build has less room than the
+# run will write: a link that runs out of disk dies far into the run with a bus error (lld maps
+# its output file), which names neither the disk nor what to do. The need is the build's full
+# size less what its target directory already holds. Arguments: the full size in GiB, what it is.
+require_free_disk() { # GiB what
+  local dir=${CARGO_TARGET_DIR:-$REPO_ROOT/target} full_kib=$(($1 * 1024 * 1024))
+  mkdir -p "$dir"
+  local have_kib held_kib need_kib
+  have_kib=$(df -Pk "$dir" | awk 'NR == 2 {print $4}')
+  held_kib=$(du -sk "$dir" 2>/dev/null | awk '{print $1}')
+  need_kib=$((full_kib > held_kib ? full_kib - held_kib : 0))
+  log "disk: $((have_kib / 1048576)) GiB free for $dir, which holds $((held_kib / 1048576)) GiB; $2 writes about $1 GiB in all"
+  [ "$have_kib" -ge "$need_kib" ] && return
+  die "not enough disk for $2: $((need_kib / 1048576)) GiB more needed under $dir, $((have_kib / 1048576)) GiB free (free some, or point CARGO_TARGET_DIR at a larger disk)"
+}
+
 docker_engine() { command -v docker >/dev/null && docker info >/dev/null 2>&1 && docker compose version >/dev/null 2>&1; }
 
 compose_up() { docker compose -f "$REPO_ROOT/deploy/local/compose.yaml" up -d "$@"; }

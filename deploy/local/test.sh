@@ -37,6 +37,14 @@ if [[ "${PROOF:-1}" != 0 ]]; then
   fi
 fi
 require_free_ports "${ports[@]}"
+# What this command builds into target/ (debug: clippy, the tests, the campaigns' fault-injection
+# api-server), measured from empty: 9.7 GiB without incremental caches (CI), and with them the
+# debug build alone held 15 GiB (docs/reliability.md, "How to run"); about a tenth more is asked for.
+if [[ "${CARGO_INCREMENTAL:-}" == 0 ]]; then
+  require_free_disk 11 "the test command"
+else
+  require_free_disk 17 "the test command (with incremental caches; CARGO_INCREMENTAL=0 writes 11 GiB)"
+fi
 
 ensure_cargo
 ensure_postgres
