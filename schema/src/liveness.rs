@@ -26,11 +26,17 @@
 //! liveness connection must reach PostgreSQL directly or through a session-mode pool
 //! (`DATABASE_LIVENESS_URL`, docs/configuration.md).
 
-use std::time::{Duration, Instant};
+use std::{
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::{Duration, Instant},
+};
 
 use diesel::{QueryableByName, sql_types::BigInt, sql_types::Bool};
 use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
-use tokio::sync::watch;
+use tokio::sync::{Notify, watch};
 
 /// A lock holder's id: the key of the advisory lock its session holds.
 pub type HolderId = i64;
@@ -48,6 +54,12 @@ pub const CONFIRMED_FOR: Duration = Duration::from_secs(2);
 /// [`RECONNECT_MAX`].
 const RECONNECT_FIRST: Duration = Duration::from_millis(100);
 const RECONNECT_MAX: Duration = Duration::from_secs(2);
+/// How soon after a failed try a lock may ask for the next one, cutting the back-off short: a
+/// claim is about to use the database, which may well be back (a restart, a failover), and a
+/// lock named by no holder costs its key the whole lock timeout if this process dies. At most
+/// one try per this, however many locks ask (while the database is down, up to ten refused
+/// connects a second instead of one every 2 s; still one warning per [`RECONNECT_MAX`]).
+pub const ASKED_TRY_AFTER: Duration = Duration::from_millis(100);
 
 /// The server's side of the liveness connection: a peer that stops answering (a partition, a
 /// lost node) ends the session within about five seconds, releasing its holder id. Set on this
@@ -63,8 +75,10 @@ struct Presence {
     confirmed_at: Instant,
     /// A session is being opened (this process has just started, or is replacing a lost one):
     /// a lock taken now is worth waiting a moment for it. False while a failed attempt backs
-    /// off, so that claims never wait on a session that cannot be opened.
+    /// off.
     opening: bool,
+    /// While backing off after a failure: from when a lock may ask for the next try at once.
+    asks_from: Option<Instant>,
 }
 
 impl Presence {
@@ -73,6 +87,14 @@ impl Presence {
             holder: None,
             confirmed_at: Instant::now(),
             opening,
+            asks_from: None,
+        }
+    }
+
+    fn backing_off() -> Presence {
+        Presence {
+            asks_from: Some(Instant::now() + ASKED_TRY_AFTER),
+            ..Presence::lost(false)
         }
     }
 
@@ -88,6 +110,8 @@ impl Presence {
 #[derive(Clone, Debug)]
 pub struct Liveness {
     presence: watch::Receiver<Presence>,
+    /// Wakes the session's keeper out of its back-off (`None`: no session is ever opened).
+    ask: Option<Arc<Notify>>,
 }
 
 impl Liveness {
@@ -97,30 +121,69 @@ impl Liveness {
     /// timeout alone).
     pub fn start(url: String) -> Liveness {
         let (sender, presence) = watch::channel(Presence::lost(true));
-        tokio::spawn(keep_session(url, sender));
-        Liveness { presence }
+        let ask = Arc::new(Notify::new());
+        tokio::spawn(keep_session(url, sender, Arc::clone(&ask)));
+        Liveness {
+            presence,
+            ask: Some(ask),
+        }
     }
 
     /// A presence that never stands: every lock names no holder. For tools and tests that take
     /// locks without a session of their own.
     pub fn absent() -> Liveness {
         let (_, presence) = watch::channel(Presence::lost(false));
-        Liveness { presence }
+        Liveness {
+            presence,
+            ask: None,
+        }
     }
 
     /// The holder id to name in a lock taken now: the session's, if a heartbeat confirmed it
     /// within [`CONFIRMED_FOR`]. While a session is being opened (a process that has just
     /// started, or is replacing a lost session), waits up to that long for it, so that a server
-    /// serving from its first moment names a holder in its first locks; never while opening has
-    /// failed. `None`: the lock is judged by the lock timeout alone.
+    /// serving from its first moment names a holder in its first locks. While opening has failed
+    /// and backs off, asks for a try at once (at most one per [`ASKED_TRY_AFTER`]) and waits for
+    /// that try alone (a refused connect is quick; it never waits past [`CONFIRMED_FOR`]): after
+    /// a database restart the pool is back before the session's back-off ends, and a lock taken
+    /// meanwhile would name no holder. `None`: the lock is judged by the lock timeout alone.
     pub async fn holder_for_lock(&self) -> Option<HolderId> {
+        let asked = self.ask_for_a_try();
+        // Until the asked-for try has begun, a presence still backing off is the one asked about.
+        let try_begun = AtomicBool::new(!asked);
         self.settled(|presence| match presence.confirmed() {
             Some(holder) => Some(Some(holder)),
-            None if presence.opening => None,
+            None if presence.opening => {
+                try_begun.store(true, Ordering::Relaxed);
+                None
+            }
+            None if !AtomicBool::load(&try_begun, Ordering::Relaxed) => None,
             None => Some(None),
         })
         .await
         .flatten()
+    }
+
+    /// Waits until a session stands, at most `bound`; whether one did. The api-server asks this
+    /// once, before it first reports ready, so that callers routed by readiness reach it only
+    /// once its locks name a holder. [`Liveness::absent`] never stands: false at once.
+    pub async fn stands_within(&self, bound: Duration) -> bool {
+        let mut presence = self.presence.clone();
+        let standing = presence.wait_for(|presence| presence.holder.is_some());
+        matches!(tokio::time::timeout(bound, standing).await, Ok(Ok(_)))
+    }
+
+    /// Wakes the keeper out of its back-off if it may try again now; whether it was asked.
+    fn ask_for_a_try(&self) -> bool {
+        let Some(ask) = &self.ask else { return false };
+        let presence = *self.presence.borrow();
+        let may_ask = presence
+            .asks_from
+            .is_some_and(|from| Instant::now() >= from);
+        if may_ask {
+            ask.notify_one();
+        }
+        may_ask
     }
 
     /// Whether the session named `holder` still stands as far as this process knows (its last
@@ -162,8 +225,11 @@ impl Liveness {
 }
 
 /// Keeps a liveness session open and its presence published until nobody listens.
-async fn keep_session(url: String, sender: watch::Sender<Presence>) {
+async fn keep_session(url: String, sender: watch::Sender<Presence>, ask: Arc<Notify>) {
     let mut pause = RECONNECT_FIRST;
+    // Asked-for tries fail up to ten times a second while the database is down: one warning per
+    // RECONNECT_MAX, the back-off's own pace, saying how many tries failed since the last one.
+    let (mut warned_at, mut failed_tries) = (None::<Instant>, 0u32);
     while !sender.is_closed() {
         sender.send_replace(Presence::lost(true));
         match open_session(&url).await {
@@ -174,12 +240,27 @@ async fn keep_session(url: String, sender: watch::Sender<Presence>) {
                 tracing::warn!(holder, "liveness session lost; opening another");
             }
             Err(error) => {
-                tracing::warn!(error = %telemetry::error_chain(&error), "cannot open the liveness session");
+                failed_tries += 1;
+                if warned_at.is_none_or(|at| at.elapsed() >= RECONNECT_MAX) {
+                    tracing::warn!(error = %telemetry::error_chain(&error), failed_tries, "cannot open the liveness session");
+                    (warned_at, failed_tries) = (Some(Instant::now()), 0);
+                }
             }
         }
-        sender.send_replace(Presence::lost(false));
-        tokio::time::sleep(pause).await;
+        sender.send_replace(Presence::backing_off());
+        back_off(pause, &ask).await;
         pause = (pause * 2).min(RECONNECT_MAX);
+    }
+}
+
+/// Waits `pause` before the next try, or less if a lock asks for one after [`ASKED_TRY_AFTER`].
+async fn back_off(pause: Duration, ask: &Notify) {
+    tokio::time::sleep(pause.min(ASKED_TRY_AFTER)).await;
+    if pause > ASKED_TRY_AFTER {
+        tokio::select! {
+            () = tokio::time::sleep(pause - ASKED_TRY_AFTER) => {}
+            () = ask.notified() => {}
+        }
     }
 }
 
@@ -194,6 +275,7 @@ async fn heartbeat(
             holder: Some(holder),
             confirmed_at: Instant::now(),
             opening: false,
+            asks_from: None,
         });
         tokio::time::sleep(HEARTBEAT_EVERY).await;
         if sender.is_closed() {

@@ -12,7 +12,12 @@
 use std::{
     collections::hash_map::DefaultHasher,
     hash::{Hash, Hasher},
+    net::SocketAddr,
     path::Path,
+    sync::{
+        Arc,
+        atomic::{AtomicBool, AtomicUsize, Ordering},
+    },
     time::Duration,
 };
 
@@ -209,4 +214,46 @@ fn walk(dir: &Path) -> Vec<std::path::PathBuf> {
         }
     }
     files
+}
+
+/// A TCP proxy to `target` (`host:port`) that refuses every connection while `up` is false: the
+/// database as a client sees it during a restart. It counts the connections asked of it in
+/// `tries`, and lives as long as the test's runtime.
+pub async fn switchable_proxy(
+    target: String,
+    up: Arc<AtomicBool>,
+    tries: Arc<AtomicUsize>,
+) -> SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind the test proxy");
+    let addr = listener.local_addr().expect("the test proxy's address");
+    tokio::spawn(async move {
+        while let Ok((mut client, _)) = listener.accept().await {
+            tries.fetch_add(1, Ordering::SeqCst);
+            if !AtomicBool::load(&up, Ordering::SeqCst) {
+                continue; // dropped: the connection is refused
+            }
+            let target = target.clone();
+            tokio::spawn(async move {
+                if let Ok(mut server) = tokio::net::TcpStream::connect(target).await {
+                    let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
+                }
+            });
+        }
+    });
+    addr
+}
+
+/// `url` (a `postgres://user@host:port/database` URL, a [`TestDatabase`]'s) through a new
+/// [`switchable_proxy`] that `up` switches; and the proxy's count of tries.
+pub async fn through_switchable_proxy(
+    url: &str,
+    up: &Arc<AtomicBool>,
+) -> (String, Arc<AtomicUsize>) {
+    let (userinfo, rest) = url.split_once('@').expect("a URL with user@host");
+    let (server, database) = rest.split_once('/').expect("a URL with /database");
+    let tries = Arc::new(AtomicUsize::new(0));
+    let proxy = switchable_proxy(server.to_owned(), Arc::clone(up), Arc::clone(&tries)).await;
+    (format!("{userinfo}@{proxy}/{database}"), tries)
 }
