@@ -60,6 +60,9 @@ pub struct App {
     pub tls: Option<TlsConfig>,
     pub trusted_proxies: admission::peer::TrustedProxies,
     pub pool_size: u32,
+    /// Whether the server reports SERVING to readiness probes and load balancers (`server::serve`
+    /// sets it with their health statuses).
+    ready: Arc<tokio::sync::watch::Sender<bool>>,
     /// Reports pool usage while the app lives.
     _pool_gauges: [opentelemetry::metrics::ObservableUpDownCounter<i64>; 2],
 }
@@ -93,6 +96,14 @@ impl App {
             tls: config.tls.clone(),
             trusted_proxies: config.trusted_proxies.clone(),
             pool_size: config.database.pool_size,
+            ready: Arc::new(tokio::sync::watch::channel(false).0),
         })
+    }
+
+    /// Whether the server reports SERVING to readiness probes and load balancers (`""` and
+    /// `rides.v1.RideService`), as it changes: false until `server::serve` first finds the
+    /// database and the liveness session up.
+    pub fn readiness(&self) -> tokio::sync::watch::Receiver<bool> {
+        self.ready.subscribe()
     }
 }

@@ -64,7 +64,12 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServeError> {
     let (health, health_service) = tonic_health::server::health_reporter();
-    health.set_serving::<RideServiceServer<RideApi>>().await;
+    let readiness = Readiness {
+        health: health.clone(),
+        ready: Arc::clone(&app.ready),
+    };
+    // Not ready until `watch_database` finds the database and the liveness session up.
+    readiness.set(ServingStatus::NotServing).await;
     // Set once and never changed: see LIVENESS_SERVICE.
     health
         .set_service_status(LIVENESS_SERVICE, ServingStatus::Serving)
@@ -84,7 +89,8 @@ pub async fn serve(
     let serving = app.serving;
     let monitor = tokio::spawn(watch_database(
         app.rides.pool().clone(),
-        health.clone(),
+        app.rides.locking().liveness.clone(),
+        readiness.clone(),
         serving.health_check_interval,
     ));
     let transport = app.transport;
@@ -113,7 +119,7 @@ pub async fn serve(
         shutdown.await;
         tracing::info!(drain_delay = ?serving.drain_delay, "{LOG_SHUTTING_DOWN}");
         monitor.abort();
-        set_health(&health, ServingStatus::NotServing).await;
+        readiness.set(ServingStatus::NotServing).await;
         // Still serving: callers that have not yet seen NOT_SERVING are answered.
         tokio::time::sleep(serving.drain_delay).await;
         tracing::info!("{LOG_DRAINING}");
@@ -234,22 +240,48 @@ fn ignore_hangup() -> tokio::task::JoinHandle<()> {
 /// failover, each restart then backing off past the outage's end.
 pub const LIVENESS_SERVICE: &str = "liveness";
 
-/// Sets what readiness and load balancers read (`""` and the ride service); never the liveness
-/// service.
-async fn set_health(health: &tonic_health::server::HealthReporter, status: ServingStatus) {
-    health
-        .set_service_status("rides.v1.RideService", status)
-        .await;
-    health.set_service_status("", status).await;
+/// What readiness probes and load balancers read (`""` and the ride service; never the liveness
+/// service), and the same for observers in the process ([`crate::App::readiness`]).
+#[derive(Clone)]
+struct Readiness {
+    health: tonic_health::server::HealthReporter,
+    ready: Arc<tokio::sync::watch::Sender<bool>>,
 }
 
+impl Readiness {
+    async fn set(&self, status: ServingStatus) {
+        self.health
+            .set_service_status("rides.v1.RideService", status)
+            .await;
+        self.health.set_service_status("", status).await;
+        self.ready.send_replace(status == ServingStatus::Serving);
+    }
+}
+
+/// How long a starting server stays NOT_SERVING waiting for its first liveness session. Its
+/// claims wait for that session too, but only `schema::liveness::CONFIRMED_FOR` (2 s): a lock
+/// taken after that names no holder, and if the server then dies its key waits out the whole
+/// lock timeout (90 s by default). Bounded, so that a liveness URL that never connects delays
+/// readiness once, with an error logged, instead of keeping every server out of rotation.
+pub const FIRST_SESSION_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// Keeps health in step with the database: a server that cannot reach PostgreSQL can answer
-/// nothing useful, so it asks to be taken out of rotation.
+/// nothing useful, so it asks to be taken out of rotation. Its first SERVING also waits for the
+/// liveness session, up to [`FIRST_SESSION_WAIT`].
 async fn watch_database(
     pool: schema::Pool,
-    health: tonic_health::server::HealthReporter,
+    liveness: schema::liveness::Liveness,
+    readiness: Readiness,
     interval: std::time::Duration,
 ) {
+    if !liveness.stands_within(FIRST_SESSION_WAIT).await {
+        tracing::error!(
+            waited = ?FIRST_SESSION_WAIT,
+            "the liveness session (DATABASE_LIVENESS_URL) has not opened: health follows the \
+             database alone from now; until the session opens, locks name no holder, and if this \
+             server dies its keys stay locked for IDEMPOTENCY_LOCK_TIMEOUT_SECS"
+        );
+    }
     let mut reachable = true;
     loop {
         let check = async {
@@ -277,7 +309,7 @@ async fn watch_database(
         } else {
             ServingStatus::NotServing
         };
-        set_health(&health, status).await;
+        readiness.set(status).await;
         tokio::time::sleep(interval).await;
     }
 }

@@ -4,6 +4,10 @@
 
 use std::{
     process::{Command, Stdio},
+    sync::{
+        Arc,
+        atomic::{AtomicBool, AtomicUsize, Ordering},
+    },
     time::{Duration, Instant},
 };
 
@@ -83,6 +87,72 @@ async fn health_is_not_serving_while_the_database_is_unreachable() {
         .await
         .unwrap_err();
     assert_status(&status, Code::Unavailable, reason::DATABASE_UNAVAILABLE);
+}
+
+/// A server whose liveness session goes through a proxy that `up` switches, checking its
+/// database every 50 ms; and the proxy's count of the connections asked of it.
+async fn behind_a_liveness_proxy(up: &Arc<AtomicBool>) -> (TestApp, Arc<AtomicUsize>) {
+    let db = schema::testing::TestDatabase::new().await;
+    let url = db.url().to_owned();
+    let (liveness_url, tries) = schema::testing::through_switchable_proxy(&url, up).await;
+    let overrides = [
+        ("DATABASE_LIVENESS_URL", liveness_url.as_str()),
+        ("HEALTH_CHECK_INTERVAL_MS", "50"),
+    ];
+    let app = TestApp::spawn_on(db, &url, fake_stripe::Config::default(), &overrides).await;
+    (app, tries)
+}
+
+/// Not ready while the database answers and the liveness session does not: a lock taken then
+/// would name no holder, and its key would outlast this server's death by the lock timeout.
+async fn assert_not_ready_without_a_liveness_session(app: &TestApp, tries: &AtomicUsize) {
+    let channel = app.channel().await;
+    // The pool is fine: a call is served.
+    let user = app.create_user(GOOD_CARD).await;
+    app.create_ride(&user, &new_key(), ride_request())
+        .await
+        .unwrap();
+    assert!(
+        AtomicUsize::load(tries, Ordering::SeqCst) >= 1,
+        "the session was tried"
+    );
+    for service in ["rides.v1.RideService", ""] {
+        assert_eq!(
+            health_of(channel.clone(), service).await,
+            ServingStatus::NotServing,
+            "{service:?} before the liveness session stands"
+        );
+    }
+    assert!(!*app.app.readiness().borrow());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn health_turns_serving_only_once_the_liveness_session_stands() {
+    let up = Arc::new(AtomicBool::new(false));
+    let (app, tries) = behind_a_liveness_proxy(&up).await;
+    assert_not_ready_without_a_liveness_session(&app, &tries).await;
+    up.store(true, Ordering::SeqCst);
+    let channel = app.channel().await;
+    assert_eq!(
+        wait_for_health(&channel, ServingStatus::Serving).await,
+        ServingStatus::Serving
+    );
+    let holder = app.rides.locking().liveness.holder_for_lock().await;
+    assert!(holder.is_some(), "serving, and its locks name a holder");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_liveness_session_that_never_opens_delays_serving_once_and_no_longer() {
+    let up = Arc::new(AtomicBool::new(false));
+    let (app, tries) = behind_a_liveness_proxy(&up).await;
+    assert_not_ready_without_a_liveness_session(&app, &tries).await;
+    // After FIRST_SESSION_WAIT health follows the database alone.
+    let channel = app.channel().await;
+    assert_eq!(
+        wait_for_health(&channel, ServingStatus::Serving).await,
+        ServingStatus::Serving
+    );
+    assert_eq!(app.rides.locking().liveness.holder_for_lock().await, None);
 }
 
 #[tokio::test(flavor = "multi_thread")]

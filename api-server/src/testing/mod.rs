@@ -42,6 +42,9 @@ pub const INTERNAL_API_TOKEN: &str = "internal-test-token-0123456789abcdef";
 /// The per-user limits every TestApp starts with: high enough never to refuse a test's calls.
 pub const UNLIMITED: &[(&str, &str)] = crate::limits::LIFTED;
 
+/// How long [`TestApp::spawn_on`] waits for the server to report SERVING before handing it over.
+pub const READY_WITHIN: std::time::Duration = std::time::Duration::from_secs(3);
+
 pub struct TestApp {
     pub db: TestDatabase,
     pub pool: Pool,
@@ -117,6 +120,11 @@ impl TestApp {
             .await
             .unwrap();
         });
+        // A server reports SERVING once its database and liveness session are up: tests that
+        // read health start from there. A server that cannot get there (an unreachable database,
+        // a liveness session held down) is handed over after the bound, as it is.
+        let mut ready = app.readiness();
+        let _ = tokio::time::timeout(READY_WITHIN, ready.wait_for(|ready| *ready)).await;
         TestApp {
             pool: db.pool(4),
             db,
