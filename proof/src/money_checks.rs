@@ -106,7 +106,7 @@ pub(crate) fn judge(
     riders(keys, v, &mut figures);
     receipts(ev, &refunded, &foreign, keys, v, &mut figures);
     figures.insert("refunded_charges".into(), refunded.len() as u64);
-    exercised(ev, &figures, v);
+    exercised(ev, &figures, keys, v);
     figures
 }
 
@@ -307,7 +307,12 @@ fn receipts(
 }
 
 /// The mode did what it claims, or its passes prove nothing.
-fn exercised(ev: &Evidence, figures: &BTreeMap<String, u64>, v: &mut Violations) {
+fn exercised(
+    ev: &Evidence,
+    figures: &BTreeMap<String, u64>,
+    keys: &[MoneyKey],
+    v: &mut Violations,
+) {
     let figure = |name: &str| figures.get(name).copied().unwrap_or(0);
     for variant in VARIANTS {
         if !ev.foreign.iter().any(|pi| pi.variant == variant) {
@@ -330,6 +335,20 @@ fn exercised(ev: &Evidence, figures: &BTreeMap<String, u64>, v: &mut Violations)
     ] {
         if figure(name) == 0 {
             v.add("money_exercised", what.to_owned());
+        }
+    }
+    // What the refunded keys answered last instead (the report lists a failing invariant's
+    // first violations under it).
+    if figure("rider_keys.retry_answered_payment_refunded") == 0 {
+        for key in keys.iter().filter(|key| key.refunded_before_retry) {
+            v.add(
+                "money_exercised",
+                format!(
+                    "refunded key {} answered last {:?}",
+                    key.key,
+                    key.answers.last()
+                ),
+            );
         }
     }
 }

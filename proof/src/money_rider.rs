@@ -26,6 +26,9 @@ const KEY_TIME: Duration = Duration::from_secs(20);
 /// provider timeout, or killed with its keys leased (`COMPLETER_LEASE_SECS`, 30 s), can hold a
 /// rider's key back for half a minute, so a shorter overrun ends before the last give-up.
 const OVERRUN: Duration = Duration::from_secs(40);
+/// How long a rider's last retry of a key goes on while its answers are not final: past a
+/// stalled api-server's 10 s attempt and a restarted one's start.
+const RETRY_TIME: Duration = Duration::from_secs(30);
 
 /// One money rider: its user, its client (one attempt per call: the rider decides when to
 /// retry) and its provider customer, at which its faults are aimed.
@@ -136,13 +139,15 @@ impl Rider {
                 record.forged_receipt = self.forge_receipt(state.id).await;
             }
         }
-        // The retry a rider makes; cut off by a crash (a transport failure, no reason), its app
-        // tries again, so that what the key answers is seen.
-        for _ in 0..5 {
-            let answer = self.call(&key, params).await;
-            let cut_off = answer.ends_with("/-");
+        // The retry a rider makes. An answer that is not final (a crash's cut-off, a provider
+        // fault, a stalled server's timeout) makes its app try again, as the client's own policy
+        // would, so that what the key answers is seen. One refunding pass refunds the riders'
+        // keys together, so one such moment can meet every rider's retry at once.
+        let deadline = Instant::now() + RETRY_TIME;
+        loop {
+            let (answer, final_answer) = self.attempt(&key, params).await;
             record.answers.push(answer);
-            if !cut_off {
+            if final_answer || Instant::now() >= deadline {
                 break;
             }
             tokio::time::sleep(Duration::from_millis(500)).await;
@@ -178,6 +183,12 @@ impl Rider {
     }
 
     async fn call(&self, key: &str, params: CreateRideRequest) -> String {
+        self.attempt(key, params).await.0
+    }
+
+    /// One attempt: what it answered, and whether that is the key's final answer (a ride, a
+    /// decline, a refund, or an error no retry changes).
+    async fn attempt(&self, key: &str, params: CreateRideRequest) -> (String, bool) {
         let result = self
             .client
             .clone()
@@ -185,9 +196,9 @@ impl Rider {
             .create_ride_with_key(key, params)
             .await;
         match classify(result) {
-            Answer::Final(Seen::Ok { .. }) => "ok".to_owned(),
-            Answer::Final(seen) => seen.detail(),
-            Answer::Retry(label) => label,
+            Answer::Final(Seen::Ok { .. }) => ("ok".to_owned(), true),
+            Answer::Final(seen) => (seen.detail(), true),
+            Answer::Retry(label) => (label, false),
         }
     }
 
