@@ -159,6 +159,12 @@ impl FakeStripe {
         self.state.inject_faults(mode, count);
     }
 
+    /// The next `count` `GET /v1/payment_intents/{id}` calls answer 500 `api_error` (as Stripe
+    /// does in an outage) instead of the PaymentIntent; 0 makes them answer again.
+    pub fn fail_retrieves(&self, count: usize) {
+        self.state.fail_retrieves(count);
+    }
+
     /// Queues `count` faults for the next `POST /v1/payment_intents` calls charging `customer`,
     /// replacing that customer's pending ones (0 clears them); untargeted faults come first.
     pub fn inject_faults_for(&self, customer: &str, mode: FaultMode, count: usize) {

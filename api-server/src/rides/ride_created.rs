@@ -214,7 +214,9 @@ impl Rides {
     /// (docs/money-safety.md). Refunded in full, the key is finished with the refunded-key
     /// outcome, and nothing is recorded or mailed. Refunded in part, or when the provider cannot
     /// say, nothing is written and the key stays unfinished for a person (the refund's finding
-    /// is still open; the completer gives the key up). `None`: not refunded, record it.
+    /// is still open; the completer gives the key up). The provider unavailable for the read
+    /// writes nothing either, and is answered as a failed charge is: a retry reads again.
+    /// `None`: not refunded, record it.
     async fn refunded(
         &self,
         lease: &Lease,
@@ -227,8 +229,17 @@ impl Rides {
                 format!("PaymentIntent {} of ride {}: {why}", intent.id, ride.id).into(),
             )
         };
-        let unknown = |error: provider::ProviderError| {
-            not_recorded(format!("whether it was refunded is unknown ({error})"))
+        let unknown = |error: provider::ProviderError| match error {
+            provider::ProviderError::Unavailable { reason, source } => {
+                CreateRideError::ProviderUnavailable(ChargeError::Unavailable {
+                    reason: format!("whether the charge was refunded cannot be read: {reason}"),
+                    in_flight: false,
+                    source,
+                })
+            }
+            rejected @ provider::ProviderError::Rejected { .. } => {
+                not_recorded(format!("whether it was refunded is unknown ({rejected})"))
+            }
         };
         let listed = self.stripe.retrieve_payment_intent(&intent.id).await;
         match listed

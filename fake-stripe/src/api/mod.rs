@@ -223,6 +223,7 @@ pub(crate) async fn handle(
         },
         (_, Some("search")) if method == Method::GET => search(&state, &req),
         (_, Some(id)) if !id.is_empty() && !id.contains('/') => match method {
+            Method::GET if state.retrieve_fails() => Ok(ApiError::Api.response()),
             Method::GET => authenticate(req.headers(), &state)
                 .and_then(|_| query_params(&req, &["expand[]"]))
                 .and_then(|params| {

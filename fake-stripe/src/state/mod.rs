@@ -124,6 +124,8 @@ struct Inner {
     faults: VecDeque<(FaultMode, usize)>,
     /// Faults aimed at one customer's charges, by customer.
     targeted: HashMap<String, (FaultMode, usize)>,
+    /// How many of the next `GET /v1/payment_intents/{id}` calls answer 500 `api_error`.
+    failing_retrieves: usize,
 }
 
 /// Shared server state; cloned into every connection as an `Arc`.
@@ -185,6 +187,19 @@ impl State {
         let mut inner = self.lock();
         inner.faults.clear();
         inner.targeted.clear();
+        inner.failing_retrieves = 0;
+    }
+
+    pub fn fail_retrieves(&self, count: usize) {
+        self.lock().failing_retrieves = count;
+    }
+
+    /// Whether this retrieve is one that fails (and counts it).
+    pub fn retrieve_fails(&self) -> bool {
+        let mut inner = self.lock();
+        let fails = inner.failing_retrieves > 0;
+        inner.failing_retrieves = inner.failing_retrieves.saturating_sub(1);
+        fails
     }
 
     /// Replaces `customer`'s pending faults with `count` of `mode` (0 clears them); returns

@@ -124,15 +124,29 @@ async fn unrecorded_charge(app: &TestApp, user: &TestUser) -> (String, String) {
 
 /// The rider's retry of a refunded key: PAYMENT_REFUNDED, never the refunded charge.
 async fn assert_retry_replays_payment_refunded(app: &TestApp, user: &TestUser, key: &str) {
+    assert_retry_answers(
+        app,
+        user,
+        key,
+        tonic::Code::FailedPrecondition,
+        api_server::grpc::reason::PAYMENT_REFUNDED,
+    )
+    .await;
+}
+
+/// The rider's retry of `key` fails with `code` and `reason`.
+async fn assert_retry_answers(
+    app: &TestApp,
+    user: &TestUser,
+    key: &str,
+    code: tonic::Code,
+    reason: &str,
+) {
     let status = app
         .create_ride(user, key, ride_request())
         .await
         .unwrap_err();
-    assert_status(
-        &status,
-        tonic::Code::FailedPrecondition,
-        api_server::grpc::reason::PAYMENT_REFUNDED,
-    );
+    assert_status(&status, code, reason);
 }
 
 fn kinds(findings: &[ReconciliationFinding]) -> Vec<FindingKind> {

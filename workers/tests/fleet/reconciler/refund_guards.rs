@@ -14,8 +14,8 @@ use workers::{
 };
 
 use super::{
-    assert_retry_replays_payment_refunded, config, findings_of, kinds, operator, pass, reconciler,
-    sql, unrecorded_charge,
+    assert_retry_answers, assert_retry_replays_payment_refunded, config, findings_of, kinds,
+    operator, pass, reconciler, sql, unrecorded_charge,
 };
 
 #[derive(Debug, PartialEq, diesel::QueryableByName)]
@@ -94,6 +94,36 @@ async fn a_retry_after_a_refund_whose_recording_was_lost_never_records_the_refun
     assert!(app.staged_jobs().await.is_empty(), "no receipt");
     assert_eq!(app.stripe.payment_intents().len(), 1, "never charged again");
     assert_eq!(app.stripe.refunds().len(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_retry_that_cannot_read_whether_its_charge_was_refunded_writes_nothing_and_may_retry() {
+    let app = TestApp::spawn().await;
+    let user = app.create_user(GOOD_CARD).await;
+    let (key, _) = unrecorded_charge(&app, &user).await;
+    pass(&app, false).await;
+    lose_refund_recordings(&app).await;
+    reconciler(&app).run_once(true).await.unwrap();
+    assert_eq!(app.stripe.refunds().len(), 1);
+
+    // The provider replays the refunded charge, then fails the read of its refunds.
+    app.stripe.fail_retrieves(1);
+    assert_retry_answers(
+        &app,
+        &user,
+        &key,
+        tonic::Code::Unavailable,
+        api_server::grpc::reason::PAYMENT_PROVIDER_UNAVAILABLE,
+    )
+    .await;
+    let row = app.key_row(&user, &key).await.unwrap();
+    assert_eq!(row.recovery_point, schema::RecoveryPoint::RideCreated);
+    assert!(row.locked_at.is_none(), "released for the retry");
+    assert!(app.rides().await[0].stripe_charge_id.is_none(), "not paid");
+    assert!(app.staged_jobs().await.is_empty(), "no receipt");
+
+    assert_retry_replays_payment_refunded(&app, &user, &key).await;
+    assert_eq!(app.stripe.payment_intents().len(), 1, "never charged again");
 }
 
 #[tokio::test(flavor = "multi_thread")]
