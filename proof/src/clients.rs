@@ -397,6 +397,7 @@ fn observer(ctx: &ClientCtx, key: &str, drop_mid: bool, kind: CallKind) -> Attem
             let final_answer = is_final(&attempt.outcome);
             timeline.attempt(
                 &key,
+                attempt.target,
                 sent,
                 kind,
                 (!final_answer).then_some(attempt.outcome.as_str()),

@@ -72,7 +72,7 @@ pub(crate) struct Timeline {
     /// The `--ha` faults, in the order they were injected.
     events: std::sync::Mutex<Vec<FaultEvent>>,
     /// When an api-server died or stopped, and how ([`crate::holder_deaths`]).
-    deaths: std::sync::Mutex<Vec<(Instant, String)>>,
+    deaths: std::sync::Mutex<Vec<Death>>,
     /// With `--ha`, the primary's busy sessions by state and wait event, and how late the
     /// campaign's runtime woke ([`crate::ha_samples`]).
     db_samples: std::sync::Mutex<Vec<DbSample>>,
@@ -110,6 +110,9 @@ impl CallKind {
 pub(crate) struct TimedAttempt {
     /// The idempotency key the attempt was for.
     pub(crate) key: Arc<str>,
+    /// The api-server it was sent to, as the clients number them (0 `api-server`, 1
+    /// `api-server-b`; always 0, the proxy, with `--lb`).
+    pub(crate) target: usize,
     pub(crate) sent: Instant,
     pub(crate) answered: Instant,
     kind: CallKind,
@@ -125,6 +128,7 @@ impl TimedAttempt {
     pub(crate) fn at(key: &str, times: (Instant, Instant), kind: CallKind, failed: bool) -> Self {
         TimedAttempt {
             key: Arc::from(key),
+            target: 0,
             sent: times.0,
             answered: times.1,
             kind,
@@ -135,6 +139,19 @@ impl TimedAttempt {
     pub(crate) fn failed(&self) -> bool {
         self.failure.is_some()
     }
+
+    /// Its failure's outcome, or `final` for a final answer.
+    pub(crate) fn outcome(&self) -> &str {
+        self.failure.as_deref().unwrap_or("final")
+    }
+}
+
+/// An api-server's death: when, why, and which one (`None`: every one).
+#[derive(Clone, Debug)]
+pub(crate) struct Death {
+    pub(crate) at: Instant,
+    pub(crate) cause: String,
+    pub(crate) server: Option<usize>,
 }
 
 /// One injected `--ha` fault: when, and when the topology was whole again.
@@ -188,6 +205,7 @@ impl Timeline {
     pub(crate) fn attempt(
         &self,
         key: &Arc<str>,
+        target: usize,
         sent: Instant,
         kind: CallKind,
         failure: Option<&str>,
@@ -195,6 +213,7 @@ impl Timeline {
         if let Ok(mut attempts) = self.attempts.lock() {
             attempts.push(TimedAttempt {
                 key: Arc::clone(key),
+                target,
                 sent,
                 answered: Instant::now(),
                 kind,
@@ -227,18 +246,23 @@ impl Timeline {
         }
     }
 
-    /// An api-server died (or stopped) now, by `cause`.
-    pub(crate) fn death(&self, cause: impl Into<String>) {
-        self.death_at(Instant::now(), cause);
+    /// An api-server died (or stopped) now, by `cause`: the one the clients number `server`, or
+    /// every one (`None`: a failover ends every server's liveness session).
+    pub(crate) fn death(&self, cause: impl Into<String>, server: Option<usize>) {
+        self.death_at(Instant::now(), cause, server);
     }
 
-    pub(crate) fn death_at(&self, at: Instant, cause: impl Into<String>) {
+    pub(crate) fn death_at(&self, at: Instant, cause: impl Into<String>, server: Option<usize>) {
         if let Ok(mut deaths) = self.deaths.lock() {
-            deaths.push((at, cause.into()));
+            deaths.push(Death {
+                at,
+                cause: cause.into(),
+                server,
+            });
         }
     }
 
-    pub(crate) fn deaths(&self) -> Vec<(Instant, String)> {
+    pub(crate) fn deaths(&self) -> Vec<Death> {
         self.deaths.lock().map(|d| d.clone()).unwrap_or_default()
     }
 

@@ -99,8 +99,12 @@ impl Faults {
             rng(1),
             800,
             move |rng| {
-                let which = &apis[rng.random_range(0..apis.len())];
-                (Arc::clone(which), "sigkill/api-server (random moment)")
+                let server = rng.random_range(0..apis.len());
+                (
+                    Arc::clone(&apis[server]),
+                    "sigkill/api-server (random moment)",
+                    Some(server),
+                )
             },
         );
         let staller = stall_apis(
@@ -128,9 +132,9 @@ impl Faults {
             1000,
             move |rng| {
                 if rng.random_bool(0.5) {
-                    (Arc::clone(&enq), "sigkill/enqueuer")
+                    (Arc::clone(&enq), "sigkill/enqueuer", None)
                 } else {
-                    (Arc::clone(&rec), "sigkill/receipts")
+                    (Arc::clone(&rec), "sigkill/receipts", None)
                 }
             },
         );
@@ -203,7 +207,8 @@ fn server_faults(
 }
 
 /// SIGKILLs the child `pick` draws at random moments, and restarts it after a pause of up to
-/// `max_pause_ms`; each kill is a holder's death on `deaths` when given (the api-servers).
+/// `max_pause_ms`; each kill is a holder's death on `deaths` when given (the api-servers, with
+/// the number the clients know the one killed by).
 fn kill_at_random(
     faults: Arc<Counters>,
     deaths: Option<Arc<Timeline>>,
@@ -211,14 +216,14 @@ fn kill_at_random(
     mean: f64,
     mut rng: StdRng,
     max_pause_ms: u64,
-    pick: impl Fn(&mut StdRng) -> (Arc<Mutex<Proc>>, &'static str) + Send + 'static,
+    pick: impl Fn(&mut StdRng) -> (Arc<Mutex<Proc>>, &'static str, Option<usize>) + Send + 'static,
 ) -> FaultTask {
     tokio::spawn(async move {
         while sleep_unless_stopped(&stop, exp_delay(&mut rng, mean)).await {
             let pause = Duration::from_millis(rng.random_range(0..max_pause_ms));
-            let (which, label) = pick(&mut rng);
+            let (which, label, server) = pick(&mut rng);
             if let Some(deaths) = &deaths {
-                deaths.death(label);
+                deaths.death(label, server);
             }
             kill_and_restart(&which, pause, &faults, label).await?;
         }
@@ -248,13 +253,13 @@ fn stall_apis(
         while sleep_unless_stopped(&stop, rare_fault_delay(&mut rng, &mut first, traffic, mean))
             .await
         {
-            let which = &apis[rng.random_range(0..apis.len())];
-            let Some(pid) = which.lock().await.pid() else {
+            let server = rng.random_range(0..apis.len());
+            let Some(pid) = apis[server].lock().await.pid() else {
                 continue;
             };
             if signal(pid, "-STOP").await {
                 faults.add(STALL, 1);
-                deaths.death(STALL);
+                deaths.death(STALL, Some(server));
                 let stall = lock_timeout + rng.random_range(0.5..2.5);
                 tokio::time::sleep(Duration::from_secs_f64(stall)).await;
                 signal(pid, "-CONT").await;

@@ -346,7 +346,8 @@ impl Gathering<'_> {
             &mut verdict.violations,
         );
         report::write_keys(&self.plan.out_dir, records)?;
-        let holder_deaths = holder_deaths::measure(&tallies.timeline, &children.arming);
+        let holder_deaths = holder_deaths::measure(&tallies.timeline, &children.arming, !args.lb);
+        holder_deaths.write_slowest(&self.plan.out_dir)?;
         Report {
             args,
             plan: self.plan,

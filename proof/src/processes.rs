@@ -26,7 +26,7 @@ use tokio::{
 use crate::counters::Counters;
 
 mod children;
-pub(crate) use children::Children;
+pub(crate) use children::{API_SERVERS, Children};
 
 pub(crate) struct Proc {
     pub(crate) name: &'static str,
@@ -47,7 +47,9 @@ pub(crate) struct Arming {
     next: AtomicU64,
     pub(crate) armed: AtomicBool,
     rng: std::sync::Mutex<StdRng>,
-    log: PathBuf,
+    /// Where each api-server appends its crashes: `crash-points-<name>.log` in it, one file per
+    /// server, so that a crash is known to be that server's death.
+    dir: PathBuf,
     /// The armed point fires on a pass drawn from this range: late enough that a server spends
     /// most of its life serving, early enough that every point fires in the run (several times
     /// in a short one, dozens in a long one).
@@ -55,7 +57,7 @@ pub(crate) struct Arming {
 }
 
 impl Arming {
-    fn env(&self) -> Vec<(String, String)> {
+    fn env(&self, server: &str) -> Vec<(String, String)> {
         if !AtomicBool::load(&self.armed, Ordering::SeqCst) {
             return Vec::new();
         }
@@ -72,7 +74,10 @@ impl Arming {
                 points[n % points.len()].name().to_owned(),
             ),
             ("FAULT_CRASH_AFTER".to_owned(), after.to_string()),
-            ("FAULT_CRASH_LOG".to_owned(), self.log.display().to_string()),
+            (
+                "FAULT_CRASH_LOG".to_owned(),
+                self.log_of(server).display().to_string(),
+            ),
         ]
     }
 
@@ -80,27 +85,42 @@ impl Arming {
     pub(crate) fn fired(&self) -> BTreeMap<String, u64> {
         self.crashes()
             .into_iter()
-            .fold(BTreeMap::new(), |mut m, (point, _)| {
-                *m.entry(point).or_default() += 1;
+            .fold(BTreeMap::new(), |mut m, crash| {
+                *m.entry(crash.point).or_default() += 1;
                 m
             })
     }
 
-    /// Every crash in the log: the point, and when (the wall clock, as the api-server wrote it).
-    pub(crate) fn crashes(&self) -> Vec<(String, Option<std::time::SystemTime>)> {
-        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
-        text.lines()
-            .filter_map(|line| {
+    /// Every crash in the logs: which api-server (numbered as the clients number them, see
+    /// [`API_SERVERS`]), the point, and when (the wall clock, as the api-server wrote it).
+    pub(crate) fn crashes(&self) -> Vec<Crash> {
+        let mut crashes = Vec::new();
+        for (server, name) in API_SERVERS.iter().enumerate() {
+            let text = std::fs::read_to_string(self.log_of(name)).unwrap_or_default();
+            crashes.extend(text.lines().filter_map(|line| {
                 let mut fields = line.split_whitespace();
                 let point = fields.next()?.to_owned();
                 let at = fields
                     .next()
                     .and_then(|ms| ms.parse::<u64>().ok())
                     .map(|ms| std::time::UNIX_EPOCH + Duration::from_millis(ms));
-                Some((point, at))
-            })
-            .collect()
+                Some(Crash { server, point, at })
+            }));
+        }
+        crashes
     }
+
+    fn log_of(&self, server: &str) -> PathBuf {
+        self.dir.join(format!("crash-points-{server}.log"))
+    }
+}
+
+/// One crash point that fired.
+pub(crate) struct Crash {
+    /// The api-server that crashed, as the clients number it.
+    pub(crate) server: usize,
+    pub(crate) point: String,
+    pub(crate) at: Option<std::time::SystemTime>,
 }
 
 impl Proc {
@@ -115,7 +135,11 @@ impl Proc {
             .open(&self.log)
             .with_context(|| format!("opening {}", self.log.display()))?;
         let err = out.try_clone()?;
-        let armed = self.arming.as_ref().map(|a| a.env()).unwrap_or_default();
+        let armed = self
+            .arming
+            .as_ref()
+            .map(|a| a.env(self.name))
+            .unwrap_or_default();
         let child = Command::new(&self.bin)
             .args(&self.args)
             .envs(self.env.iter().cloned())

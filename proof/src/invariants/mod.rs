@@ -178,6 +178,20 @@ impl Violations {
         }
         self.list.push(format!("[{invariant}] {what}"));
     }
+
+    /// The first `n` violations of `invariant`, as [`Violations::add`] listed them.
+    pub(crate) fn first_of<'a>(
+        &'a self,
+        invariant: &str,
+        n: usize,
+    ) -> impl Iterator<Item = &'a str> + 'a {
+        let prefix = format!("[{invariant}] ");
+        self.list
+            .iter()
+            .filter(move |line| line.starts_with(&prefix))
+            .take(n)
+            .map(String::as_str)
+    }
 }
 
 /// What the invariants are checked against: what the clients and the replays saw, and the
@@ -271,5 +285,34 @@ impl<'a> Checks<'a> {
             succeeded_by_ride,
             all_by_ride,
         }
+    }
+}
+
+#[cfg(test)]
+mod violations_tests {
+    use super::Violations;
+
+    #[test]
+    fn first_of_lists_one_invariants_violations_in_order_up_to_n() {
+        let mut v = Violations::default();
+        v.add("money_exercised", "no refund was made".into());
+        v.add("no_paid_after_refund", "key a answered OK".into());
+        v.add(
+            "money_exercised",
+            "refunded key b answered last None".into(),
+        );
+        v.add(
+            "money_exercised",
+            "refunded key c answered last None".into(),
+        );
+        let first: Vec<&str> = v.first_of("money_exercised", 2).collect();
+        assert_eq!(
+            first,
+            [
+                "[money_exercised] no refund was made",
+                "[money_exercised] refunded key b answered last None"
+            ]
+        );
+        assert_eq!(v.first_of("refunds_audited", 3).count(), 0);
     }
 }

@@ -21,6 +21,10 @@ use crate::{
 
 use super::{Arming, Proc, TERMINATION_GRACE, Terminated, signal};
 
+/// The api-servers' names, in the order the clients number them (an attempt's target) and the
+/// faults pick them.
+pub(crate) const API_SERVERS: [&str; 2] = ["api-server", "api-server-b"];
+
 /// The children of one run. fake-stripe and the mail sink hold the evidence and are never
 /// faulted, so the campaign owns them; the api-servers and workers are shared (behind a lock)
 /// with the fault tasks that kill them and the supervisor that restarts them.
@@ -66,7 +70,7 @@ impl Arming {
             next: AtomicU64::new(0),
             armed: AtomicBool::new(!args.no_crash_points),
             rng: std::sync::Mutex::new(StdRng::seed_from_u64(plan.seed.wrapping_add(4))),
-            log: plan.out_dir.join("crash-points.log"),
+            dir: plan.out_dir.clone(),
             after: if args.long { (10, 80) } else { (3, 25) },
         }
     }
@@ -239,7 +243,7 @@ async fn start_apis(
     let mut api_a = child(
         plan,
         wiring,
-        "api-server",
+        API_SERVERS[0],
         first_bin("api-server"),
         vec!["serve".into()],
         Some(args.grpc_port),
@@ -250,7 +254,7 @@ async fn start_apis(
     let mut api_b = child(
         plan,
         wiring,
-        "api-server-b",
+        API_SERVERS[1],
         first_bin("api-server"),
         vec!["serve".into()],
         Some(args.grpc_port_b),
