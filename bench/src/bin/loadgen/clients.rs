@@ -204,8 +204,8 @@ pub(crate) async fn create_users(args: &Args, run_id: &str) -> anyhow::Result<Ve
     Ok(users)
 }
 
-/// The shared connections (`--connections`, else one per 50 clients), connected up front.
-/// `args.connections` HTTP/2 connections to `target` (`--target`, or `--seed-target`).
+/// The shared HTTP/2 connections to `target` (`--target`, or `--seed-target` for the seeding):
+/// `--connections`, else one per 50 clients, connected up front.
 pub(crate) async fn connect(args: &Args, target: &str) -> anyhow::Result<Vec<Channel>> {
     let connections = args
         .connections
