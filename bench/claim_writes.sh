@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # PostgreSQL alone: what the claim statement's writes cost a batch of replays (issue 47 item 2;
-# docs/history/performance.md, run 35). The service's claim (api-server/src/rides/claim.sql) over
-# BATCH finished keys, against the same statement with its three INSERT CTEs (`inserted`, `ride`,
-# `audit`) taken out, which is all a batch of replays needs. One pgbench client, as the service
+# docs/history/performance.md, run 35). The service's claim over BATCH finished keys
+# (api-server/src/rides/claim_find.sql then claim.sql), against its read statement
+# (claim_find.sql then claim_read.sql, what a claim that reads first sends), which has the same
+# reads and none of the three INSERT CTEs (`inserted`, `ride`, `audit`). One pgbench client, as the service
 # runs one claim batch at a time; PAIRS interleaved pairs of SECS-second windows, the order
 # alternating. Prints each pair's mean latency and the ratio read-only / full.
 #
@@ -10,8 +11,8 @@
 #     bench/claim_writes.sh
 #
 # A scratch database (dropped at the end) migrated by the api-server and seeded by
-# bench/pgbench/setup.sql; the statements are generated from claim.sql at each run, so they are
-# the service's own text, with literals for its parameters.
+# bench/pgbench/setup.sql; the statements are generated from the service's SQL files at each run,
+# so they are its own text, with literals for its parameters.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 # shellcheck source=bench/lib.sh
@@ -32,12 +33,14 @@ USER_BASE=$(psql "$DATABASE_URL" -At -v users=100 -v keys_per_user=50 -f bench/p
 [ -n "$USER_BASE" ] || die "fixtures failed"
 
 # The input CTE: BATCH random finished keys of the 100 fixture users, with the values the
-# api-server binds; then claim.sql from its `caller` CTE on, whole or without the writes.
+# api-server binds; then the statement from its `caller` CTE on, with or without the writes.
 python3 - "$OUT" <<'PY'
 import sys
 out = sys.argv[1]
-claim = open("api-server/src/rides/claim.sql").read()
-body = claim[claim.index("caller AS ("):].rstrip().rstrip(";") + ";\n"
+find = open("api-server/src/rides/claim_find.sql").read()
+find = find[find.index("caller AS ("):]
+body = find + open("api-server/src/rides/claim.sql").read().rstrip().rstrip(";") + ";\n"
+reads = find + open("api-server/src/rides/claim_read.sql").read().rstrip().rstrip(";") + ";\n"
 params = '\'{"origin_lat": 37.7749, "origin_lon": -122.4194, "target_lat": 37.3382, "target_lon": -121.8863}\'::jsonb'
 head = f"""WITH input AS (
     SELECT sha256(convert_to('pgbench-token-' || u, 'UTF8')) AS digest, NULL::int8 AS caller_id,
@@ -51,17 +54,6 @@ head = f"""WITH input AS (
     FROM (SELECT :user_base + floor(random() * :users)::int AS u
           FROM generate_series(1, :batch)) AS s
 ),
-"""
-reads = body[: body.index("inserted AS (")] + """found AS (
-    SELECT existing.*, false AS inserted FROM existing
-)
-SELECT caller.req, caller.id AS caller_id, caller.created_at AS caller_created_at,
-       caller.email, caller.stripe_customer_id, caller.stripe_payment_method_id,
-       caller.api_token_digest, found.*,
-       idempotency_lock_state(found.locked_at, found.lock_holder, found.created_at,
-                              caller.lock_timeout, caller.holder_takeover) AS lock_state
-FROM caller
-JOIN found ON found.found_req = caller.req;
 """
 open(f"{out}/full.sql", "w").write(head + body)
 open(f"{out}/reads.sql", "w").write(head + reads)

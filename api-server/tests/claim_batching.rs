@@ -13,7 +13,8 @@ use api_server::{
     auth::{self, Caller},
     grpc::reason,
     idempotency::{
-        self, Batcher, Batching, Claims, Decision, IdempotencyKey, RequestSignature, Unlock,
+        self, Batcher, Batching, ClaimStatementsSent, Claims, Decision, IdempotencyKey,
+        RequestSignature, Unlock,
     },
     rides::{FirstRide, RideClaim, RideParams},
     testing::*,
@@ -65,6 +66,57 @@ type Claim = (String, String, CreateRideRequest, &'static str);
 
 #[tokio::test(flavor = "multi_thread")]
 async fn claims_queued_together_share_a_statement_and_each_get_their_own_answer() {
+    let sent = mixed_batch(|_| false).await;
+    assert_eq!(sent.reads, 0, "no claim expected its key: {sent:?}");
+}
+
+/// The same batch with every claim but the unknown token's saying it resends its key: the
+/// claims read first, and those that find no key (the new ones) are written in a statement of
+/// their own; every claim decides what it decides without the hint.
+#[tokio::test(flavor = "multi_thread")]
+async fn resent_claims_read_first_and_decide_what_they_would_without_the_hint() {
+    let sent = mixed_batch(|kind| kind != "unknown").await;
+    assert!(sent.reads >= 1, "{sent:?}");
+    assert!(sent.writes >= 1, "the new keys were inserted: {sent:?}");
+}
+
+/// Only replays and a mismatch, each saying it resends its key: decided without a write
+/// statement.
+#[tokio::test(flavor = "multi_thread")]
+async fn resent_keys_that_exist_are_decided_without_a_write_statement() {
+    let app = TestApp::spawn().await;
+    let alice = app.create_user(GOOD_CARD).await;
+    let key = new_key();
+    app.create_ride(&alice, &key, ride_request()).await.unwrap();
+    let batcher = Arc::new(Batcher::new(
+        Claims::new(RideClaim),
+        app.db.pool(1),
+        Default::default(),
+        Batching::default(),
+    ));
+    let other = CreateRideRequest {
+        origin_lat: Some(1.0),
+        ..ride_request()
+    };
+    for (request, wanted) in [
+        (ride_request(), Decided::Replay { code: 0 }),
+        (other, Decided::Mismatch),
+    ] {
+        let digest = auth::token_digest(&alice.token);
+        let key = IdempotencyKey::parse(&key).unwrap();
+        let (signature, first) = (params(request).signature(), first_ride(params(request)));
+        let batcher = Arc::clone(&batcher);
+        let decided = claim_one(batcher, digest, key, signature, first, true).await;
+        assert_eq!(decided, wanted);
+    }
+    let sent = batcher.statement().sent();
+    assert_eq!((sent.reads, sent.writes), (2, 0), "{sent:?}");
+}
+
+/// The mixed batch below, each claim saying it resends its key if `resent(kind)`, queued behind a
+/// held connection so that the claims share statements; checks every answer and write, and
+/// returns what the claims sent.
+async fn mixed_batch(resent: impl Fn(&str) -> bool) -> ClaimStatementsSent {
     let app = TestApp::spawn().await;
     let alice = app.create_user(GOOD_CARD).await;
     let bob = app.create_user(GOOD_CARD).await;
@@ -84,7 +136,7 @@ async fn claims_queued_together_share_a_statement_and_each_get_their_own_answer(
     let batcher_pool = app.db.pool(1);
     let held = batcher_pool.get_owned().await.unwrap();
     let batcher = Arc::new(Batcher::new(
-        Claims(RideClaim),
+        Claims::new(RideClaim),
         batcher_pool,
         Default::default(),
         Batching {
@@ -92,12 +144,20 @@ async fn claims_queued_together_share_a_statement_and_each_get_their_own_answer(
             in_flight: 1,
         },
     ));
-    let runs = claims.iter().map(|(token, key, request, _)| {
+    let runs = claims.iter().map(|(token, key, request, kind)| {
         let digest = auth::token_digest(token);
         let key = IdempotencyKey::parse(key).unwrap();
         let signature = params(*request).signature();
         let first_ride = first_ride(params(*request));
-        claim_one(Arc::clone(&batcher), digest, key, signature, first_ride)
+        let resent = resent(kind);
+        claim_one(
+            Arc::clone(&batcher),
+            digest,
+            key,
+            signature,
+            first_ride,
+            resent,
+        )
     });
     let mut all = std::pin::pin!(futures_util::future::join_all(runs));
     assert!(
@@ -124,6 +184,7 @@ async fn claims_queued_together_share_a_statement_and_each_get_their_own_answer(
     assert_eq!(shared_row.recovery_point, RecoveryPoint::RideCreated);
     assert!(shared_row.lock_token.is_some());
     assert_new_keys_have_their_rides(&app, &bob, &claims, rides_before).await;
+    batcher.statement().sent()
 }
 
 /// Replays of alice's finished keys, one mismatch, six new keys for bob, one new key twice,
@@ -185,7 +246,12 @@ async fn claim_one(
     key: IdempotencyKey,
     signature: RequestSignature,
     first_ride: FirstRide,
+    expects_key: bool,
 ) -> Decided {
+    let attempt = idempotency::Attempt {
+        token: Uuid::new_v4(),
+        expects_key,
+    };
     let claimed = idempotency::claim(
         &batcher,
         Caller::Token(digest),
@@ -193,7 +259,7 @@ async fn claim_one(
         &signature,
         &first_ride,
         &locking(),
-        Uuid::new_v4(),
+        attempt,
     )
     .await
     .unwrap();
@@ -352,7 +418,10 @@ async fn a_claim_whose_answer_was_lost_owns_its_key_by_its_token_and_undoes_it_b
                 &request.signature(),
                 &first_ride,
                 &locking(),
-                token,
+                idempotency::Attempt {
+                    token,
+                    expects_key: false,
+                },
             )
             .await
             .unwrap()

@@ -77,7 +77,7 @@ pub(crate) async fn replay(
 async fn replay_one(channel: Channel, user: User, record: KeyRecord) -> (KeyRecord, Seen, bool) {
     let result = user_client(&user, channel, Vec::new())
         .with_policy(RetryPolicy::single_attempt(Duration::from_secs(20)))
-        .create_ride_with_key(record.key.as_str(), record.params)
+        .resume_ride(record.key.as_str(), record.params)
         .await;
     // An answer that is not a success cannot carry the marker; only a success is judged by it.
     let replayed = result.as_ref().map_or(true, |created| created.replayed);

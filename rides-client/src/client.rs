@@ -11,23 +11,23 @@ use proto::{
     v1::{CreateRideRequest, GetRideRequest, ride_service_client::RideServiceClient},
 };
 use rand::Rng;
-use telemetry::semconv::{RPC_SYSTEM_GRPC, attribute, grpc_status_code};
 use tonic::{
     Request, Response, Status,
-    metadata::{AsciiMetadataKey, AsciiMetadataValue, MetadataMap},
+    metadata::{AsciiMetadataValue, MetadataMap},
     transport::Channel,
 };
-use tracing::{Instrument, Span, field};
+use tracing::{Instrument, Span};
 
 use crate::{
     attempt::{AttemptRecord, Created, Fetched},
     credential::Credential,
     error::{CallError, RidesError},
     policy::RetryPolicy,
+    span::{finish_call_span, inject_trace_context, record_code, rpc_span},
 };
 
 /// The service whose methods every span names: `rpc.method` is `{SERVICE}/{method}`.
-const SERVICE: &str = "rides.v1.RideService";
+pub(crate) const SERVICE: &str = "rides.v1.RideService";
 
 /// Called after every attempt with its record (its `wait` filled in when there is a next one):
 /// for live counters, such as the proof campaign's.
@@ -118,20 +118,44 @@ impl RidesClient {
         self.create_ride_with_key(new_key(), params).await
     }
 
-    /// CreateRide with the caller's key: to resume a logical request after this process
-    /// restarted, or (the completer) to finish a key someone else started. The same key with
-    /// other parameters is `IdempotencyKeyReused`.
+    /// CreateRide with the caller's key, sent for the first time (a key the caller derives from
+    /// its own request, say). The same key with other parameters is `IdempotencyKeyReused`. Its
+    /// retries say they resend the key (`idempotency-key-resent`), as every attempt of
+    /// [`RidesClient::resume_ride`] does.
     pub async fn create_ride_with_key(
         &self,
         key: impl Into<String>,
         params: CreateRideRequest,
     ) -> Result<Created, CallError> {
-        let key = key.into();
+        self.create_ride_sending(key.into(), false, params).await
+    }
+
+    /// CreateRide with a key this caller has sent before: to resume a logical request after this
+    /// process restarted, or to ask again for the answer of one it made. Every attempt says so
+    /// (`idempotency-key-resent`), and the server looks the key up before it writes anything:
+    /// cheaper for a key that exists, one statement dearer for one that does not.
+    pub async fn resume_ride(
+        &self,
+        key: impl Into<String>,
+        params: CreateRideRequest,
+    ) -> Result<Created, CallError> {
+        self.create_ride_sending(key.into(), true, params).await
+    }
+
+    async fn create_ride_sending(
+        &self,
+        key: String,
+        sent_before: bool,
+        params: CreateRideRequest,
+    ) -> Result<Created, CallError> {
         let span = rpc_span("CreateRide", None, Some(&key));
         let result = self
             .call(
                 "CreateRide",
-                Some(&key),
+                Some(SentKey {
+                    key: &key,
+                    before: sent_before,
+                }),
                 params,
                 |mut rpc, request| async move { rpc.create_ride(request).await },
             )
@@ -197,7 +221,7 @@ impl RidesClient {
     async fn call<B, R, F, Fut>(
         &self,
         method: &'static str,
-        key: Option<&str>,
+        key: Option<SentKey<'_>>,
         body: B,
         send: F,
     ) -> Result<(Response<R>, Vec<AttemptRecord>), (RidesError, Vec<AttemptRecord>)>
@@ -218,6 +242,11 @@ impl RidesClient {
             let timeout = policy.attempt_timeout.min(remaining());
             let target = self.pick_target();
             let started = Instant::now();
+            // Every attempt after the first resends the key.
+            let key = key.map(|key| SentKey {
+                before: key.before || number > 1,
+                ..key
+            });
             let answer = self
                 .attempt(method, number, target, timeout, key, body.clone(), &send)
                 .await;
@@ -307,7 +336,7 @@ impl RidesClient {
         number: u32,
         target: usize,
         timeout: Duration,
-        key: Option<&str>,
+        key: Option<SentKey<'_>>,
         body: B,
         send: &F,
     ) -> Result<Result<Response<R>, RidesError>, RidesError>
@@ -359,7 +388,7 @@ impl RidesClient {
     fn request<B>(
         &self,
         body: B,
-        key: Option<&str>,
+        key: Option<SentKey<'_>>,
         timeout: Duration,
         attempt_span: &Span,
     ) -> Result<Request<B>, RidesError> {
@@ -369,10 +398,16 @@ impl RidesClient {
         self.credential
             .apply(metadata)
             .map_err(|_| RidesError::InvalidMetadata("token"))?;
-        if let Some(key) = key {
+        if let Some(SentKey { key, before }) = key {
             let value = AsciiMetadataValue::try_from(key)
                 .map_err(|_| RidesError::InvalidMetadata("idempotency key"))?;
             metadata.insert(proto::metadata::IDEMPOTENCY_KEY, value);
+            if before {
+                metadata.insert(
+                    proto::metadata::IDEMPOTENCY_KEY_RESENT,
+                    AsciiMetadataValue::from_static("true"),
+                );
+            }
             // Absent, the server waits as long as it allows (`RetryPolicy::idempotency_wait`).
             if let Some(wait) = self.policy.idempotency_wait {
                 // Digits only: always a valid header value. The server reads at most 8 digits.
@@ -416,53 +451,11 @@ pub fn new_key() -> String {
     format!("rr-{}", uuid::Uuid::new_v4())
 }
 
-/// The span of a logical call (`attempt: None`) or of one of its attempts (a child of the
-/// call's), with the OpenTelemetry RPC attributes. The key appears only as its first 6
-/// characters, as in every log of this system.
-fn rpc_span(method: &'static str, attempt: Option<u32>, key: Option<&str>) -> Span {
-    let key_prefix = key.map(|key| key.chars().take(6).collect::<String>());
-    tracing::info_span!(
-        "rpc.client",
-        otel.name = %format_args!("{SERVICE}/{method}"),
-        otel.kind = "client",
-        { attribute::RPC_SYSTEM_NAME } = RPC_SYSTEM_GRPC,
-        { attribute::RPC_METHOD } = %format_args!("{SERVICE}/{method}"),
-        { attribute::RPC_RESPONSE_STATUS_CODE } = field::Empty,
-        rides.attempt = attempt.map(i64::from),
-        rides.key_prefix = key_prefix.as_deref(),
-        rides.attempts = field::Empty,
-        rides.replayed = field::Empty,
-    )
-}
-
-fn record_code(span: &Span, code: Option<tonic::Code>) {
-    if let Some(code) = code {
-        span.record(
-            attribute::RPC_RESPONSE_STATUS_CODE,
-            grpc_status_code(i32::from(code)),
-        );
-    }
-}
-
-/// The call's span (the current one inside the retry loop) gets the final answer's code and the
-/// attempts made, once: an exporter keeps every value recorded, not the last.
-fn finish_call_span(attempts: u32, code: Option<tonic::Code>) {
-    let span = Span::current();
-    record_code(&span, code);
-    span.record("rides.attempts", i64::from(attempts));
-}
-
-/// W3C `traceparent` (and `tracestate`) of the attempt's span, so that the server's spans join
-/// the caller's trace.
-fn inject_trace_context(metadata: &mut MetadataMap, span: &Span) {
-    for (name, value) in span.in_scope(telemetry::inject_current) {
-        if let (Ok(name), Ok(value)) = (
-            AsciiMetadataKey::from_bytes(name.as_bytes()),
-            AsciiMetadataValue::try_from(value),
-        ) {
-            metadata.insert(name, value);
-        }
-    }
+/// A CreateRide key as an attempt sends it: the key, and whether the caller has sent it before.
+#[derive(Clone, Copy)]
+struct SentKey<'a> {
+    key: &'a str,
+    before: bool,
 }
 
 /// Whether the status is tonic's own report of this side's timeout (`TimeoutExpired` below it),

@@ -3,8 +3,10 @@
 //!
 //! - **One key per logical request.** [`RidesClient::create_ride`] generates an idempotency key
 //!   once ([`new_key`]) and sends it on every retry of that call, so the rider is charged at most
-//!   once; [`RidesClient::create_ride_with_key`] takes the caller's key (to resume a request, or
-//!   the completer finishing someone else's).
+//!   once; [`RidesClient::create_ride_with_key`] takes the caller's key, and
+//!   [`RidesClient::resume_ride`] a key the caller has sent before (a request resumed after a
+//!   restart). Every resend says so (`idempotency-key-resent`), so the server looks the key up
+//!   before it writes.
 //! - **Retries only what is safe to retry**: [`RidesError`] has one variant per `ErrorInfo`
 //!   reason of the table in docs/errors.md and [`RidesError::is_retryable`] is its "retry?" column;
 //!   transport failures, where the request may or may not have arrived, are retried with the
@@ -26,13 +28,14 @@
 //!
 //! Layout: `client.rs` the calls and the one retry loop, `policy.rs` the back-off arithmetic,
 //! `error.rs` the classification of answers, `credential.rs` who calls, `attempt.rs` what a call
-//! reports. The same policy for callers in other languages is `proto/service_config.json`.
+//! reports, `span.rs` its spans and trace context. The same policy for callers in other languages is `proto/service_config.json`.
 
 mod attempt;
 mod client;
 mod credential;
 mod error;
 mod policy;
+mod span;
 
 pub use attempt::{AttemptRecord, Created, Fetched};
 pub use client::{AttemptObserver, RidesClient, new_key};

@@ -65,6 +65,15 @@ pub fn idempotency_key(metadata: &MetadataMap) -> Result<IdempotencyKey, Status>
     IdempotencyKey::parse(raw).map_err(|error| status::invalid_key(&error.to_string()))
 }
 
+/// Whether the caller says it sent this call's key before (`idempotency-key-resent: true`): a hint
+/// that the key most likely exists, so that its claim reads before it writes. It decides no
+/// answer, so any other value, or none, is taken for a first send.
+pub(super) fn key_resent(metadata: &MetadataMap) -> bool {
+    metadata
+        .get(proto::metadata::IDEMPOTENCY_KEY_RESENT)
+        .is_some_and(|value| value.as_bytes() == b"true")
+}
+
 /// Reads a W3C trace context from gRPC metadata.
 pub(super) struct MetadataExtractor<'a>(pub(super) &'a MetadataMap);
 

@@ -123,6 +123,7 @@ impl RideApi {
             .client_ip(peer.client)
             .unwrap_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED));
         let key = idempotency_key(request.metadata());
+        let resent = convert::key_resent(request.metadata());
         self.check_on_behalf_of_key(caller, &key)
             .await
             .map_err(fresh)?;
@@ -172,7 +173,7 @@ impl RideApi {
             .detached(Box::pin(async move {
                 let _permit = permit;
                 rides
-                    .create_ride(caller, &key, params, origin_ip, &wait)
+                    .create_ride(caller, &key, resent, params, origin_ip, &wait)
                     .await
             }))
             .await

@@ -26,7 +26,8 @@
 //!    ends that run only: the runner hands each request its item back ([`Verdict::RunAlone`])
 //!    and goes on with the next batch.
 //!
-//! A batch is one statement, so one implicit transaction: it commits whole or not at all. Each
+//! A batch is one statement, so one implicit transaction: it commits whole or not at all (a claim
+//! batch may read first, in a statement that commits nothing: `claim/statement.rs`). Each
 //! request's rows in it are decided as they would be alone (the statements say how), so a
 //! request whose fence fails gets no row and writes nothing while the others commit. What a
 //! batch cannot decide (a statement error, a panic) every request in it runs again alone with
@@ -167,6 +168,11 @@ impl<S: BatchStatement> Batcher<S> {
     /// The retry policy the statements run with, for a request's other statements.
     pub fn policy(&self) -> ConflictRetry {
         self.shared.policy
+    }
+
+    /// The statement the batches run (a claim statement's counts of what it sent, say).
+    pub fn statement(&self) -> &S {
+        &self.shared.statement
     }
 
     /// What batching has done so far: requests per statement is the saving it brings.

@@ -51,8 +51,8 @@ use uuid::Uuid;
 
 pub use batch::{BatchCounts, BatchStatement, Batcher, Batching};
 pub use claim::{
-    CallerAndKey, ClaimRequest, ClaimRow, ClaimStatement, Claimed, Claims, Decision, claim,
-    key_exists,
+    Attempt, CallerAndKey, ClaimRequest, ClaimRow, ClaimStatement, ClaimStatementsSent, Claimed,
+    Claims, Decision, claim, key_exists,
 };
 pub use key::{IdempotencyKey, InvalidKey, MAX_LEN, MIN_LEN};
 pub use phase::{finish, phase, release};

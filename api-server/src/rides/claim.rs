@@ -1,8 +1,11 @@
-//! CreateRide's claim (`claim.sql`): the engine's claim statement ([`ClaimStatement`]) for rides,
-//! which writes phase `started` (the ride and its audit record) with a new key, so that the key
-//! is born at `ride_created`: one statement and one commit fewer per new ride. Phase `started`
-//! has no statement of its own; a key stays at `started` only if an older server left it there,
-//! and `workers admin keys upgrade` retires such keys (docs/operations.md, "Upgrading").
+//! CreateRide's claim: the engine's claim statement ([`ClaimStatement`]) for rides. Both of its
+//! statements begin with `claim_find.sql`, which finds each claim's caller and key. `claim.sql`
+//! goes on to insert a key not found with phase `started`'s writes (the ride and its audit
+//! record), so that the key is born at `ride_created`: one statement and one commit fewer per new
+//! ride. `claim_read.sql` writes nothing: the engine sends it the claims whose key most likely
+//! exists ([`ClaimRequest::reads_first`]). Phase `started` has no statement of its own; a key
+//! stays at `started` only if an older server left it there, and `workers admin keys upgrade`
+//! retires such keys (docs/operations.md, "Upgrading").
 
 use std::{collections::HashMap, net::IpAddr};
 
@@ -56,55 +59,72 @@ impl Rides {
     }
 }
 
-schema::statement! {
-    /// `claim.sql`, one element per claim.
-    struct ClaimRides = include_str!("claim.sql");
-    {
-        token_digests: Array<Nullable<Bytea>> = Vec<Option<Vec<u8>>>,
-        caller_ids: Array<Nullable<BigInt>> = Vec<Option<i64>>,
-        keys: Array<Text> = Vec<String>,
-        lock_tokens: Array<SqlUuid> = Vec<Uuid>,
-        holders: Array<Nullable<BigInt>> = Vec<Option<i64>>,
-        methods: Array<Text> = Vec<&'static str>,
-        paths: Array<Text> = Vec<&'static str>,
-        params: Array<Jsonb> = Vec<JsonText>,
-        origin_lats: Array<Double> = Vec<f64>,
-        origin_lons: Array<Double> = Vec<f64>,
-        target_lats: Array<Double> = Vec<f64>,
-        target_lons: Array<Double> = Vec<f64>,
-        amounts: Array<BigInt> = Vec<i64>,
-        currencies: Array<Text> = Vec<String>,
-        origin_ips: Array<Cidr> = Vec<IpNet>,
-        deployment_ids: Array<Text> = Vec<String>,
-        lock_timeouts: Array<Double> = Vec<f64>,
-        holder_takeovers: Array<Double> = Vec<f64>,
-    }
+/// Declares a claim statement `$name` with `$sql`: both of CreateRide's claim statements begin
+/// with `claim_find.sql`, so they bind the same arrays, one element per claim.
+macro_rules! claim_statement {
+    ($(#[$meta:meta])* struct $name:ident = $sql:expr;) => {
+        schema::statement! {
+            $(#[$meta])*
+            struct $name = $sql;
+            {
+                token_digests: Array<Nullable<Bytea>> = Vec<Option<Vec<u8>>>,
+                caller_ids: Array<Nullable<BigInt>> = Vec<Option<i64>>,
+                keys: Array<Text> = Vec<String>,
+                lock_tokens: Array<SqlUuid> = Vec<Uuid>,
+                holders: Array<Nullable<BigInt>> = Vec<Option<i64>>,
+                methods: Array<Text> = Vec<&'static str>,
+                paths: Array<Text> = Vec<&'static str>,
+                params: Array<Jsonb> = Vec<JsonText>,
+                origin_lats: Array<Double> = Vec<f64>,
+                origin_lons: Array<Double> = Vec<f64>,
+                target_lats: Array<Double> = Vec<f64>,
+                target_lons: Array<Double> = Vec<f64>,
+                amounts: Array<BigInt> = Vec<i64>,
+                currencies: Array<Text> = Vec<String>,
+                origin_ips: Array<Cidr> = Vec<IpNet>,
+                deployment_ids: Array<Text> = Vec<String>,
+                lock_timeouts: Array<Double> = Vec<f64>,
+                holder_takeovers: Array<Double> = Vec<f64>,
+            }
+        }
+
+        impl $name {
+            fn of(claims: &[ClaimRequest<FirstRide>]) -> $name {
+                let rides = || claims.iter().map(|claim| &claim.first_phase);
+                $name {
+                    token_digests: claims.iter().map(|c| digest(c.caller)).collect(),
+                    caller_ids: claims.iter().map(|c| user_id(c.caller)).collect(),
+                    keys: claims.iter().map(|c| c.key.clone()).collect(),
+                    lock_tokens: claims.iter().map(|c| c.lock.token).collect(),
+                    holders: claims.iter().map(|c| c.lock.holder).collect(),
+                    methods: claims.iter().map(|c| c.request.method).collect(),
+                    paths: claims.iter().map(|c| c.request.path).collect(),
+                    params: claims.iter().map(|c| c.request.params.clone()).collect(),
+                    origin_lats: rides().map(|r| r.origin_lat).collect(),
+                    origin_lons: rides().map(|r| r.origin_lon).collect(),
+                    target_lats: rides().map(|r| r.target_lat).collect(),
+                    target_lons: rides().map(|r| r.target_lon).collect(),
+                    amounts: rides().map(|r| r.amount).collect(),
+                    currencies: rides().map(|r| r.currency.clone()).collect(),
+                    origin_ips: rides().map(|r| r.origin_ip).collect(),
+                    deployment_ids: rides().map(|r| r.deployment_id.clone()).collect(),
+                    lock_timeouts: claims.iter().map(|c| c.rule.secs().0).collect(),
+                    holder_takeovers: claims.iter().map(|c| c.rule.secs().1).collect(),
+                }
+            }
+        }
+    };
 }
 
-impl ClaimRides {
-    fn of(claims: &[ClaimRequest<FirstRide>]) -> ClaimRides {
-        let rides = || claims.iter().map(|claim| &claim.first_phase);
-        ClaimRides {
-            token_digests: claims.iter().map(|c| digest(c.caller)).collect(),
-            caller_ids: claims.iter().map(|c| user_id(c.caller)).collect(),
-            keys: claims.iter().map(|c| c.key.clone()).collect(),
-            lock_tokens: claims.iter().map(|c| c.lock.token).collect(),
-            holders: claims.iter().map(|c| c.lock.holder).collect(),
-            methods: claims.iter().map(|c| c.request.method).collect(),
-            paths: claims.iter().map(|c| c.request.path).collect(),
-            params: claims.iter().map(|c| c.request.params.clone()).collect(),
-            origin_lats: rides().map(|r| r.origin_lat).collect(),
-            origin_lons: rides().map(|r| r.origin_lon).collect(),
-            target_lats: rides().map(|r| r.target_lat).collect(),
-            target_lons: rides().map(|r| r.target_lon).collect(),
-            amounts: rides().map(|r| r.amount).collect(),
-            currencies: rides().map(|r| r.currency.clone()).collect(),
-            origin_ips: rides().map(|r| r.origin_ip).collect(),
-            deployment_ids: rides().map(|r| r.deployment_id.clone()).collect(),
-            lock_timeouts: claims.iter().map(|c| c.rule.secs().0).collect(),
-            holder_takeovers: claims.iter().map(|c| c.rule.secs().1).collect(),
-        }
-    }
+claim_statement! {
+    /// `claim_find.sql` then `claim.sql`: finds each claim's key, or inserts it with its ride.
+    struct ClaimRides = concat!(include_str!("claim_find.sql"), include_str!("claim.sql"));
+}
+
+claim_statement! {
+    /// `claim_find.sql` then `claim_read.sql`: finds each claim's key and writes nothing. The ride
+    /// arrays are bound, and unused, so that both statements share `claim_find.sql` as it is.
+    struct ClaimReads = concat!(include_str!("claim_find.sql"), include_str!("claim_read.sql"));
 }
 
 fn digest(caller: Caller) -> Option<Vec<u8>> {
@@ -121,7 +141,8 @@ fn user_id(caller: Caller) -> Option<i64> {
     }
 }
 
-/// A row of `claim.sql`: the claim's caller and key, and the ride inserted with a new key.
+/// A row of either claim statement: the claim's caller and key, and the ride inserted with a new
+/// key (never by `ClaimReads`).
 #[derive(QueryableByName)]
 struct ClaimedRide {
     #[diesel(embed)]
@@ -145,16 +166,33 @@ impl ClaimStatement for RideClaim {
         claims: &[ClaimRequest<FirstRide>],
     ) -> Result<Vec<Option<ClaimRow<Ride>>>, DieselError> {
         let rows: Vec<ClaimedRide> = ClaimRides::of(claims).load(conn).await?;
-        let mut rows: HashMap<Uuid, ClaimedRide> =
-            rows.into_iter().map(|row| (row.claim.req, row)).collect();
-        Ok(claims
-            .iter()
-            .map(|claim| {
-                let row = rows.remove(&claim.lock.token)?;
-                Some(row.into_claim_row(&claim.first_phase))
-            })
-            .collect())
+        Ok(in_claims_order(claims, rows))
     }
+
+    async fn read(
+        &self,
+        conn: &mut AsyncPgConnection,
+        claims: &[ClaimRequest<FirstRide>],
+    ) -> Result<Vec<Option<ClaimRow<Ride>>>, DieselError> {
+        let rows: Vec<ClaimedRide> = ClaimReads::of(claims).load(conn).await?;
+        Ok(in_claims_order(claims, rows))
+    }
+}
+
+/// A statement's rows as the engine wants them: per claim, in order, its row if there is one.
+fn in_claims_order(
+    claims: &[ClaimRequest<FirstRide>],
+    rows: Vec<ClaimedRide>,
+) -> Vec<Option<ClaimRow<Ride>>> {
+    let mut rows: HashMap<Uuid, ClaimedRide> =
+        rows.into_iter().map(|row| (row.claim.req, row)).collect();
+    claims
+        .iter()
+        .map(|claim| {
+            let row = rows.remove(&claim.lock.token)?;
+            Some(row.into_claim_row(&claim.first_phase))
+        })
+        .collect()
 }
 
 impl ClaimedRide {

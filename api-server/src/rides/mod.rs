@@ -128,7 +128,7 @@ impl Rides {
                 rule: LockRule::new(idempotency.lock_timeout, stripe.idempotency_window()),
             },
             claims: Arc::new(Batcher::new(
-                Claims(RideClaim),
+                Claims::new(RideClaim),
                 pool.clone(),
                 retry,
                 idempotency.claim_batching,
@@ -183,11 +183,12 @@ impl Rides {
     /// ([`idempotency::wait`]). `None` if the caller is no user; nothing is written then.
     /// Otherwise the reply, with the caller's user id unless the claim failed before it was
     /// known. On any error that leaves the key unfinished the key is unlocked, so a retry resumes
-    /// at once.
+    /// at once. `resent`: the caller says it sent this key before, so the claim reads first.
     pub async fn create_ride(
         &self,
         caller: Caller,
         key: &IdempotencyKey,
+        resent: bool,
         params: RideParams,
         origin_ip: IpAddr,
         wait: &WaitBudget,
@@ -199,21 +200,23 @@ impl Rides {
         let token = uuid::Uuid::new_v4();
         // Taken before the first statement, so no later than the expiry of a lock it takes.
         let claim_lock_expires = Instant::now() + self.idempotency.lock_timeout;
-        let claim = || async {
+        let (signature, first_ride) = (&signature, &first_ride);
+        let claim = |expects_key: bool| async move {
             // The claim of a fresh key commits phase `started` (its ride) with the key.
             crate::fault::crash_point(CrashPoint::StartedBeforeCommit);
+            let attempt = idempotency::Attempt { token, expects_key };
             idempotency::claim(
                 &self.claims,
                 caller,
                 key,
-                &signature,
-                &first_ride,
+                signature,
+                first_ride,
                 &self.locking,
-                token,
+                attempt,
             )
             .await
         };
-        let mut claimed = claim().await;
+        let mut claimed = claim(resent).await;
         // A key in use is waited for: its holder's outcome is answered as a replay; a key let go
         // is claimed again, and what that claim decides is the answer.
         let mut waited = false;
@@ -227,7 +230,8 @@ impl Rides {
             {
                 WaitEnd::Finished(stored) => found.decision = Decision::Replay(stored),
                 WaitEnd::Free => {
-                    claimed = claim().await;
+                    // The key exists: it was in use.
+                    claimed = claim(true).await;
                     continue;
                 }
                 WaitEnd::Over { waited: over } => waited = over,

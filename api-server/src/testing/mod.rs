@@ -314,7 +314,10 @@ impl TestApp {
             &params.signature(),
             &first_ride,
             self.rides.locking(),
-            uuid::Uuid::new_v4(),
+            idempotency::Attempt {
+                token: uuid::Uuid::new_v4(),
+                expects_key: false,
+            },
         )
         .await
         .unwrap()

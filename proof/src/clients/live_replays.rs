@@ -34,7 +34,7 @@ pub(super) async fn replay_loop(ctx: ClientCtx, seed: u64) {
             .clone()
             .with_policy(retrying(&ctx.args, ctx.hard_end, false))
             .on_attempt(observer(&ctx, &key, false, CallKind::Replay))
-            .create_ride_with_key(key.as_str(), params)
+            .resume_ride(key.as_str(), params)
             .await;
         judge_live_replay(&ctx.live_replays, &key, &first, result);
     }

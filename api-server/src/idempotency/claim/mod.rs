@@ -27,7 +27,9 @@ use diesel_async::RunQueryDsl;
 use schema::{Pool, models::User, store::StoreError};
 use uuid::Uuid;
 
-pub use statement::{CallerAndKey, ClaimRequest, ClaimRow, ClaimStatement, Claims, FoundKey};
+pub use statement::{
+    CallerAndKey, ClaimRequest, ClaimRow, ClaimStatement, ClaimStatementsSent, Claims, FoundKey,
+};
 
 use decide::ClaimContext;
 pub(crate) use decide::stored_response;
@@ -62,11 +64,24 @@ pub struct Claimed<W> {
 /// The caller a claim authenticated, and what it decided.
 pub type UserClaimed<W> = (User, Claimed<W>);
 
+/// The attempt a claim is made for.
+#[derive(Clone, Copy, Debug)]
+pub struct Attempt {
+    /// Its lock token, from its first statement on: a statement of it whose commit was lost left
+    /// the key locked by it, which only this attempt can recognise or undo.
+    pub token: Uuid,
+    /// Whether its key most likely exists already: the caller says it sent the key before
+    /// (`idempotency-key-resent`), or this attempt has found it. The claim then reads first.
+    pub expects_key: bool,
+}
+
 /// Claims `key` for `caller`: authenticates the caller and decides the key in the claim's
 /// statement, sent with other callers' claims through `claims`. `None` if the caller is no user
 /// (nothing is written then). If the claim inserts the key, it writes `first_phase` with it.
 /// Every lock the claim takes names this process's liveness session as its holder (`locking`),
-/// and a key locked by another attempt is taken over as its rule says.
+/// and a key locked by another attempt is taken over as its rule says. A claim whose key most
+/// likely exists (`attempt.expects_key`, or a claim on a user's behalf) reads before it writes
+/// ([`ClaimRequest::reads_first`]).
 #[tracing::instrument(
     name = "claim",
     skip_all,
@@ -84,10 +99,10 @@ pub async fn claim<S: ClaimStatement>(
     request: &RequestSignature,
     first_phase: &S::FirstPhase,
     locking: &Locking,
-    token: Uuid,
+    attempt: Attempt,
 ) -> Result<Option<UserClaimed<S::Written>>, StoreError> {
     let lock = LockedBy {
-        token,
+        token: attempt.token,
         holder: locking.liveness.holder_for_lock().await,
     };
     let context = ClaimContext {
@@ -99,6 +114,7 @@ pub async fn claim<S: ClaimStatement>(
             request: request.clone(),
             first_phase: first_phase.clone(),
             rule: locking.rule,
+            reads_first: attempt.expects_key || matches!(caller, Caller::OnBehalfOf(_)),
         },
     };
     let (user, decided) = match context.insert_or_read().await? {

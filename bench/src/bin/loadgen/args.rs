@@ -49,6 +49,10 @@ pub(crate) struct Args {
     /// Fraction of requests that replay a key this client already finished.
     #[arg(long, default_value_t = 0.0)]
     pub(crate) replay_ratio: f64,
+    /// Replays as first sends, without `idempotency-key-resent`: what a caller that does not say
+    /// it resends a key costs (its claim sends the write statement, as before the hint).
+    #[arg(long, env = "LOADGEN_REPLAYS_AS_FIRST_SENDS")]
+    pub(crate) replays_as_first_sends: bool,
     /// Keys each client finishes before the measurement, as replay material.
     #[arg(long, default_value_t = 0)]
     pub(crate) seed_keys_per_client: u32,

@@ -60,6 +60,9 @@ pub(crate) struct Shared {
     pub(crate) run_id: String,
     pub(crate) policy: RetryPolicy,
     pub(crate) replay_ratio: f64,
+    /// A replay says it resends its key (`idempotency-key-resent`), unless
+    /// `--replays-as-first-sends`.
+    pub(crate) resend_replays: bool,
     pub(crate) measure_from: Instant,
     pub(crate) deadline: Option<Instant>,
     pub(crate) remaining: Option<AtomicU64>,
@@ -109,7 +112,12 @@ async fn request(
     replay: bool,
 ) -> Final {
     let started = Instant::now();
-    let result = rpc.create_ride_with_key(key, PARAMS).await;
+    // A replay sends a key this client has sent before, and says so.
+    let result = if replay && shared.resend_replays {
+        rpc.resume_ride(key, PARAMS).await
+    } else {
+        rpc.create_ride_with_key(key, PARAMS).await
+    };
     let (log, outcome): (&[AttemptRecord], Final) = match &result {
         Ok(created) => (
             &created.log,
@@ -253,6 +261,7 @@ pub(crate) async fn seed(
         run_id: run_id.to_owned(),
         policy: policy(args),
         replay_ratio: 0.0,
+        resend_replays: false,
         measure_from: Instant::now() + Duration::from_secs(86_400),
         deadline: None,
         remaining: None,

@@ -91,6 +91,7 @@ async fn main() -> anyhow::Result<()> {
         run_id: run_id.clone(),
         policy: policy(&args),
         replay_ratio: args.replay_ratio,
+        resend_replays: !args.replays_as_first_sends,
         measure_from,
         deadline,
         remaining: args.requests.map(AtomicU64::new),

@@ -1,0 +1,92 @@
+//! Resent keys against the real api-server over loopback gRPC (`api_server::testing::TestApp`):
+//! a call that resends its key (`resume_ride`; a retry, in `against_server.rs`) says so, the
+//! server then looks the key up before it writes, and every answer is the one the call would have
+//! had without it. What the server sent is read from its claim statement's counts.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use api_server::{
+    idempotency::ClaimStatementsSent,
+    testing::{GOOD_CARD, INTERNAL_API_TOKEN, TestApp, TestUser, ride_request},
+};
+use proto::v1::CreateRideRequest;
+use rides_client::{Credential, RidesClient, RidesError, new_key};
+
+async fn client(app: &TestApp, user: &TestUser) -> RidesClient {
+    RidesClient::new(app.channel().await, Credential::user(&user.token))
+}
+
+fn sent(app: &TestApp) -> ClaimStatementsSent {
+    app.rides.claim_batcher().statement().sent()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_resumed_key_is_read_before_any_write_and_answered_as_it_would_be_without() {
+    let app = TestApp::spawn().await;
+    let user = app.create_user(GOOD_CARD).await;
+    let client = client(&app, &user).await;
+    let key = new_key();
+    let first = client
+        .create_ride_with_key(key.clone(), ride_request())
+        .await
+        .unwrap();
+    let before = sent(&app);
+    assert_eq!(before.reads, 0, "a first send writes at once: {before:?}");
+
+    let replay = client
+        .resume_ride(key.clone(), ride_request())
+        .await
+        .unwrap();
+    assert!(replay.replayed && !first.replayed);
+    assert_eq!(replay.ride, first.ride);
+    let other = CreateRideRequest {
+        target_lat: Some(40.0),
+        ..ride_request()
+    };
+    let reused = client.resume_ride(key, other).await.unwrap_err();
+    assert!(
+        matches!(reused.error, RidesError::IdempotencyKeyReused(_)),
+        "{reused:?}"
+    );
+    let after = sent(&app);
+    assert_eq!(after.reads, before.reads + 2, "{after:?}");
+    assert_eq!(
+        after.writes, before.writes,
+        "no write for a key found: {after:?}"
+    );
+
+    // A key resent whose first send never arrived: not found, so written as a new key.
+    let never_arrived = client.resume_ride(new_key(), ride_request()).await.unwrap();
+    assert!(!never_arrived.replayed);
+    let last = sent(&app);
+    assert_eq!(last.reads, after.reads + 1, "{last:?}");
+    assert!(last.writes > after.writes, "{last:?}");
+    assert_eq!(app.stripe.succeeded_charges(), 2);
+    assert_eq!(app.key_count().await, 2);
+}
+
+/// The completer's call, on a user's behalf, never inserts a key: it reads first without the hint.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_call_on_a_users_behalf_reads_first_and_never_writes_a_key() {
+    let app = TestApp::spawn().await;
+    let user = app.create_user(GOOD_CARD).await;
+    let key = new_key();
+    let first = client(&app, &user)
+        .await
+        .create_ride_with_key(key.clone(), ride_request())
+        .await
+        .unwrap();
+    let before = sent(&app);
+    let completer = client(&app, &user)
+        .await
+        .with_credential(Credential::internal(INTERNAL_API_TOKEN, user.id));
+
+    let replay = completer
+        .create_ride_with_key(key, ride_request())
+        .await
+        .unwrap();
+    assert!(replay.replayed);
+    assert_eq!(replay.ride, first.ride);
+    let after = sent(&app);
+    assert_eq!(after.reads, before.reads + 1, "{after:?}");
+    assert_eq!(after.writes, before.writes, "{after:?}");
+}
