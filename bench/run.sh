@@ -302,8 +302,8 @@ for clients in 1 8 32 64; do
   measure "new-$clients" bench/pgbench/create_ride.sql "$clients" --clients "$clients" --duration-secs "$DURATION"
 done
 
-# Replays of finished keys at 32 clients. The statement as served (one claim) is measured once,
-# for the record; the goal's ceiling is the bare reads.
+# Replays of finished keys at 32 clients. The write statement a replay sent as a first send is
+# served by (one claim) is measured once, for the record; the goal's ceiling is the bare reads.
 if wants replay-32; then
   pgbench_ceiling replay-32-as-served bench/pgbench/replay_claim.sql 32
   measure replay-32 bench/pgbench/replay_reads.sql 32 --clients 32 --duration-secs "$DURATION" \

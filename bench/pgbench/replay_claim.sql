@@ -1,5 +1,7 @@
--- A replay exactly as the api-server serves it (for comparison with replay_reads.sql): ONE
--- statement that authenticates and claims (the claim, api-server/src/rides/claim.sql); it finds the finished key and so
+-- A replay sent as a first send (no `idempotency-key-resent`) as the api-server serves it, for
+-- comparison with replay_reads.sql: ONE statement that authenticates and claims (the claim,
+-- api-server/src/rides/claim_find.sql + claim.sql); a replay that says it is resent is served by
+-- the same reads without the INSERTs (claim_read.sql). It finds the finished key and so
 -- inserts nothing: no row lock, no transaction id, no WAL, no sequence value. Like the service's
 -- statement it returns only the key columns a decision reads, and compares the stored parameters
 -- with the request's in PostgreSQL (`binds`) instead of sending them back.
