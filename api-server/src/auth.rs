@@ -25,6 +25,17 @@ pub enum Caller {
     OnBehalfOf(i64),
 }
 
+impl Caller {
+    /// Whether a claim by this caller may insert a key: a user's own token may; a call on a
+    /// user's behalf (the completer's) only finishes keys that exist.
+    pub fn may_insert_keys(self) -> bool {
+        match self {
+            Caller::Token(_) => true,
+            Caller::OnBehalfOf(_) => false,
+        }
+    }
+}
+
 const TOKEN_PREFIX: &str = "rr_";
 /// 32 random bytes in unpadded base64url.
 const TOKEN_BODY_LEN: usize = 43;

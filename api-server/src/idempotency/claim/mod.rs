@@ -114,7 +114,7 @@ pub async fn claim<S: ClaimStatement>(
             request: request.clone(),
             first_phase: first_phase.clone(),
             rule: locking.rule,
-            reads_first: attempt.expects_key || matches!(caller, Caller::OnBehalfOf(_)),
+            reads_first: attempt.expects_key || !caller.may_insert_keys(),
         },
     };
     let (user, decided) = match context.insert_or_read().await? {

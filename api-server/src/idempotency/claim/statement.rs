@@ -207,27 +207,7 @@ impl<S: ClaimStatement> Claims<S> {
             writes: self.writes.load(Ordering::Relaxed),
         }
     }
-}
 
-impl<S: ClaimStatement> BatchStatement for Claims<S> {
-    type Item = ClaimRequest<S::FirstPhase>;
-    type Output = Option<ClaimRow<S::Written>>;
-    const NAME: &'static str = "claim";
-    /// A claim run again after a batch that did commit finds its key, locked by the token the
-    /// batch gave it, which the claim presents again: it goes on as the key's owner, and never
-    /// makes a second key.
-    const REDO_AFTER_CONNECTION_LOSS: bool = true;
-
-    fn execute<'a>(
-        &'a self,
-        conn: &'a mut AsyncPgConnection,
-        items: &'a [Self::Item],
-    ) -> impl Future<Output = Result<Vec<Self::Output>, DieselError>> + Send + 'a {
-        self.reads_first(conn, items)
-    }
-}
-
-impl<S: ClaimStatement> Claims<S> {
     /// A batch's claims, each by the statement its key calls for: the claims that read first
     /// ([`ClaimRequest::reads_first`]) by [`ClaimStatement::read`], and then, by the write
     /// statement, the rest with those of them that found no key and may insert one (a caller by
@@ -250,7 +230,7 @@ impl<S: ClaimStatement> Claims<S> {
         for (&i, row) in readers.iter().zip(found) {
             match row {
                 Some(row) => rows[i] = Some(row),
-                None if matches!(claims[i].caller, Caller::Token(_)) => writers.push(i),
+                None if claims[i].caller.may_insert_keys() => writers.push(i),
                 None => {}
             }
         }
@@ -271,6 +251,24 @@ impl<S: ClaimStatement> Claims<S> {
     ) -> Result<Vec<Option<ClaimRow<S::Written>>>, DieselError> {
         self.writes.fetch_add(1, Ordering::Relaxed);
         self.statement.execute(conn, claims).await
+    }
+}
+
+impl<S: ClaimStatement> BatchStatement for Claims<S> {
+    type Item = ClaimRequest<S::FirstPhase>;
+    type Output = Option<ClaimRow<S::Written>>;
+    const NAME: &'static str = "claim";
+    /// A claim run again after a batch that did commit finds its key, locked by the token the
+    /// batch gave it, which the claim presents again: it goes on as the key's owner, and never
+    /// makes a second key.
+    const REDO_AFTER_CONNECTION_LOSS: bool = true;
+
+    fn execute<'a>(
+        &'a self,
+        conn: &'a mut AsyncPgConnection,
+        items: &'a [Self::Item],
+    ) -> impl Future<Output = Result<Vec<Self::Output>, DieselError>> + Send + 'a {
+        self.reads_first(conn, items)
     }
 }
 
