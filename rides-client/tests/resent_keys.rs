@@ -6,13 +6,24 @@
 
 use api_server::{
     idempotency::ClaimStatementsSent,
-    testing::{GOOD_CARD, INTERNAL_API_TOKEN, TestApp, TestUser, ride_request},
+    testing::{GOOD_CARD, INTERNAL_API_TOKEN, TestApp, TestUser, authed, replayed, ride_request},
 };
 use proto::v1::CreateRideRequest;
-use rides_client::{Credential, RidesClient, RidesError, new_key};
+use rides_client::{Created, Credential, RidesClient, RidesError, new_key};
 
 async fn client(app: &TestApp, user: &TestUser) -> RidesClient {
     RidesClient::new(app.channel().await, Credential::user(&user.token))
+}
+
+/// A user with one finished ride, made as a first send under a new key.
+async fn user_with_a_ride(app: &TestApp) -> (TestUser, Created) {
+    let user = app.create_user(GOOD_CARD).await;
+    let first = client(app, &user)
+        .await
+        .create_ride_with_key(new_key(), ride_request())
+        .await
+        .unwrap();
+    (user, first)
 }
 
 fn sent(app: &TestApp) -> ClaimStatementsSent {
@@ -68,20 +79,14 @@ async fn a_resumed_key_is_read_before_any_write_and_answered_as_it_would_be_with
 #[tokio::test(flavor = "multi_thread")]
 async fn a_call_on_a_users_behalf_reads_first_and_never_writes_a_key() {
     let app = TestApp::spawn().await;
-    let user = app.create_user(GOOD_CARD).await;
-    let key = new_key();
-    let first = client(&app, &user)
-        .await
-        .create_ride_with_key(key.clone(), ride_request())
-        .await
-        .unwrap();
+    let (user, first) = user_with_a_ride(&app).await;
     let before = sent(&app);
     let completer = client(&app, &user)
         .await
         .with_credential(Credential::internal(INTERNAL_API_TOKEN, user.id));
 
     let replay = completer
-        .create_ride_with_key(key, ride_request())
+        .create_ride_with_key(first.key.clone(), ride_request())
         .await
         .unwrap();
     assert!(replay.replayed);
@@ -89,4 +94,29 @@ async fn a_call_on_a_users_behalf_reads_first_and_never_writes_a_key() {
     let after = sent(&app);
     assert_eq!(after.reads, before.reads + 1, "{after:?}");
     assert_eq!(after.writes, before.writes, "{after:?}");
+}
+
+/// The hint is `true` or nothing: any other value is a first send, written at once, and answered
+/// as it would be with the hint or without it.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_resent_hint_other_than_true_counts_as_a_first_send() {
+    let app = TestApp::spawn().await;
+    let (user, first) = user_with_a_ride(&app).await;
+    let mut grpc = app.client().await;
+    for (hint, reads_first) in [("yes", false), ("TRUE", false), ("true", true)] {
+        let before = sent(&app);
+        let mut request = authed(&user.token, Some(&first.key), ride_request());
+        request.metadata_mut().insert(
+            proto::metadata::IDEMPOTENCY_KEY_RESENT,
+            hint.parse().unwrap(),
+        );
+        let replay = grpc.create_ride(request).await.unwrap();
+        assert!(replayed(&replay), "{hint}");
+        assert_eq!(replay.into_inner().ride, Some(first.ride.clone()), "{hint}");
+        let after = sent(&app);
+        let read = u64::from(reads_first);
+        assert_eq!(after.reads, before.reads + read, "{hint}: {after:?}");
+        assert_eq!(after.writes, before.writes + 1 - read, "{hint}: {after:?}");
+    }
+    assert_eq!(app.stripe.succeeded_charges(), 1);
 }
