@@ -217,7 +217,7 @@ async fn a_waiter_claims_the_key_once_the_lock_of_a_paused_holder_expires() {
     assert_eq!(row.recovery_point, RecoveryPoint::Finished);
     // The waiter's first claim was a first send (the write statement, which found the key in
     // use); its claim once the key was let go read first, as a key known to exist.
-    let sent = app.rides.claim_batcher().statement().sent();
+    let sent = app.claim_statements_sent();
     assert_eq!((sent.reads, sent.writes), (1, 1), "{sent:?}");
     drop(other);
     assert!(first.await.unwrap().is_err(), "the holder never answered");

@@ -55,7 +55,7 @@ async fn a_provider_outage_is_retried_with_the_same_key_and_charged_once() {
     assert_eq!(app.stripe.succeeded_charges(), 1);
     assert_eq!(app.key_count().await, 1, "every attempt sent the one key");
     // The retries said they resend the key (`idempotency-key-resent`) and found it by a read.
-    let sent = app.rides.claim_batcher().statement().sent();
+    let sent = app.claim_statements_sent();
     assert_eq!(sent.reads, 2, "{sent:?}");
     let row = app.key_row(&user, &created.key).await.unwrap();
     assert_eq!(row.recovery_point, RecoveryPoint::Finished);

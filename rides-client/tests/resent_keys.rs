@@ -1,12 +1,12 @@
 //! Resent keys against the real api-server over loopback gRPC (`api_server::testing::TestApp`):
 //! a call that resends its key (`resume_ride`; a retry, in `against_server.rs`) says so, the
 //! server then looks the key up before it writes, and every answer is the one the call would have
-//! had without it. What the server sent is read from its claim statement's counts.
+//! had without it. What the server sent is read from its claim statement's counts
+//! (`TestApp::claim_statements_sent`).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use api_server::{
-    idempotency::ClaimStatementsSent,
-    testing::{GOOD_CARD, INTERNAL_API_TOKEN, TestApp, TestUser, authed, replayed, ride_request},
+use api_server::testing::{
+    GOOD_CARD, INTERNAL_API_TOKEN, TestApp, TestUser, authed, replayed, ride_request,
 };
 use proto::v1::CreateRideRequest;
 use rides_client::{Created, Credential, RidesClient, RidesError, new_key};
@@ -26,10 +26,6 @@ async fn user_with_a_ride(app: &TestApp) -> (TestUser, Created) {
     (user, first)
 }
 
-fn sent(app: &TestApp) -> ClaimStatementsSent {
-    app.rides.claim_batcher().statement().sent()
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn a_resumed_key_is_read_before_any_write_and_answered_as_it_would_be_without() {
     let app = TestApp::spawn().await;
@@ -40,7 +36,7 @@ async fn a_resumed_key_is_read_before_any_write_and_answered_as_it_would_be_with
         .create_ride_with_key(key.clone(), ride_request())
         .await
         .unwrap();
-    let before = sent(&app);
+    let before = app.claim_statements_sent();
     assert_eq!(before.reads, 0, "a first send writes at once: {before:?}");
 
     let replay = client
@@ -58,7 +54,7 @@ async fn a_resumed_key_is_read_before_any_write_and_answered_as_it_would_be_with
         matches!(reused.error, RidesError::IdempotencyKeyReused(_)),
         "{reused:?}"
     );
-    let after = sent(&app);
+    let after = app.claim_statements_sent();
     assert_eq!(after.reads, before.reads + 2, "{after:?}");
     assert_eq!(
         after.writes, before.writes,
@@ -68,7 +64,7 @@ async fn a_resumed_key_is_read_before_any_write_and_answered_as_it_would_be_with
     // A key resent whose first send never arrived: not found, so written as a new key.
     let never_arrived = client.resume_ride(new_key(), ride_request()).await.unwrap();
     assert!(!never_arrived.replayed);
-    let last = sent(&app);
+    let last = app.claim_statements_sent();
     assert_eq!(last.reads, after.reads + 1, "{last:?}");
     assert!(last.writes > after.writes, "{last:?}");
     assert_eq!(app.stripe.succeeded_charges(), 2);
@@ -80,7 +76,7 @@ async fn a_resumed_key_is_read_before_any_write_and_answered_as_it_would_be_with
 async fn a_call_on_a_users_behalf_reads_first_and_never_writes_a_key() {
     let app = TestApp::spawn().await;
     let (user, first) = user_with_a_ride(&app).await;
-    let before = sent(&app);
+    let before = app.claim_statements_sent();
     let completer = client(&app, &user)
         .await
         .with_credential(Credential::internal(INTERNAL_API_TOKEN, user.id));
@@ -91,7 +87,7 @@ async fn a_call_on_a_users_behalf_reads_first_and_never_writes_a_key() {
         .unwrap();
     assert!(replay.replayed);
     assert_eq!(replay.ride, first.ride);
-    let after = sent(&app);
+    let after = app.claim_statements_sent();
     assert_eq!(after.reads, before.reads + 1, "{after:?}");
     assert_eq!(after.writes, before.writes, "{after:?}");
 }
@@ -104,7 +100,7 @@ async fn a_resent_hint_other_than_true_counts_as_a_first_send() {
     let (user, first) = user_with_a_ride(&app).await;
     let mut grpc = app.client().await;
     for (hint, reads_first) in [("yes", false), ("TRUE", false), ("true", true)] {
-        let before = sent(&app);
+        let before = app.claim_statements_sent();
         let mut request = authed(&user.token, Some(&first.key), ride_request());
         request.metadata_mut().insert(
             proto::metadata::IDEMPOTENCY_KEY_RESENT,
@@ -113,7 +109,7 @@ async fn a_resent_hint_other_than_true_counts_as_a_first_send() {
         let replay = grpc.create_ride(request).await.unwrap();
         assert!(replayed(&replay), "{hint}");
         assert_eq!(replay.into_inner().ride, Some(first.ride.clone()), "{hint}");
-        let after = sent(&app);
+        let after = app.claim_statements_sent();
         let read = u64::from(reads_first);
         assert_eq!(after.reads, before.reads + read, "{hint}: {after:?}");
         assert_eq!(after.writes, before.writes + 1 - read, "{hint}: {after:?}");

@@ -280,6 +280,11 @@ impl TestApp {
             .unwrap()
     }
 
+    /// The claim statements this app's CreateRides have sent so far, reads and writes counted apart.
+    pub fn claim_statements_sent(&self) -> idempotency::ClaimStatementsSent {
+        self.rides.claim_batcher().statement().sent()
+    }
+
     /// Nothing was written by a rejected request.
     pub async fn assert_nothing_written(&self) {
         assert_eq!(
