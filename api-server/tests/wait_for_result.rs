@@ -65,6 +65,28 @@ async fn a_duplicate_while_the_first_is_at_the_provider_gets_its_ride_with_one_c
     assert_eq!(app.rides().await.len(), 1);
 }
 
+/// A duplicate that says it resends its key is decided in use by its claim's read alone, in the
+/// request; the attempt that waits starts from that read, without a statement of its own.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_resent_duplicate_is_found_in_use_by_its_read_and_waits_for_the_first() {
+    let (app, user, key, first) = key_in_flight(GOOD_CARD).await;
+    let before = app.claim_statements_sent();
+
+    let mut request = authed(&user.token, Some(&key), ride_request());
+    request.metadata_mut().insert(
+        proto::metadata::IDEMPOTENCY_KEY_RESENT,
+        "true".parse().unwrap(),
+    );
+    let duplicate = app.client().await.create_ride(request).await.unwrap();
+
+    let first = first.await.unwrap().unwrap();
+    assert_same_ride(&first, &duplicate);
+    let after = app.claim_statements_sent();
+    assert_eq!(after.reads, before.reads + 1, "one read: {after:?}");
+    assert_eq!(after.writes, before.writes, "no write: {after:?}");
+    assert_eq!(app.stripe.succeeded_charges(), 1, "one charge");
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_duplicate_while_the_first_is_at_the_provider_gets_its_decline() {
     let (app, user, key, first) = key_in_flight(DECLINED_CARD).await;

@@ -71,6 +71,37 @@ async fn a_resumed_key_is_read_before_any_write_and_answered_as_it_would_be_with
     assert_eq!(app.key_count().await, 2);
 }
 
+/// A resent key that an attempt left unfinished and unlocked is found by the read, which decides
+/// nothing (the key may need work): the attempt goes on from that read to the locking inspection,
+/// with no claim statement of its own, and finishes the key with one charge.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_resent_key_left_unfinished_is_read_then_claimed_and_charged_once() {
+    let app = TestApp::spawn().await;
+    let user = app.create_user(GOOD_CARD).await;
+    let key = new_key();
+    app.fail_at_the_provider(&user, &key).await;
+    let before = app.claim_statements_sent();
+
+    let resumed = client(&app, &user)
+        .await
+        .resume_ride(key.clone(), ride_request())
+        .await
+        .unwrap();
+    assert!(!resumed.replayed, "the key was finished by this call");
+    let after = app.claim_statements_sent();
+    assert_eq!(after.reads, before.reads + 1, "{after:?}");
+    assert_eq!(after.writes, before.writes, "{after:?}");
+    assert_eq!(app.stripe.succeeded_charges(), 1);
+    assert_eq!(app.rides().await.len(), 1);
+    let replay = client(&app, &user)
+        .await
+        .resume_ride(key, ride_request())
+        .await
+        .unwrap();
+    assert!(replay.replayed);
+    assert_eq!(replay.ride, resumed.ride);
+}
+
 /// The completer's call, on a user's behalf, never inserts a key: it reads first without the hint.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_call_on_a_users_behalf_reads_first_and_never_writes_a_key() {

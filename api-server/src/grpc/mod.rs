@@ -34,7 +34,7 @@ use crate::{
     idempotency::WaitBudget,
     metrics::{self},
     penalty::Penalties,
-    rides::{CreateRideReply, RideParams, Rides},
+    rides::{Begun, CreateRideReply, RideParams, Rides},
 };
 
 use self::{admit::*, convert::*, span::*};
@@ -164,20 +164,23 @@ impl RideApi {
         };
         // A caller that hangs up (or whose deadline passes) ends its wait, not its attempt.
         let _waiting = wait.gone.clone().drop_guard();
+        // A resent key's read writes nothing, so it runs here, in the call: most replays are
+        // answered without the detached task (one task and its wake-ups fewer per replay).
         // The permit moves into the detached attempt: a client that hangs up does not free its
         // place while its attempt still runs. A waiting call holds it too: it counts against
         // its caller's concurrency. Boxed: the attempt's state is the largest future in the
         // service, and unboxed it is copied whole at every move (into this handler's future,
         // tonic's box, the task).
-        let answered = self
-            .detached(Box::pin(async move {
-                let _permit = permit;
-                rides
-                    .create_ride(caller, &key, resent, params, origin_ip, &wait)
-                    .await
-            }))
-            .await
-            .map_err(fresh)?;
+        let answered = match rides.begin(caller, &key, resent, params, origin_ip).await {
+            Begun::Answered(user_id, reply) => Some((user_id, reply)),
+            Begun::Attempt(attempt) => self
+                .detached(Box::pin(async move {
+                    let _permit = permit;
+                    rides.create_ride(attempt, &wait).await
+                }))
+                .await
+                .map_err(fresh)?,
+        };
         let Some((user_id, reply)) = answered else {
             self.admission.unknown(caller);
             return Err(fresh(status::invalid_credentials()));

@@ -51,8 +51,9 @@ use uuid::Uuid;
 
 pub use batch::{BatchCounts, BatchStatement, Batcher, Batching};
 pub use claim::{
-    Attempt, CallerAndKey, ClaimRequest, ClaimRow, ClaimStatement, ClaimStatementsSent, Claimed,
-    Claims, Decision, claim, key_exists,
+    Attempt, CallerAndKey, ClaimRead, ClaimRequest, ClaimRow, ClaimStart, ClaimStatement,
+    ClaimStatementsSent, Claimed, Claims, Decision, KeyToTake, Sends, UserClaimed, claim,
+    key_exists, read_claim,
 };
 pub use key::{IdempotencyKey, InvalidKey, MAX_LEN, MIN_LEN};
 pub use phase::{finish, phase, release};

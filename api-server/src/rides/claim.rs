@@ -3,7 +3,7 @@
 //! goes on to insert a key not found with phase `started`'s writes (the ride and its audit
 //! record), so that the key is born at `ride_created`: one statement and one commit fewer per new
 //! ride. `claim_read.sql` writes nothing: the engine sends it the claims whose key most likely
-//! exists ([`ClaimRequest::reads_first`]). Phase `started` has no statement of its own; a key
+//! exists ([`ClaimRequest::sends`]). Phase `started` has no statement of its own; a key
 //! stays at `started` only if an older server left it there, and `workers admin keys upgrade`
 //! retires such keys (docs/operations.md, "Upgrading").
 

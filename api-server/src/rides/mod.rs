@@ -21,11 +21,14 @@
 //! layer (`crate::grpc`) turns the result into a response.
 //!
 //! One file per phase: [`claim`] (the claim with phase `started`'s ride, `claim.sql`) and
-//! [`ride_created`] (the charge and its record), with [`params`] the request's validated
-//! parameters and [`error`] why an attempt ended without an outcome. A new phase is a new
+//! [`ride_created`] (the charge and its record), with [`attempt`] an attempt's two steps (the
+//! read that answers most replays in the request itself, then the attempt that may write),
+//! [`params`] the request's validated parameters and [`error`] why an attempt ended without an
+//! outcome. A new phase is a new
 //! recovery point (a migration), a file here with its statement, and an arm in
 //! [`Rides::step_with`].
 
+mod attempt;
 pub mod claim;
 mod error;
 mod params;
@@ -51,6 +54,7 @@ use schema::{
 use telemetry::attr;
 use tracing::Instrument;
 
+pub use attempt::{Begun, RideAttempt};
 pub use error::CreateRideError;
 pub use params::{CREATE_RIDE_METHOD, CREATE_RIDE_PATH, FieldViolation, RideParams};
 #[cfg(feature = "testing")]
@@ -60,12 +64,10 @@ pub use claim::{FirstRide, RideClaim};
 
 use self::ride_created::RecordCharges;
 use crate::{
-    auth::Caller,
     config::{IdempotencyConfig, Price},
     fault::CrashPoint,
     idempotency::{
-        self, BatchCounts, Batcher, Claimed, Claims, Decision, IdempotencyKey, Lease, WaitBudget,
-        WaitEnd, Waits,
+        self, BatchCounts, Batcher, Claimed, Claims, Decision, IdempotencyKey, Lease, Waits,
     },
     metrics::metrics,
 };
@@ -177,90 +179,6 @@ impl Rides {
         self.charges.counts()
     }
 
-    /// Runs CreateRide for `caller` to a final outcome or an error, claiming the key first; the
-    /// claim's own statement authenticates the caller (one round trip for a new key, a replay or
-    /// a mismatch). A key in use by a live attempt is waited for within `wait`
-    /// ([`idempotency::wait`]). `None` if the caller is no user; nothing is written then.
-    /// Otherwise the reply, with the caller's user id unless the claim failed before it was
-    /// known. On any error that leaves the key unfinished the key is unlocked, so a retry resumes
-    /// at once. `resent`: the caller says it sent this key before, so the claim reads first.
-    pub async fn create_ride(
-        &self,
-        caller: Caller,
-        key: &IdempotencyKey,
-        resent: bool,
-        params: RideParams,
-        origin_ip: IpAddr,
-        wait: &WaitBudget,
-    ) -> Option<(Option<i64>, CreateRideReply)> {
-        let first_ride = self.first_ride(params, origin_ip);
-        let signature = params.signature();
-        // This attempt's lock token, from its first statement on: a statement of it whose commit
-        // was lost left the key locked by it, which only this attempt can recognise or undo.
-        let token = uuid::Uuid::new_v4();
-        // Taken before the first statement, so no later than the expiry of a lock it takes.
-        let claim_lock_expires = Instant::now() + self.idempotency.lock_timeout;
-        let (signature, first_ride) = (&signature, &first_ride);
-        let claim = |expects_key: bool| async move {
-            // The claim of a fresh key commits phase `started` (its ride) with the key.
-            crate::fault::crash_point(CrashPoint::StartedBeforeCommit);
-            let attempt = idempotency::Attempt { token, expects_key };
-            idempotency::claim(
-                &self.claims,
-                caller,
-                key,
-                signature,
-                first_ride,
-                &self.locking,
-                attempt,
-            )
-            .await
-        };
-        let mut claimed = claim(resent).await;
-        // A key in use is waited for: its holder's outcome is answered as a replay; a key let go
-        // is claimed again, and what that claim decides is the answer.
-        let mut waited = false;
-        while let Ok(Some((user, found))) = &mut claimed
-            && matches!(found.decision, Decision::InUse)
-        {
-            match self
-                .waits
-                .wait(&self.pool, user.id, key, self.locking.rule, wait)
-                .await
-            {
-                WaitEnd::Finished(stored) => found.decision = Decision::Replay(stored),
-                WaitEnd::Free => {
-                    // The key exists: it was in use.
-                    claimed = claim(true).await;
-                    continue;
-                }
-                WaitEnd::Over { waited: over } => waited = over,
-            }
-            break;
-        }
-        match claimed {
-            Ok(None) => None,
-            Ok(Some((user, claimed))) => {
-                let user_id = user.id;
-                let request = RideRequest {
-                    user,
-                    params,
-                    origin_ip,
-                };
-                let reply = self.answer(claimed, key, &request, waited).await;
-                Some((Some(user_id), reply))
-            }
-            Err(error) => {
-                let unlock = idempotency::Unlock::Claim {
-                    caller,
-                    key: key.clone(),
-                    token,
-                };
-                Some((None, self.claim_failed(error, unlock, claim_lock_expires)))
-            }
-        }
-    }
-
     /// The answer to a claim that failed. One that failed on a lost connection or an unreachable
     /// database may have committed all the same (the primary died after its synchronous standby
     /// had the commit), leaving the key locked by `unlock`'s token, which no other attempt
@@ -278,6 +196,11 @@ impl Rides {
         ) {
             self.unlock_in_background(unlock, expires);
         }
+        Self::failed(error)
+    }
+
+    /// The answer to a call whose claim failed before it decided anything.
+    fn failed(error: StoreError) -> CreateRideReply {
         CreateRideReply {
             key_expires_at: None,
             replayed: false,

@@ -73,13 +73,38 @@ impl<S: ClaimStatement> ClaimContext<'_, S> {
         user_id: i64,
         found: KeyFound<S::Written>,
     ) -> Result<Option<Claimed<S::Written>>, StoreError> {
-        let (row, lock_state) = match found {
+        match self.decide_by_read(found)? {
+            Some(claimed) => Ok(Some(claimed)),
+            None => self.lock(user_id).await,
+        }
+    }
+
+    /// The decisions a read makes. A finished key never changes again, and neither do the
+    /// parameters a key is bound to, so a replay or a mismatch can be decided from a plain read:
+    /// no row lock, no transaction id, no WAL flush. Nor is a refusal a write: another attempt's
+    /// lock that was live when the statement read it answers `InUse` (the same answer the caller
+    /// would have had a moment earlier; nothing is taken over, nothing moves). A key inserted by
+    /// this claim is its own. `None` for a key that may need work (free, this claim's own, or a
+    /// lock the rule lets it take over), which only [`Self::lock`] decides.
+    pub fn decide_by_read(
+        &self,
+        found: KeyFound<S::Written>,
+    ) -> Result<Option<Claimed<S::Written>>, StoreError> {
+        let (mut row, lock_state) = match found {
             KeyFound::Inserted(claimed) => return Ok(Some(*claimed)),
             KeyFound::Existing(row, lock_state) => (row, lock_state),
         };
-        if let Some(claimed) = decide_without_lock(*row, lock_state, &self.claim)? {
-            return Ok(Some(claimed));
-        }
+        let decided = decide_from(&mut row, lock_state, self.claim.lock.token)?;
+        Ok(decided.map(|decision| Claimed {
+            decision,
+            key_created_at: row.created_at,
+            first_phase: None,
+        }))
+    }
+
+    /// The locking inspection of a key that exists ([`Self::lock_existing`]), retried on a
+    /// transient error. `None` if the key was reaped meanwhile.
+    pub async fn lock(&self, user_id: i64) -> Result<Option<Claimed<S::Written>>, StoreError> {
         let (pool, policy) = (self.claims.pool(), self.claims.policy());
         retry_transient(policy, || async {
             let mut conn = pool.get().await.map_err(StoreError::Unavailable)?;
@@ -188,28 +213,6 @@ impl<S: ClaimStatement> ClaimContext<'_, S> {
             first_phase: None,
         }))
     }
-}
-
-/// The read-only decisions of a claim. A finished key never changes again, and neither do the
-/// parameters a key is bound to, so a replay or a mismatch can be decided from a plain read: no
-/// row lock, no transaction id, no WAL flush. Nor is a refusal a write: another attempt's lock
-/// that was live when the statement read it answers `InUse` (the same answer the caller would
-/// have had a moment earlier; nothing is taken over, nothing moves). `None` for a key that may
-/// need work (free, this claim's own, or a lock the rule lets it take over), which goes through
-/// the locking claim.
-fn decide_without_lock<F, W>(
-    mut row: FoundKey,
-    lock_state: LockState,
-    claim: &ClaimRequest<F>,
-) -> Result<Option<Claimed<W>>, StoreError> {
-    let Some(decision) = decide_from(&mut row, lock_state, claim.lock.token)? else {
-        return Ok(None);
-    };
-    Ok(Some(Claimed {
-        decision,
-        key_created_at: row.created_at,
-        first_phase: None,
-    }))
 }
 
 /// The decisions that take nothing, in the design's order of precedence: a mismatch, a replay,

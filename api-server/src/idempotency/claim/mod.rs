@@ -29,6 +29,7 @@ use uuid::Uuid;
 
 pub use statement::{
     CallerAndKey, ClaimRequest, ClaimRow, ClaimStatement, ClaimStatementsSent, Claims, FoundKey,
+    Sends,
 };
 
 use decide::ClaimContext;
@@ -75,13 +76,38 @@ pub struct Attempt {
     pub expects_key: bool,
 }
 
+/// Where a claim starts.
+#[derive(Debug)]
+pub enum ClaimStart {
+    /// With its statement.
+    Attempt(Attempt),
+    /// With the locking inspection of a key its read found ([`ClaimRead::MayTake`]).
+    Found(Box<KeyToTake>),
+}
+
+impl From<Attempt> for ClaimStart {
+    fn from(attempt: Attempt) -> ClaimStart {
+        ClaimStart::Attempt(attempt)
+    }
+}
+
+/// A key a claim's read found and its attempt may take ([`ClaimRead::MayTake`]), with the caller
+/// the read authenticated. [`claim`] goes on from it with the locking inspection, which reads the
+/// row again under its lock, so the read's snapshot decides nothing.
+#[derive(Debug)]
+pub struct KeyToTake {
+    user: User,
+    attempt: Attempt,
+}
+
 /// Claims `key` for `caller`: authenticates the caller and decides the key in the claim's
 /// statement, sent with other callers' claims through `claims`. `None` if the caller is no user
 /// (nothing is written then). If the claim inserts the key, it writes `first_phase` with it.
 /// Every lock the claim takes names this process's liveness session as its holder (`locking`),
 /// and a key locked by another attempt is taken over as its rule says. A claim whose key most
 /// likely exists (`attempt.expects_key`, or a claim on a user's behalf) reads before it writes
-/// ([`ClaimRequest::reads_first`]).
+/// ([`ClaimRequest::sends`]). A claim that starts from its read ([`ClaimStart::Found`], for the
+/// same caller, key, request and first phase) sends no statement before the locking inspection.
 #[tracing::instrument(
     name = "claim",
     skip_all,
@@ -99,8 +125,13 @@ pub async fn claim<S: ClaimStatement>(
     request: &RequestSignature,
     first_phase: &S::FirstPhase,
     locking: &Locking,
-    attempt: Attempt,
+    start: impl Into<ClaimStart>,
 ) -> Result<Option<UserClaimed<S::Written>>, StoreError> {
+    let start = start.into();
+    let attempt = match &start {
+        ClaimStart::Attempt(attempt) => *attempt,
+        ClaimStart::Found(found) => found.attempt,
+    };
     let lock = LockedBy {
         token: attempt.token,
         holder: locking.liveness.holder_for_lock().await,
@@ -114,24 +145,21 @@ pub async fn claim<S: ClaimStatement>(
             request: request.clone(),
             first_phase: first_phase.clone(),
             rule: locking.rule,
-            reads_first: attempt.expects_key || !caller.may_insert_keys(),
+            sends: if attempt.reads_first(caller) {
+                Sends::ReadThenWrite
+            } else {
+                Sends::Write
+            },
         },
     };
-    let (user, decided) = match context.insert_or_read().await? {
-        Some((user, found)) => {
-            let decided = context.decide(user.id, found).await?;
-            (user, decided)
-        }
-        // No such user, or a claim of this key that committed after the statement's snapshot
-        // (rare): tell them apart with a plain read.
-        None => {
-            let pool = claims.pool();
-            let user = match caller {
-                Caller::OnBehalfOf(user_id) => crate::auth::user_by_id(pool, user_id).await?,
-                Caller::Token(digest) => crate::auth::user_by_token_digest(pool, &digest).await?,
-            };
-            let Some(user) = user else { return Ok(None) };
-            (user, None)
+    let (user, decided) = match start {
+        ClaimStart::Attempt(_) => match first_statement(&context).await? {
+            Some(first) => first,
+            None => return Ok(None),
+        },
+        ClaimStart::Found(found) => {
+            let decided = context.lock(found.user.id).await?;
+            (found.user, decided)
         }
     };
     let claimed = match decided {
@@ -145,6 +173,100 @@ pub async fn claim<S: ClaimStatement>(
         span.record("rides.recovery_point.to", lease.recovery_point.as_str());
     }
     Ok(Some((user, claimed)))
+}
+
+/// The claim's statement, decided where it can be: the caller, with the claim decided or `None`
+/// for a key to claim again ([`ClaimContext::rounds`]); `None` if the caller is no user.
+async fn first_statement<S: ClaimStatement>(
+    context: &ClaimContext<'_, S>,
+) -> Result<Option<(User, Option<Claimed<S::Written>>)>, StoreError> {
+    if let Some((user, found)) = context.insert_or_read().await? {
+        let decided = context.decide(user.id, found).await?;
+        return Ok(Some((user, decided)));
+    }
+    // No such user, or a claim of this key that committed after the statement's snapshot
+    // (rare): tell them apart with a plain read.
+    let pool = context.claims.pool();
+    let user = match context.claim.caller {
+        Caller::OnBehalfOf(user_id) => crate::auth::user_by_id(pool, user_id).await?,
+        Caller::Token(digest) => crate::auth::user_by_token_digest(pool, &digest).await?,
+    };
+    Ok(user.map(|user| (user, None)))
+}
+
+/// What a claim's read alone found ([`read_claim`]).
+#[derive(Debug)]
+pub enum ClaimRead<W> {
+    /// What a read decides: a replay, a mismatch, another attempt's live lock.
+    Decided(UserClaimed<W>),
+    /// The key exists and this attempt may take it, which only the locking claim decides.
+    MayTake(Box<KeyToTake>),
+    /// No such key, or no such user: the claim's write statement decides.
+    NotFound,
+}
+
+/// The read of a claim that reads first ([`Attempt::reads_first`]), alone: one read statement,
+/// batched with other callers' claims, and what a read decides. It writes nothing, whatever it
+/// finds (its lock names no holder and is never taken), so it may run where a caller's hang-up
+/// cuts it short; [`claim`] goes on with the same `attempt`, or from the key it found, where the
+/// read decides nothing.
+#[tracing::instrument(
+    name = "claim_read",
+    skip_all,
+    fields(
+        otel.name = "read idempotency key",
+        { telemetry::semconv::attribute::DB_SYSTEM_NAME } = telemetry::semconv::DB_SYSTEM_POSTGRESQL,
+        rides.claim = tracing::field::Empty,
+    )
+)]
+pub async fn read_claim<S: ClaimStatement>(
+    claims: &Arc<Batcher<Claims<S>>>,
+    caller: Caller,
+    key: &IdempotencyKey,
+    request: &RequestSignature,
+    first_phase: &S::FirstPhase,
+    locking: &Locking,
+    attempt: Attempt,
+) -> Result<ClaimRead<S::Written>, StoreError> {
+    let context = ClaimContext {
+        claims,
+        claim: ClaimRequest {
+            caller,
+            key: key.as_str().to_owned(),
+            lock: LockedBy {
+                token: attempt.token,
+                holder: None,
+            },
+            request: request.clone(),
+            first_phase: first_phase.clone(),
+            rule: locking.rule,
+            sends: Sends::Read,
+        },
+    };
+    let Some((user, found)) = context.insert_or_read().await? else {
+        return Ok(ClaimRead::NotFound);
+    };
+    match context.decide_by_read(found)? {
+        Some(claimed) => {
+            tracing::Span::current().record("rides.claim", claimed.decision.name());
+            Ok(ClaimRead::Decided((user, claimed)))
+        }
+        None => Ok(ClaimRead::MayTake(Box::new(KeyToTake {
+            user,
+            attempt: Attempt {
+                expects_key: true,
+                ..attempt
+            },
+        }))),
+    }
+}
+
+impl Attempt {
+    /// Whether this attempt's claim reads before it writes: its key most likely exists, or the
+    /// caller may not insert keys (a call on a user's behalf).
+    pub fn reads_first(&self, caller: Caller) -> bool {
+        self.expects_key || !caller.may_insert_keys()
+    }
 }
 
 /// Whether `key` exists for the caller. A read only, through the `(user_id, idempotency_key)`

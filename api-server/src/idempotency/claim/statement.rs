@@ -20,8 +20,9 @@
 //! A write statement costs PostgreSQL more than its reads alone even when it writes nothing (it
 //! locks and opens every table and index it could write: 0.13–0.25 ms a statement, measured by
 //! `bench/claim_writes.sh`), so a claim whose key most likely exists
-//! ([`ClaimRequest::reads_first`]) is read first, and written only if it finds no key: a found
-//! key costs one read statement, a key not found one statement more than without the hint.
+//! ([`ClaimRequest::sends`]) is read first, and written only if it finds no key: a found key
+//! costs one read statement, a key not found one statement more than without the hint. A claim
+//! that only reads ([`Sends::Read`]) writes nothing, whatever it finds.
 
 use std::{
     future::Future,
@@ -63,7 +64,7 @@ pub trait ClaimStatement: Send + Sync + 'static {
 
     /// The same claims without the writes: per claim, in order, the key it finds with its lock's
     /// state, or `None` for a key (or caller) not found, and nothing inserted. For claims whose
-    /// key most likely exists ([`ClaimRequest::reads_first`]): a write statement costs
+    /// key most likely exists ([`ClaimRequest::sends`]): a write statement costs
     /// PostgreSQL more than the same reads even when it writes nothing.
     fn read<'a>(
         &'a self,
@@ -84,11 +85,33 @@ pub struct ClaimRequest<F> {
     pub first_phase: F,
     /// How the statement judges the lock of a key it finds.
     pub rule: LockRule,
-    /// The key most likely exists: its caller sent it before (a retry, a resumed request), the
-    /// claim is on a user's behalf (the completer's, which never inserts a key), or this attempt
-    /// has already found it. The claim then reads first ([`ClaimStatement::read`]) and sends the
-    /// write statement only if it finds no key and may insert one. A hint: it decides no answer.
-    pub reads_first: bool,
+    /// Which statements the claim sends. A hint: it decides no answer.
+    pub sends: Sends,
+}
+
+/// Which of its statements a claim sends.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Sends {
+    /// The write statement alone: the key is most likely new.
+    Write,
+    /// The read first ([`ClaimStatement::read`]), and the write statement only if it found no
+    /// key and the caller may insert one: the key most likely exists (its caller sent it before,
+    /// the claim is on a user's behalf, or this attempt has already found it).
+    ReadThenWrite,
+    /// The read alone, whatever it finds ([`super::read_claim`]): nothing is written, so the claim may
+    /// be cut short at any point.
+    Read,
+}
+
+impl<F> ClaimRequest<F> {
+    fn reads(&self) -> bool {
+        self.sends != Sends::Write
+    }
+
+    /// Whether a claim whose read found no key goes on to the write statement.
+    fn writes_after_read(&self) -> bool {
+        self.sends == Sends::ReadThenWrite && self.caller.may_insert_keys()
+    }
 }
 
 /// What a claim statement returns for one claim.
@@ -208,10 +231,11 @@ impl<S: ClaimStatement> Claims<S> {
         }
     }
 
-    /// A batch's claims, each by the statement its key calls for: the claims that read first
-    /// ([`ClaimRequest::reads_first`]) by [`ClaimStatement::read`], and then, by the write
-    /// statement, the rest with those of them that found no key and may insert one (a caller by
-    /// token; a claim on a user's behalf never inserts). A batch of claims that do not read first
+    /// A batch's claims, each by the statement its key calls for: the claims that read
+    /// ([`ClaimRequest::sends`]) by [`ClaimStatement::read`], and then, by the write statement,
+    /// the rest with those of them that found no key and may insert one (a caller by token that
+    /// does not only read; a claim on a user's behalf never inserts). A batch of claims that do
+    /// not read first
     /// is the write statement alone, as before. The read commits nothing, so a batch run again (a
     /// failed batch's claims alone, a connection lost) reads again and decides the same.
     async fn reads_first(
@@ -219,18 +243,18 @@ impl<S: ClaimStatement> Claims<S> {
         conn: &mut AsyncPgConnection,
         claims: &[ClaimRequest<S::FirstPhase>],
     ) -> Result<Vec<Option<ClaimRow<S::Written>>>, DieselError> {
-        if !claims.iter().any(|claim| claim.reads_first) {
+        if !claims.iter().any(ClaimRequest::reads) {
             return self.write(conn, claims).await;
         }
         let mut rows: Vec<Option<ClaimRow<S::Written>>> = claims.iter().map(|_| None).collect();
         let (readers, mut writers): (Vec<usize>, Vec<usize>) =
-            (0..claims.len()).partition(|&i| claims[i].reads_first);
+            (0..claims.len()).partition(|&i| claims[i].reads());
         self.reads.fetch_add(1, Ordering::Relaxed);
         let found = self.statement.read(conn, &subset(claims, &readers)).await?;
         for (&i, row) in readers.iter().zip(found) {
             match row {
                 Some(row) => rows[i] = Some(row),
-                None if claims[i].caller.may_insert_keys() => writers.push(i),
+                None if claims[i].writes_after_read() => writers.push(i),
                 None => {}
             }
         }
