@@ -9,13 +9,13 @@ use std::{net::IpAddr, time::Instant};
 
 use schema::models::Ride;
 
-use super::{CreateRideReply, RideParams, RideRequest, Rides};
+use super::{CreateRideReply, FirstRide, RideParams, RideRequest, Rides};
 use crate::{
     auth::Caller,
     fault::CrashPoint,
     idempotency::{
-        self, Attempt, ClaimRead, ClaimStart, Decision, IdempotencyKey, UserClaimed, WaitBudget,
-        WaitEnd,
+        self, Attempt, ClaimRead, ClaimStart, Decision, IdempotencyKey, KeyToTake,
+        RequestSignature, UserClaimed, WaitBudget, WaitEnd,
     },
 };
 
@@ -36,6 +36,8 @@ pub struct RideAttempt {
     key: IdempotencyKey,
     params: RideParams,
     origin_ip: IpAddr,
+    signature: RequestSignature,
+    first_ride: FirstRide,
     attempt: Attempt,
     start: Start,
 }
@@ -46,7 +48,7 @@ enum Start {
     /// With its claim's statement: there was no read, or it found no key.
     Claim,
     /// With the key the read found and the attempt may take: the locking inspection.
-    Take(ClaimStart),
+    Take(Box<KeyToTake>),
     /// With the read's decision: a key in use, waited for.
     InUse(Box<UserClaimed<Ride>>),
 }
@@ -65,55 +67,58 @@ impl Rides {
     ) -> Begun {
         // This attempt's lock token, from its first statement on: a statement of it whose commit
         // was lost left the key locked by it, which only this attempt can recognise or undo.
-        let mut attempt = Attempt {
+        let attempt = Attempt {
             token: uuid::Uuid::new_v4(),
             expects_key: resent,
         };
-        let mut ride_attempt = RideAttempt {
+        let (signature, first_ride) = (params.signature(), self.first_ride(params, origin_ip));
+        let (attempt, start) = if attempt.reads_first(caller) {
+            let read = idempotency::read_claim(
+                &self.claims,
+                caller,
+                key,
+                &signature,
+                &first_ride,
+                &self.locking,
+                attempt,
+            );
+            match read.await {
+                Ok(ClaimRead::Decided((user, claimed)))
+                    if matches!(claimed.decision, Decision::InUse) =>
+                {
+                    (attempt, Start::InUse(Box::new((user, claimed))))
+                }
+                Ok(ClaimRead::Decided(claimed)) => {
+                    let (user_id, reply) = self
+                        .answer_caller(claimed, key, params, origin_ip, false)
+                        .await;
+                    return Begun::Answered(user_id, reply);
+                }
+                Ok(ClaimRead::MayTake(found)) => (attempt, Start::Take(found)),
+                // The claim goes straight to its write statement.
+                Ok(ClaimRead::NotFound) => {
+                    let write_first = Attempt {
+                        expects_key: false,
+                        ..attempt
+                    };
+                    (write_first, Start::Claim)
+                }
+                Err(error) => return Begun::Answered(None, Self::failed(error)),
+            }
+        } else {
+            (attempt, Start::Claim)
+        };
+        // Built only for a call that needs an attempt: a replay answered here clones nothing.
+        Begun::Attempt(RideAttempt {
             caller,
             key: key.clone(),
             params,
             origin_ip,
+            signature,
+            first_ride,
             attempt,
-            start: Start::Claim,
-        };
-        if !attempt.reads_first(caller) {
-            return Begun::Attempt(ride_attempt);
-        }
-        let (signature, first_ride) = (params.signature(), self.first_ride(params, origin_ip));
-        let claims = &self.claims;
-        let read = idempotency::read_claim(
-            claims,
-            caller,
-            key,
-            &signature,
-            &first_ride,
-            &self.locking,
-            attempt,
-        );
-        match read.await {
-            Ok(ClaimRead::Decided((user, claimed))) => {
-                if matches!(claimed.decision, Decision::InUse) {
-                    ride_attempt.start = Start::InUse(Box::new((user, claimed)));
-                    return Begun::Attempt(ride_attempt);
-                }
-                let (user_id, reply) = self
-                    .answer_caller((user, claimed), key, params, origin_ip, false)
-                    .await;
-                Begun::Answered(user_id, reply)
-            }
-            Ok(ClaimRead::MayTake(found)) => {
-                ride_attempt.start = Start::Take(ClaimStart::Found(found));
-                Begun::Attempt(ride_attempt)
-            }
-            // The claim goes straight to its write statement.
-            Ok(ClaimRead::NotFound) => {
-                attempt.expects_key = false;
-                ride_attempt.attempt = attempt;
-                Begun::Attempt(ride_attempt)
-            }
-            Err(error) => Begun::Answered(None, Self::failed(error)),
-        }
+            start,
+        })
     }
 
     /// Runs a CreateRide attempt to a final outcome or an error, claiming the key first (or
@@ -133,12 +138,12 @@ impl Rides {
             key,
             params,
             origin_ip,
+            signature,
+            first_ride,
             attempt,
             start,
         } = ride_attempt;
         let key = &key;
-        let first_ride = self.first_ride(params, origin_ip);
-        let signature = params.signature();
         // Taken before the first statement that may lock, so no later than the expiry of a lock
         // it takes.
         let claim_lock_expires = Instant::now() + self.idempotency.lock_timeout;
@@ -159,7 +164,7 @@ impl Rides {
         };
         let mut claimed = match start {
             Start::Claim => claim(attempt.into()).await,
-            Start::Take(found) => claim(found).await,
+            Start::Take(found) => claim(ClaimStart::Found(found)).await,
             Start::InUse(read) => Ok(Some(*read)),
         };
         // A key in use is waited for: its holder's outcome is answered as a replay; a key let go

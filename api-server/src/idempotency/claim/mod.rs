@@ -136,21 +136,15 @@ pub async fn claim<S: ClaimStatement>(
         token: attempt.token,
         holder: locking.liveness.holder_for_lock().await,
     };
+    let sends = if attempt.reads_first(caller) {
+        Sends::ReadThenWrite
+    } else {
+        Sends::Write
+    };
+    let claim = (caller, key, request, first_phase);
     let context = ClaimContext {
         claims,
-        claim: ClaimRequest {
-            caller,
-            key: key.as_str().to_owned(),
-            lock,
-            request: request.clone(),
-            first_phase: first_phase.clone(),
-            rule: locking.rule,
-            sends: if attempt.reads_first(caller) {
-                Sends::ReadThenWrite
-            } else {
-                Sends::Write
-            },
-        },
+        claim: claim_request(claim, locking, lock, sends),
     };
     let (user, decided) = match start {
         ClaimStart::Attempt(_) => match first_statement(&context).await? {
@@ -228,20 +222,14 @@ pub async fn read_claim<S: ClaimStatement>(
     locking: &Locking,
     attempt: Attempt,
 ) -> Result<ClaimRead<S::Written>, StoreError> {
+    let lock = LockedBy {
+        token: attempt.token,
+        holder: None,
+    };
+    let claim = (caller, key, request, first_phase);
     let context = ClaimContext {
         claims,
-        claim: ClaimRequest {
-            caller,
-            key: key.as_str().to_owned(),
-            lock: LockedBy {
-                token: attempt.token,
-                holder: None,
-            },
-            request: request.clone(),
-            first_phase: first_phase.clone(),
-            rule: locking.rule,
-            sends: Sends::Read,
-        },
+        claim: claim_request(claim, locking, lock, Sends::Read),
     };
     let Some((user, found)) = context.insert_or_read().await? else {
         return Ok(ClaimRead::NotFound);
@@ -258,6 +246,24 @@ pub async fn read_claim<S: ClaimStatement>(
                 ..attempt
             },
         }))),
+    }
+}
+
+/// One claim of `key` for `caller`, bound to `request`, for the batcher.
+fn claim_request<F: Clone>(
+    (caller, key, request, first_phase): (Caller, &IdempotencyKey, &RequestSignature, &F),
+    locking: &Locking,
+    lock: LockedBy,
+    sends: Sends,
+) -> ClaimRequest<F> {
+    ClaimRequest {
+        caller,
+        key: key.as_str().to_owned(),
+        lock,
+        request: request.clone(),
+        first_phase: first_phase.clone(),
+        rule: locking.rule,
+        sends,
     }
 }
 

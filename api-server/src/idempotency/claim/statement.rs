@@ -98,8 +98,8 @@ pub enum Sends {
     /// key and the caller may insert one: the key most likely exists (its caller sent it before,
     /// the claim is on a user's behalf, or this attempt has already found it).
     ReadThenWrite,
-    /// The read alone, whatever it finds ([`super::read_claim`]): nothing is written, so the claim may
-    /// be cut short at any point.
+    /// The read alone, whatever it finds ([`super::read_claim`]): nothing is written, so the
+    /// claim may be cut short at any point.
     Read,
 }
 
@@ -235,9 +235,9 @@ impl<S: ClaimStatement> Claims<S> {
     /// ([`ClaimRequest::sends`]) by [`ClaimStatement::read`], and then, by the write statement,
     /// the rest with those of them that found no key and may insert one (a caller by token that
     /// does not only read; a claim on a user's behalf never inserts). A batch of claims that do
-    /// not read first
-    /// is the write statement alone, as before. The read commits nothing, so a batch run again (a
-    /// failed batch's claims alone, a connection lost) reads again and decides the same.
+    /// not read first is the write statement alone, as before. The read commits nothing, so a
+    /// batch run again (a failed batch's claims alone, a connection lost) reads again and decides
+    /// the same.
     async fn reads_first(
         &self,
         conn: &mut AsyncPgConnection,
