@@ -99,6 +99,20 @@ impl TestDatabase {
             .expect("connect to the test database")
     }
 
+    /// A connection holding `table` locked (`ACCESS EXCLUSIVE`) until it sends `COMMIT`: every
+    /// statement on the table waits meanwhile.
+    pub async fn lock_table(&self, table: &str) -> AsyncPgConnection {
+        let mut locker = self.connect_as_an_older_process().await;
+        let lock = format!("LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE");
+        for statement in ["BEGIN", lock.as_str()] {
+            diesel::sql_query(statement)
+                .execute(&mut locker)
+                .await
+                .unwrap_or_else(|error| panic!("{statement}: {error}"));
+        }
+        locker
+    }
+
     /// A connection as a process from before [`crate::tls::SESSION_DECLARATIONS`] opened its
     /// own: what an older server's statements run on, for the fences against it.
     pub async fn connect_as_an_older_process(&self) -> AsyncPgConnection {

@@ -94,18 +94,7 @@ async fn origin_ips(app: &TestApp) -> Vec<IpAddr> {
 
 /// A connection holding the users table locked until it sends COMMIT: every token lookup waits.
 async fn lock_users(app: &TestApp) -> diesel_async::AsyncPgConnection {
-    let mut locker = diesel_async::AsyncPgConnection::establish(app.db.url())
-        .await
-        .unwrap();
-    diesel::sql_query("BEGIN")
-        .execute(&mut locker)
-        .await
-        .unwrap();
-    diesel::sql_query("LOCK TABLE users IN ACCESS EXCLUSIVE MODE")
-        .execute(&mut locker)
-        .await
-        .unwrap();
-    locker
+    app.db.lock_table("users").await
 }
 
 /// Waits until `n` sessions of the test's database wait on a lock.
