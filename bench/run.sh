@@ -32,7 +32,7 @@
 # api-server's tokio worker threads; default empty: the api-server's own default, one per CPU,
 # since the bench measures the defaults), BENCH_SMTP_ADDR (the mail sink, default
 # 127.0.0.1:2625), BENCH_OUT (output directory, default
-# target/bench/<run id>), PERF=1 (profile the api-server during new-32, new-64, replay-32 and
+# target/bench/<run id>), PERF=1 (profile the api-server during new-32, new-64, replay-32, riders-closed and
 # latency250-500 with perf, cpu-clock; PERF_CALL_GRAPH, perf's --call-graph, default fp: the release
 # build keeps no frame pointers, so `dwarf` is what attributes memmove and the allocator), ROUNDS (service windows per scenario, default 1; with n > 1 each scenario runs
 # ceiling, service, ceiling, ... and is judged on the median of its n ratios, each to the mean of
@@ -268,7 +268,7 @@ fi
 perf_pid=
 perf_start() { # scenario
   perf_pid=
-  case "$1" in new-32 | new-64 | replay-32 | latency250-500) ;; *) return 0 ;; esac
+  case "$1" in new-32 | new-64 | replay-32 | riders-closed | latency250-500) ;; *) return 0 ;; esac
   [ "${PERF:-0}" = 1 ] && command -v perf >/dev/null || return 0
   (sleep 2; timeout $((DURATION + 30)) perf record -q -e cpu-clock -F 499 --call-graph "${PERF_CALL_GRAPH:-fp}" -p "${PIDS[api-server]}" \
     -o "$OUT/perf-api-server-$1.data" -- sleep $((DURATION - 2)) >/dev/null 2>&1) &
