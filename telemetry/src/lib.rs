@@ -196,9 +196,11 @@ fn log_filter(spec: Option<&str>) -> Box<dyn Filter<Registry> + Send + Sync> {
 }
 
 /// `spec` as a `Targets` filter, if it says nothing `Targets` cannot (an empty spec keeps
-/// `EnvFilter`'s meaning).
+/// `EnvFilter`'s meaning). `Targets` parses a span directive such as `[create_ride]=debug` without
+/// error, as a target named `[create_ride]` that matches nothing, so brackets and braces are
+/// checked here rather than left to the parser.
 fn plain_targets(spec: &str) -> Option<Targets> {
-    if spec.trim().is_empty() {
+    if spec.trim().is_empty() || spec.contains(['[', ']', '{', '}']) {
         return None;
     }
     spec.parse().ok()
@@ -369,7 +371,62 @@ mod tests {
         assert!(!targets.would_enable("h2::proto", &Level::INFO));
         assert!(plain_targets("info").is_some());
         assert!(plain_targets("[rpc{user.id=1}]=debug").is_none());
+        assert!(plain_targets("[create_ride]=debug").is_none());
+        assert!(plain_targets("warn,[create_ride]=debug").is_none());
+        assert!(plain_targets("api_server[create_ride]=debug").is_none());
+        assert!(plain_targets("[{rider}]=debug").is_none());
         assert!(plain_targets("").is_none());
+    }
+
+    /// What the log output prints for `spec`: one debug line inside a span named `create_ride`,
+    /// one outside it, one warning, through the same filter and fmt layer the processes install.
+    fn logged_under(spec: &str) -> String {
+        #[derive(Clone, Default)]
+        struct Buffer(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+        impl std::io::Write for Buffer {
+            fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+                self.0.lock().unwrap().extend_from_slice(bytes);
+                Ok(bytes.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let buffer = Buffer::default();
+        let writer = buffer.clone();
+        let subscriber = Registry::default().with(
+            tracing_subscriber::fmt::layer()
+                .with_writer(move || writer.clone())
+                .with_ansi(false)
+                .with_filter(log_filter(Some(spec))),
+        );
+        tracing::subscriber::with_default(subscriber, || {
+            tracing::info_span!("create_ride").in_scope(|| tracing::debug!("inside the span"));
+            tracing::debug!("outside any span");
+            tracing::warn!("a warning");
+        });
+        let bytes = buffer.0.lock().unwrap().clone();
+        String::from_utf8(bytes).unwrap()
+    }
+
+    #[test]
+    fn span_directives_in_rust_log_select_the_lines_inside_that_span() {
+        let logged = logged_under("warn,[create_ride]=debug");
+        assert!(logged.contains("inside the span"), "{logged}");
+        assert!(!logged.contains("outside any span"), "{logged}");
+        assert!(logged.contains("a warning"), "{logged}");
+
+        let logged = logged_under("[create_ride]=debug");
+        assert!(logged.contains("inside the span"), "{logged}");
+        assert!(!logged.contains("outside any span"), "{logged}");
+
+        let logged = logged_under("warn");
+        assert!(!logged.contains("inside the span"), "{logged}");
+        assert!(logged.contains("a warning"), "{logged}");
+
+        let logged = logged_under("debug");
+        assert!(logged.contains("inside the span"), "{logged}");
+        assert!(logged.contains("outside any span"), "{logged}");
     }
 
     /// The exposition's names and labels, for one instrument of each kind the processes create:
