@@ -47,7 +47,7 @@ psql "$PG_URL/postgres" -X -q -c 'SELECT 1' >/dev/null 2>&1 ||
 mkdir -p "$OUT/logs"
 log "run $RUN_ID -> $OUT"
 log "building in release"
-cargo build --release --locked --quiet -p api-server -p fake-stripe -p bench
+build_bench_binaries --release
 BIN="$REPO_ROOT/target/release"
 API_SERVER_BIN=${API_SERVER_BIN:-$BIN/api-server}
 

@@ -1,4 +1,4 @@
-# Shared by bench/run.sh and bench/abuse.sh (sourced): logging, ports, and the processes they
+# Shared by the bench scripts (sourced): logging, ports, the build, and the processes they
 # start, whose logs go to $OUT/logs. Each script defines its own die() (its own exit code).
 log() { printf '\033[1;34m==>\033[0m %s\n' "$*" >&2; }
 port_open() { (exec 3<>"/dev/tcp/$1/$2") 2>/dev/null; }
@@ -20,6 +20,14 @@ LIFTED_ENV=(
   MAX_CONCURRENT_CREATES_PER_USER=1000000 DECLINE_BUDGET_PER_10_MIN=1000000
   GRPC_REFUSALS_PER_IP_PER_SEC=1000000 MAX_CONCURRENT_TOKEN_LOOKUPS=1000000
 )
+
+# Every bench script builds the same five packages in one command. Cargo unifies features over
+# the packages of a command, so a script that built only some of them got other features for
+# the shared dependencies: bench/receipts.sh's two re-linked workers and mail-sink (five minutes
+# of fat LTO on 2 cores, 2026-12-08) and measured another binary than bench/run.sh before it.
+build_bench_binaries() { # [--release]
+  cargo build --locked --quiet "$@" -p api-server -p workers -p fake-stripe -p mail-sink -p bench
+}
 
 # bench/run.sh's api-server metrics endpoint, read by loadgen at each end of a measured window for
 # the batch fill per statement (the workers keep theirs off) and by bench/callgrind.sh for the

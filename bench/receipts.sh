@@ -67,8 +67,8 @@ cleanup() {
 }
 trap cleanup INT TERM EXIT
 mkdir -p "$OUT/logs"
-log "building workers and mail-sink (release)"
-cargo build --release --quiet -p workers -p mail-sink
+log "building in release"
+build_bench_binaries --release
 BIN="$TARGET/release"
 
 psql "$PG_URL/postgres" -X -q -c "CREATE DATABASE \"$DB\"" >/dev/null

@@ -127,7 +127,7 @@ mkdir -p "$OUT/logs"
 log "run $RUN_ID -> $OUT (scenarios: ${SCENARIOS[*]}); load average now $(la)"
 
 log "building in release"
-cargo build --release --quiet -p api-server -p workers -p fake-stripe -p mail-sink -p bench
+build_bench_binaries --release
 BIN="$REPO_ROOT/target/release"
 # A/B comparisons: another build's api-server against the same stack and database.
 API_SERVER_BIN=${API_SERVER_BIN:-$BIN/api-server}

@@ -76,11 +76,7 @@ for addr in $GRPC_ADDR $API_METRICS_ADDR $STRIPE_ADDR $SMTP_ADDR $MAIL_SEARCH_AD
 done
 
 log "soak $RUN_ID -> $OUT: ${SOAK_SECS} s at $SOAK_CLIENTS calls in flight over $RIDERS riders, windows of ${WINDOW_SECS} s ($SOAK_PROFILE build)"
-if [ "$SOAK_PROFILE" = release ]; then
-  cargo build --locked --release --quiet -p api-server -p workers -p fake-stripe -p mail-sink -p bench
-else
-  cargo build --locked --quiet -p api-server -p workers -p fake-stripe -p mail-sink -p bench
-fi
+if [ "$SOAK_PROFILE" = release ]; then build_bench_binaries --release; else build_bench_binaries; fi
 BIN="$REPO_ROOT/target/$SOAK_PROFILE"
 
 DB="soak_${RUN_ID}"
