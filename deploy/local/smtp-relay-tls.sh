@@ -6,7 +6,8 @@
 #   127.0.0.1:25587  STARTTLS required (smtpd_tls_security_level=encrypt): smtp://…?tls=required
 #   127.0.0.1:25465  TLS from the first byte (smtpd_tls_wrappermode):      smtps://…
 #
-# Then workers/tests/fleet/smtp_relay.rs (the receipt worker's mailer, run with `--ignored`) sends
+# Then workers/tests/fleet/smtp_relay.rs (the receipt worker's mailer, ignored by default and run
+# here by nextest over the workspace, so the test command's build serves it unchanged) sends
 # a receipt over each with the relay's certificate checked against the CA (cacertfile=), sees a CA
 # that did not sign it refused on both, and plaintext refused on the STARTTLS port; and this
 # script checks that both receipts, and nothing else, are in the relay's mailbox and that the
@@ -14,7 +15,8 @@
 # Installs `postfix` (Debian, "No configuration": no system mail service is set up) and `openssl`
 # when absent. Stops the relay and removes its files at the end (RELAY_KEEP=1 keeps them).
 #
-# Usage: deploy/local/smtp-relay-tls.sh
+# Usage: deploy/local/smtp-relay-tls.sh (deploy/local/test.sh runs it after the test suite; SMTP_RELAY=0
+# skips it there)
 set -euo pipefail
 # shellcheck source=deploy/local/lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
@@ -26,6 +28,7 @@ ETC="$DIR/etc"
 RCPT=rider@rides.example.test
 
 ensure_cargo
+ensure_nextest
 if ! [ -x /usr/sbin/postfix ]; then
   as_root sh -c 'echo "postfix postfix/main_mailer_type select No configuration" | debconf-set-selections'
   apt_install postfix
@@ -130,7 +133,10 @@ export SMTP_RELAY_STARTTLS_URL="smtp://127.0.0.1:$STARTTLS_PORT?tls=required&cac
 export SMTP_RELAY_SMTPS_URL="smtps://127.0.0.1:$SMTPS_PORT?cacertfile=$DIR/tls/ca.pem"
 export SMTP_RELAY_PLAIN_URL="smtp://127.0.0.1:$STARTTLS_PORT"
 export SMTP_RELAY_OTHER_CA="$DIR/other-tls/ca.pem"
-cargo test --locked -p workers --test fleet -- --ignored --test-threads 1 smtp_relay::
+# --workspace, as the test command builds it: `-p workers` alone would resolve other features for
+# the shared dependencies and rebuild them.
+cargo nextest run --workspace --locked --profile "${NEXTEST_PROFILE:-default}" --run-ignored only \
+  --test-threads 1 -E 'package(workers) & binary(fleet) & test(/^smtp_relay::/)'
 
 log "both receipts delivered, each over a TLS connection the relay logged"
 deadline=$((SECONDS + 30))

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Runs every check the project has: formatting, the house rules (deploy/local/house.sh: no Rust
 # file over 500 lines), clippy, the full test suite under nextest
-# against real PostgreSQL and RabbitMQ (started or installed here when absent), then a two-minute
+# against real PostgreSQL and RabbitMQ (started or installed here when absent), its ignored tests
+# against a private Postfix (deploy/local/smtp-relay-tls.sh; installs postfix when absent; skip it
+# with SMTP_RELAY=0), then a two-minute
 # soak (bench/soak.sh: every call answered, every ride charged, receipted and mailed once), the short
 # crash-and-fault campaign with the money campaign at the production defaults and once with the
 # limits lifted (proof/run.sh --short --money [--riders-per-client 250 --production-defaults]; skip it with
@@ -36,6 +38,9 @@ if [[ "${PROOF:-1}" != 0 ]]; then
     done
   fi
 fi
+if [[ "${SMTP_RELAY:-1}" != 0 ]]; then # deploy/local/smtp-relay-tls.sh
+  ports+=("25587 the relay's STARTTLS port" "25465 the relay's smtps port")
+fi
 require_free_ports "${ports[@]}"
 # What this command builds into target/ (debug: clippy, the tests, the campaigns' fault-injection
 # api-server), measured from empty: 9.7 GiB without incremental caches (CI), and with them the
@@ -63,6 +68,11 @@ log "deploy/local/deny.sh (cargo deny: licenses, bans, sources)" && deploy/local
 deploy/local/buf-lint.sh
 log "cargo nextest run --workspace"
 cargo nextest run --workspace --locked --profile "${NEXTEST_PROFILE:-default}" "$@"
+if [[ "${SMTP_RELAY:-1}" != 0 ]]; then
+  # The suite's three ignored tests: they need this relay, which installs postfix when absent.
+  log "deploy/local/smtp-relay-tls.sh (receipts over STARTTLS and implicit TLS to a private Postfix; the suite's ignored tests)"
+  deploy/local/smtp-relay-tls.sh
+fi
 if [[ "${PROOF:-1}" != 0 ]]; then
   # Right after nextest, whose debug binaries it runs (proof/run.sh rebuilds the api-server with
   # its crash points); the hour is docs/reliability.md's "Soak".
